@@ -1,0 +1,1 @@
+"""What is on disk: pure data, never opens a file."""

@@ -1,0 +1,5 @@
+"""Storage backends: bytes only, behind one small interface (:class:`Storage`)."""
+
+from .base import Storage, Writer, open_storage
+
+__all__ = ["Storage", "Writer", "open_storage"]

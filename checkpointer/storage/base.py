@@ -1,0 +1,140 @@
+"""The storage interface, and the one place a URL scheme is dispatched to a backend.
+
+A :class:`Storage` is rooted at one directory-like location (a checkpoint directory). Names
+are relative and ``/``-separated; a backend refuses a name that would leave its root. All
+methods may be called from several threads at once. Errors are builtin: a missing object
+is ``FileNotFoundError``, other I/O failures are ``OSError`` naming the URL.
+
+Who calls what: during a save every rank opens a :class:`Writer` for its own file and
+commits it; rank 0 alone writes ``metadata.json`` with :meth:`Storage.write` last. During a
+load, any rank calls :meth:`Storage.read` and :meth:`Storage.read_into` on any file.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+__all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "check_name"]
+
+ReadRequest = tuple[int, memoryview]
+"""``(byte offset, buffer)``: fill the whole buffer with the bytes starting at the offset."""
+
+
+def check_name(name: str) -> str:
+    """Refuse names that are absolute or climb out of the root."""
+    if not name or name.startswith("/") or "\\" in name or "\x00" in name:
+        raise ValueError(f"invalid storage name {name!r}")
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid storage name {name!r}")
+    return name
+
+
+class Writer(ABC):
+    """A file being written; it appears under its name only when :meth:`commit` returns."""
+
+    @abstractmethod
+    def write(self, buffers: Sequence[memoryview]) -> None:
+        """Append the buffers, in order."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the file durable and visible under its name, whole."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard what was written; the name is left as it was. Safe to call twice."""
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class Storage(ABC):
+    """Bytes under one root location."""
+
+    url: str
+
+    def join(self, name: str) -> str:
+        """The URL of ``name`` (for messages)."""
+        return posixpath.join(self.url.rstrip("/"), name)
+
+    @abstractmethod
+    def child(self, name: str) -> Storage:
+        """A storage rooted at the sub-directory ``name``."""
+
+    @abstractmethod
+    def size(self, name: str) -> int:
+        """Size in bytes; ``FileNotFoundError`` when missing."""
+
+    @abstractmethod
+    def exists(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def list(self) -> list[str]:
+        """Names of the files and sub-directories directly under the root (empty if it is missing)."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove a file; missing is fine."""
+
+    @abstractmethod
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of a file (to its end when ``end`` is None)."""
+
+    def read_into(self, name: str, requests: Sequence[ReadRequest]) -> None:
+        """Fill each buffer with the bytes at its offset; a short file is ``EOFError``-free ``OSError``."""
+        for offset, buf in requests:
+            data = self.read(name, offset, offset + len(buf))
+            if len(data) != len(buf):
+                raise OSError(f"short read of {self.join(name)} at {offset}: {len(data)} of {len(buf)} bytes")
+            buf[:] = data
+
+    @abstractmethod
+    def write(self, name: str, data: bytes) -> None:
+        """Write a whole small file atomically (replacing any file of that name)."""
+
+    @abstractmethod
+    def open_writer(self, name: str) -> Writer:
+        """Start writing a file that appears, whole, at commit."""
+
+    def prepare(self) -> None:
+        """Create the root if the backend needs it (local directories)."""
+
+    def is_local(self) -> bool:
+        return False
+
+
+def open_storage(url: str | Storage) -> Storage:
+    """The backend for a URL: a local path, ``file://``, ``s3://``, ``gs://``, ``http(s)://``."""
+    if isinstance(url, Storage):
+        return url
+    url = str(url)
+    scheme, sep, _ = url.partition("://")
+    if not sep:
+        from .local import LocalStorage
+
+        return LocalStorage(url)
+    scheme = scheme.lower()
+    if scheme == "file":
+        from .local import LocalStorage
+
+        return LocalStorage(url[len("file://") :])
+    if scheme == "s3":
+        from .s3 import S3Storage
+
+        return S3Storage(url)
+    if scheme in ("gs", "gcs"):
+        from .gcs import GCSStorage
+
+        return GCSStorage(url)
+    if scheme in ("http", "https"):
+        from .http import HTTPStorage
+
+        return HTTPStorage(url)
+    raise ValueError(f"unsupported storage URL {url!r}: use a path, file://, s3://, gs:// or http(s)://")

@@ -1,0 +1,149 @@
+"""Local files: reads with ``preadv`` straight into the caller's buffers, atomic publication by rename."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Sequence
+
+from .base import ReadRequest, Storage, Writer, check_name
+
+__all__ = ["LocalStorage", "LocalWriter", "fsync_dir"]
+
+_IOV_MAX = 1024
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage(Storage):
+    def __init__(self, root: str):
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.url = self.root
+
+    def is_local(self) -> bool:
+        return True
+
+    def _path(self, name: str) -> str:
+        path = os.path.join(self.root, check_name(name))
+        real = os.path.realpath(path)
+        real_root = os.path.realpath(self.root)
+        if real != real_root and not real.startswith(real_root + os.sep):
+            raise PermissionError(f"{path} resolves to {real}, outside {self.root}")
+        return path
+
+    def child(self, name: str) -> LocalStorage:
+        return LocalStorage(os.path.join(self.root, check_name(name)))
+
+    def prepare(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def size(self, name: str) -> int:
+        return os.stat(self._path(name)).st_size
+
+    def exists(self, name: str) -> bool:
+        return os.path.exists(self._path(name))
+
+    def list(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+
+    def delete(self, name: str) -> None:
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        with open(self._path(name), "rb") as f:
+            f.seek(start)
+            return f.read(-1 if end is None else max(0, end - start))
+
+    def read_into(self, name: str, requests: Sequence[ReadRequest]) -> None:
+        path = self._path(name)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            i = 0
+            while i < len(requests):
+                # Requests that follow each other in the file go out as one preadv.
+                offset, first = requests[i]
+                bufs, end, j = [first], offset + len(first), i + 1
+                while j < len(requests) and requests[j][0] == end and len(bufs) < _IOV_MAX:
+                    bufs.append(requests[j][1])
+                    end += len(requests[j][1])
+                    j += 1
+                _preadv_exact(fd, bufs, offset, path)
+                i = j
+        finally:
+            os.close(fd)
+
+    def write(self, name: str, data: bytes) -> None:
+        with self.open_writer(name) as writer:
+            writer.write([memoryview(data)])
+            writer.commit()
+
+    def open_writer(self, name: str) -> LocalWriter:
+        return LocalWriter(self._path(name))
+
+
+def _preadv_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
+    bufs = [b.cast("B") for b in bufs if len(b)]
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n == 0:
+            raise OSError(f"{path} ends before byte {offset}: the file is truncated")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+class LocalWriter(Writer):
+    """Writes to a hidden temp file beside the target; commit fsyncs and renames it into place."""
+
+    def __init__(self, path: str):
+        self.path = path
+        directory, base = os.path.split(path)
+        self.directory = directory
+        self.tmp = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.done = False
+
+    def write(self, buffers: Sequence[memoryview]) -> None:
+        assert self.fd is not None, "writer is closed"
+        bufs = [b.cast("B") for b in buffers if len(b)]
+        while bufs:
+            n = os.writev(self.fd, bufs[:_IOV_MAX])
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            if n:
+                bufs[0] = bufs[0][n:]
+
+    def commit(self) -> None:
+        assert self.fd is not None, "writer is closed"
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        os.rename(self.tmp, self.path)
+        self.done = True
+        fsync_dir(self.directory)
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.done:
+            try:
+                os.unlink(self.tmp)
+            except FileNotFoundError:
+                pass
