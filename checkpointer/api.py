@@ -1,0 +1,351 @@
+"""Model and optimizer helpers: the functions an FSDP training loop calls.
+
+The optimizer is flattened as OLMo-core 0.1.0 does, keyed by parameter *name* so it
+survives any change of topology: ``num_param_groups``, ``param_group{i}`` (builtins pickle
+with ``_param_names``), ``state_keys``, and ``state.{param}.__{key}`` tensors sharded like
+their parameter. Optimizer state is never created by stepping the optimizer: a save writes
+the state that exists, and a load allocates whatever state the checkpoint has.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import dist
+from .buffers import memoryview_of
+from .engine.checkpointer import Checkpointer
+from .errors import CheckpointMismatchError, CorruptCheckpointError
+from .format.builtins_pickle import decode_builtins, encode_builtins
+from .format.dtypes import dtype_from_code
+from .format.layout import METADATA_FILENAME
+from .format.metadata import StorageMetadata, TensorStorageMetadata
+from .sharding import describe, fsdp1_flat_views, local_data, with_sharding_of
+from .storage.base import open_storage
+
+__all__ = [
+    "save_model_and_optim_state",
+    "async_save_model_and_optim_state",
+    "load_model_and_optim_state",
+    "unshard_model_state",
+    "unshard_optim_state",
+    "latest_checkpoint",
+    "model_state_dict",
+    "flatten_optim_state",
+]
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def model_state_dict(model: nn.Module) -> dict[str, Any]:
+    """The model's parameters and persistent buffers by clean name, as views of their memory.
+
+    FSDP2 and DTensor parameters come as DTensors; FSDP1 (``use_orig_params=True``) ones as
+    :class:`~checkpointer.FlatShardedTensor`. Tied parameters appear under every name.
+    """
+    model = _unwrap(model)
+    if _is_fsdp1(model):
+        flat = fsdp1_flat_views(model)
+        state: dict[str, Any] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            state[_clean_name(name)] = flat.get(param, param.detach())
+        for name, buf in model.named_buffers():
+            state[_clean_name(name)] = buf.detach()
+        return state
+    return {_clean_name(k): v for k, v in model.state_dict().items()}
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): _clean_name(n) for n, p in _unwrap(model).named_parameters()}
+
+
+def flatten_optim_state(model: nn.Module, optim: torch.optim.Optimizer, model_state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's state in OLMo-core's flat, name-keyed layout (no copies of state tensors)."""
+    names = _param_names(model)
+    flat: dict[str, Any] = {"num_param_groups": torch.tensor(len(optim.param_groups))}
+    state_keys: set[str] = set()
+    for i, group in enumerate(optim.param_groups):
+        saved: dict[str, Any] = {}
+        for k, v in group.items():
+            if k == "params":
+                continue
+            saved[k] = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+        params = group["params"]
+        missing = [p for p in params if id(p) not in names]
+        if missing:
+            raise CheckpointMismatchError(f"param group {i} holds {len(missing)} tensors that are not parameters of the model")
+        offset = sum(len(g["params"]) for g in optim.param_groups[:i])
+        saved["params"] = list(range(offset, offset + len(params)))
+        saved["_param_names"] = [names[id(p)] for p in params]
+        try:
+            flat[f"param_group{i}"] = _bytes_tensor(encode_builtins(saved, where=f"param group {i}"))
+        except ValueError as ex:
+            raise CheckpointMismatchError(f"cannot save optimizer: {ex}") from ex
+        for p in params:
+            name = names[id(p)]
+            for key, value in optim.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise CheckpointMismatchError(
+                        f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, not a tensor"
+                    )
+                state_keys.add(key)
+                flat[f"state.{name}.__{key}"] = _shard_like_param(value, model_state.get(name, p))
+    flat["state_keys"] = _bytes_tensor(encode_builtins(sorted(state_keys), where="state_keys"))
+    return flat
+
+
+def _shard_like_param(value: torch.Tensor, param: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value
+    param_local = local_data(param)
+    if value.dim() > 0 and tuple(value.shape) == tuple(param_local.shape) and describe(param).is_sharded:
+        return with_sharding_of(value, param)
+    return value
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@torch.no_grad()
+def save_model_and_optim_state(
+    dir: str, model: nn.Module, optim: torch.optim.Optimizer, *, save_overwrite: bool = False
+) -> list[str]:
+    """Save the model to ``dir/model`` and the optimizer to ``dir/optim``; returns this rank's files.
+
+    Works for plain modules, DDP, FSDP2, DTensor tensor parallelism and FSDP1 with
+    ``use_orig_params=True``. The optimizer is not stepped: parameters and step counts are
+    untouched. Every rank calls it together.
+    """
+    dir = str(dir).rstrip("/")
+    checkpointer = Checkpointer()
+    model_state = model_state_dict(model)
+    optim_state = flatten_optim_state(model, optim, model_state)
+    _, model_files = checkpointer.save(f"{dir}/model", model_state, save_overwrite=save_overwrite)
+    _, optim_files = checkpointer.save(f"{dir}/optim", optim_state, save_overwrite=save_overwrite)
+    return model_files + optim_files
+
+
+def async_save_model_and_optim_state(
+    dir: str, model: nn.Module, optim: torch.optim.Optimizer, *, save_overwrite: bool = False
+) -> Future[list[str]]:
+    """Like :func:`save_model_and_optim_state`, returning a future (errors surface from ``.result()``)."""
+    future: Future[list[str]] = Future()
+    try:
+        future.set_result(save_model_and_optim_state(dir, model, optim, save_overwrite=save_overwrite))
+    except BaseException as ex:  # noqa: BLE001
+        future.set_exception(ex)
+    return future
+
+
+@torch.no_grad()
+def load_model_and_optim_state(
+    dir: str,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    validate: bool = True,
+    strategy: str = "default",
+) -> None:
+    """Load ``dir/model`` (and ``dir/optim``) in place, whatever topology saved them.
+
+    Every element of every tensor is proven loaded: each rank's read plan must cover all
+    its local elements, and every read must return all its bytes. ``validate`` is kept for
+    OLMo-core compatibility; the proof is always on.
+    """
+    dir = str(dir).rstrip("/")
+    checkpointer = Checkpointer()
+    model_state = model_state_dict(model)
+    checkpointer.load(f"{dir}/model", model_state, strategy=strategy)
+    if optim is not None:
+        _load_optim(checkpointer, f"{dir}/optim", model, optim, model_state, strategy)
+
+
+def _load_optim(
+    checkpointer: Checkpointer,
+    dir: str,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    strategy: str,
+) -> None:
+    metadata = checkpointer.get_metadata(dir)
+    error: BaseException | None = None
+    try:
+        to_fill, torch_state = _plan_optim_load(checkpointer, dir, metadata, model, optim, model_state)
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank
+        error = ex
+    dist.agree(error, "load optimizer")
+    checkpointer.load(dir, to_fill, metadata=metadata, strategy=strategy)
+    optim.load_state_dict(torch_state)
+
+
+def _plan_optim_load(
+    checkpointer: Checkpointer,
+    dir: str,
+    metadata: StorageMetadata,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state tensors to fill in place, and the state dict to hand the optimizer afterwards."""
+    small = {key: _empty_like_meta(metadata, key) for key in metadata.tensors if not key.startswith("state.")}
+    for key in ("num_param_groups", "state_keys"):
+        if key not in small:
+            raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
+    checkpointer.load(dir, small, metadata=metadata, no_dist=True)
+    num_groups = int(small["num_param_groups"].item())
+    if num_groups != len(optim.param_groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint has {num_groups} optimizer param groups, the optimizer has {len(optim.param_groups)}"
+        )
+    state_keys = decode_builtins(_tensor_bytes(small["state_keys"]), where=f"{dir}: state_keys")
+    names = _param_names(model)
+    groups: list[dict[str, Any]] = []
+    to_fill: dict[str, Any] = {}
+    state_of: dict[int, dict[str, torch.Tensor]] = {}
+    index = 0
+    for i, group in enumerate(optim.param_groups):
+        key = f"param_group{i}"
+        if key not in small:
+            raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
+        saved = decode_builtins(_tensor_bytes(small[key]), where=f"{dir}: {key}")
+        if not isinstance(saved, dict):
+            raise CorruptCheckpointError(f"{dir}: {key} is not a dict")
+        saved_names = saved.pop("_param_names", None)
+        current = [names.get(id(p)) for p in group["params"]]
+        if not isinstance(saved_names, list) or sorted(map(str, saved_names)) != sorted(map(str, current)):
+            raise CheckpointMismatchError(
+                f"optimizer param group {i}: the checkpoint holds {saved_names}, the optimizer holds {current}"
+            )
+        saved["params"] = list(range(index, index + len(current)))
+        groups.append(saved)
+        for param, name in zip(group["params"], current):
+            value = model_state.get(name, param)
+            existing = optim.state.get(param, {})
+            param_state = {}
+            for state_key in state_keys:
+                flat_key = f"state.{name}.__{state_key}"
+                meta = metadata.tensors.get(flat_key)
+                if meta is None:
+                    continue
+                dest = existing.get(state_key)
+                if not _fits(dest, meta, value):
+                    dest = _allocate_state(meta, value)
+                param_state[state_key] = dest
+                to_fill[flat_key] = _shard_like_param(dest, value)
+            if param_state:
+                state_of[index] = param_state
+            index += 1
+    return to_fill, {"state": state_of, "param_groups": groups}
+
+
+def _fits(dest: Any, meta: TensorStorageMetadata, param: Any) -> bool:
+    """An existing state tensor can be filled in place (global shape, or the param's local shape)."""
+    if not isinstance(dest, torch.Tensor) or dest.dtype != dtype_from_code(meta.dtype):
+        return False
+    if tuple(dest.shape) == tuple(meta.shape):
+        return True
+    return tuple(meta.shape) == tuple(param.shape) and tuple(dest.shape) == tuple(local_data(param).shape)
+
+
+def _allocate_state(meta: TensorStorageMetadata, param: Any) -> torch.Tensor:
+    """A state tensor for the checkpoint's values: sharded like ``param`` when it has its shape."""
+    dtype = dtype_from_code(meta.dtype)
+    if meta.shape and tuple(meta.shape) == tuple(param.shape):
+        like = param if isinstance(param, torch.Tensor) else local_data(param)
+        return torch.empty_like(like.detach(), dtype=dtype)
+    return torch.empty(meta.shape, dtype=dtype)
+
+
+def _empty_like_meta(metadata: StorageMetadata, key: str) -> torch.Tensor:
+    meta = metadata.tensors[key]
+    return torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    if t.dtype != torch.uint8:
+        raise CorruptCheckpointError(f"expected a uint8 tensor of pickled builtins, got {t.dtype}")
+    return memoryview_of(t.contiguous().cpu()).tobytes()
+
+
+@torch.no_grad()
+def unshard_model_state(
+    dir: str, *, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
+) -> dict[str, torch.Tensor]:
+    """Full model tensors by name (every tied name included) from ``dir/model``."""
+    return Checkpointer().unshard(f"{str(dir).rstrip('/')}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
+
+
+@torch.no_grad()
+def unshard_optim_state(
+    dir: str, *, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
+) -> dict[str, Any]:
+    """The full optimizer state from ``dir/optim``, in ``torch.optim.Optimizer.state_dict()`` form."""
+    where = f"{str(dir).rstrip('/')}/optim"
+    flat = Checkpointer().unshard(where, device=device, rank0_only=rank0_only, no_dist=no_dist)
+    if not flat:
+        return {}
+    state_keys = decode_builtins(_tensor_bytes(flat["state_keys"]), where=f"{where}: state_keys")
+    groups, state = [], {}
+    for i in range(int(flat["num_param_groups"].item())):
+        group = decode_builtins(_tensor_bytes(flat[f"param_group{i}"]), where=f"{where}: param_group{i}")
+        names = group.pop("_param_names", [])
+        for name, pid in zip(names, group["params"]):
+            entry = {k: flat[f"state.{name}.__{k}"] for k in state_keys if f"state.{name}.__{k}" in flat}
+            if entry:
+                state[pid] = entry
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+_STEP = re.compile(r"(\d+)")
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The newest complete checkpoint among the sub-directories of ``run_dir`` (by the number in the name)."""
+    storage = open_storage(run_dir)
+    best: tuple[int, str] | None = None
+    for name in storage.list():
+        numbers = _STEP.findall(name)
+        if not numbers:
+            continue
+        child = storage.child(name)
+        if child.exists(METADATA_FILENAME):
+            complete = True
+        else:
+            complete = all(child.child(part).exists(METADATA_FILENAME) for part in ("model", "optim")) if _is_dir(child) else False
+        if complete and (best is None or int(numbers[-1]) > best[0]):
+            best = (int(numbers[-1]), name)
+    return None if best is None else f"{str(run_dir).rstrip('/')}/{best[1]}"
+
+
+def _is_dir(storage) -> bool:
+    return bool(storage.list())
+

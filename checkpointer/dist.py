@@ -1,0 +1,219 @@
+"""The only module that calls ``torch.distributed``. Everything works with no process group.
+
+Collectives move bytes (JSON the callers made), never pickles, and each one waits at most
+``CHECKPOINTER_TIMEOUT_S`` seconds (default 300) so a rank that died cannot hang the job.
+:func:`agree` is how a phase ends: every rank says whether it succeeded, and if any failed,
+every rank raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import errors
+from .buffers import memoryview_of
+from .errors import RankFailedError
+
+__all__ = [
+    "is_distributed",
+    "get_rank",
+    "get_world_size",
+    "timeout_seconds",
+    "all_gather_bytes",
+    "broadcast_bytes",
+    "gather_bytes",
+    "scatter_bytes",
+    "all_reduce_min",
+    "agree",
+    "barrier",
+    "share_from",
+]
+
+TIMEOUT_ENV = "CHECKPOINTER_TIMEOUT_S"
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def timeout_seconds() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, "300"))
+
+
+def _device() -> torch.device:
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _wait(work: dist.Work | None, what: str) -> None:
+    if work is None:
+        return
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_seconds()))
+    except Exception as ex:
+        raise RankFailedError(
+            f"{what}: another rank stopped answering (died, or exceeded {TIMEOUT_ENV}={timeout_seconds():g}s): {ex}"
+        ) from ex
+
+
+def _to_tensor(payload: bytes, size: int) -> torch.Tensor:
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return buf.to(_device())
+
+
+def _sizes(n: int) -> list[int]:
+    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(get_world_size())]
+    _wait(dist.all_gather(sizes, torch.tensor([n], dtype=torch.int64, device=_device()), async_op=True), "exchange")
+    return [int(s.item()) for s in sizes]
+
+
+def all_gather_bytes(payload: bytes) -> list[bytes]:
+    if not is_distributed():
+        return [payload]
+    sizes = _sizes(len(payload))
+    width = max(sizes)
+    out = [torch.empty(width, dtype=torch.uint8, device=_device()) for _ in sizes]
+    _wait(dist.all_gather(out, _to_tensor(payload, width), async_op=True), "all-gather")
+    return [_bytes(t[:n]) for t, n in zip(out, sizes)]
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return memoryview_of(t.cpu().contiguous()).tobytes()
+
+
+def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
+    if not is_distributed():
+        assert payload is not None
+        return payload
+    n = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=_device())
+    _wait(dist.broadcast(n, src, async_op=True), "broadcast")
+    size = int(n.item())
+    buf = _to_tensor(payload if get_rank() == src and payload is not None else b"", size)
+    _wait(dist.broadcast(buf, src, async_op=True), "broadcast")
+    return _bytes(buf)
+
+
+def gather_bytes(payload: bytes, dst: int = 0) -> list[bytes] | None:
+    """Every rank's payload on ``dst`` (None elsewhere)."""
+    if not is_distributed():
+        return [payload]
+    sizes = _sizes(len(payload))
+    width = max(sizes)
+    mine = _to_tensor(payload, width)
+    out = [torch.empty(width, dtype=torch.uint8, device=_device()) for _ in sizes] if get_rank() == dst else None
+    _wait(dist.gather(mine, out, dst=dst, async_op=True), "gather")
+    if out is None:
+        return None
+    return [_bytes(t[:n]) for t, n in zip(out, sizes)]
+
+
+def scatter_bytes(payloads: Sequence[bytes] | None, src: int = 0) -> bytes:
+    """Rank ``r`` gets ``payloads[r]`` from ``src``."""
+    if not is_distributed():
+        assert payloads is not None
+        return payloads[0]
+    n = torch.zeros(1, dtype=torch.int64, device=_device())
+    if get_rank() == src:
+        assert payloads is not None
+        n[0] = max(len(p) for p in payloads)
+    _wait(dist.broadcast(n, src, async_op=True), "scatter")
+    width = int(n.item())
+    size = torch.zeros(1, dtype=torch.int64, device=_device())
+    ins = [torch.tensor([len(p)], dtype=torch.int64, device=_device()) for p in payloads] if get_rank() == src else None  # type: ignore[union-attr]
+    _wait(dist.scatter(size, ins, src=src, async_op=True), "scatter")
+    buf = torch.empty(width, dtype=torch.uint8, device=_device())
+    data = [_to_tensor(p, width) for p in payloads] if get_rank() == src else None  # type: ignore[union-attr]
+    _wait(dist.scatter(buf, data, src=src, async_op=True), "scatter")
+    return _bytes(buf[: int(size.item())])
+
+
+def all_reduce_min(value: int) -> int:
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), "all-reduce")
+    return int(t.item())
+
+
+def barrier() -> None:
+    agree(None, "barrier")
+
+
+_KNOWN = {
+    name: getattr(errors, name)
+    for name in ("CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "CheckpointMismatchError")
+}
+
+
+def agree(error: BaseException | None, what: str, *, no_dist: bool = False) -> None:
+    """End a phase on every rank: raise on all ranks if any rank brought an error.
+
+    The failing rank re-raises its own exception; the others raise the same library error
+    class (or :class:`RankFailedError`) with the failing rank and its message.
+    """
+    if no_dist or not is_distributed():
+        if error is not None:
+            raise error
+        return
+    mine = {"ok": error is None}
+    if error is not None:
+        mine.update(type=type(error).__name__, message=str(error), file_exists=isinstance(error, FileExistsError))
+    statuses = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]
+    failed = [(r, s) for r, s in enumerate(statuses) if not s["ok"]]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    rank, status = failed[0]
+    _raise_remote(rank, status, what)
+
+
+def _raise_remote(rank: int, status: dict, what: str) -> None:
+    message = f"{what} failed on rank {rank}: {status['type']}: {status['message']}"
+    if status.get("file_exists"):
+        raise FileExistsError(message)
+    cls = _KNOWN.get(status["type"], RankFailedError)
+    raise cls(message)
+
+
+
+def share_from(src: int, produce, what: str, *, no_dist: bool = False) -> bytes:
+    """Run ``produce()`` on ``src`` and give its bytes to every rank; its error, if any, reaches all."""
+    if no_dist or not is_distributed():
+        return produce()
+    payload: bytes | None = None
+    error: BaseException | None = None
+    if get_rank() == src:
+        try:
+            payload = b"\x00" + produce()
+        except BaseException as ex:  # noqa: BLE001 - sent to every rank
+            error = ex
+            payload = b"\x01" + json.dumps(
+                {"type": type(ex).__name__, "message": str(ex), "file_exists": isinstance(ex, FileExistsError)}
+            ).encode()
+    data = broadcast_bytes(payload, src=src)
+    if data[:1] == b"\x00":
+        return data[1:]
+    if error is not None:
+        raise error
+    status = json.loads(data[1:])
+    _raise_remote(src, status, what)
+    raise AssertionError("unreachable")

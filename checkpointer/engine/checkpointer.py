@@ -1,0 +1,128 @@
+"""The :class:`Checkpointer`: save, load and unshard flat state dicts."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Mapping
+
+import torch
+
+from ..format.metadata import StorageMetadata
+from ..storage.base import Storage, open_storage
+from .load import load_state_dict, read_metadata
+from .save import SavePlanCache, save_state_dict
+from .unshard import unshard_state_dict
+
+__all__ = ["Checkpointer"]
+
+STRATEGIES = ("default", "two_stage")
+
+
+class Checkpointer:
+    """Saves and loads flat state dicts (string keys; no nesting).
+
+    Values may be ``torch.Tensor``, ``nn.Parameter``, ``DTensor`` (``Shard``/``Replicate`` on
+    any mesh) or :class:`~checkpointer.FlatShardedTensor`. In a process group every rank
+    calls each method together, with the same keys.
+
+    A checkpointer remembers its last save plan: saving the same structure again exchanges
+    no per-tensor plans between ranks.
+
+    Example::
+
+        ckpt = Checkpointer()
+        ckpt.save("/ckpt/step100/model", model.state_dict())
+        ckpt.load("/ckpt/step100/model", model.state_dict())   # in place
+    """
+
+    def __init__(self) -> None:
+        self._plan_cache: SavePlanCache | None = None
+
+    @torch.no_grad()
+    def save(
+        self, dir: str | Storage, state_dict: Mapping[str, Any], *, save_overwrite: bool = False
+    ) -> tuple[StorageMetadata, list[str]]:
+        """Save ``state_dict`` to ``dir``.
+
+        Args:
+            dir: local path, ``file://``, ``s3://`` or ``gs://`` URL of the checkpoint directory.
+            state_dict: the values to save; each rank passes its local view.
+            save_overwrite: replace a checkpoint already saved in ``dir``.
+
+        Returns:
+            The metadata written, and the files this rank created.
+
+        Raises:
+            FileExistsError: ``dir`` holds a checkpoint and ``save_overwrite`` is False.
+        """
+        metadata, files, self._plan_cache = save_state_dict(
+            open_storage(dir), state_dict, save_overwrite=save_overwrite, cache=self._plan_cache
+        )
+        return metadata, files
+
+    def async_save(
+        self, dir: str | Storage, state_dict: Mapping[str, Any], *, save_overwrite: bool = False
+    ) -> Future[tuple[StorageMetadata, list[str]]]:
+        """Like :meth:`save`, returning a future. (Staging and background writing: see the performance issue.)"""
+        future: Future[tuple[StorageMetadata, list[str]]] = Future()
+        try:
+            future.set_result(self.save(dir, state_dict, save_overwrite=save_overwrite))
+        except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
+            future.set_exception(ex)
+        return future
+
+    @torch.no_grad()
+    def load(
+        self,
+        dir: str | Storage,
+        state_dict: Mapping[str, Any],
+        *,
+        no_dist: bool = False,
+        metadata: StorageMetadata | None = None,
+        strategy: str = "default",
+        verify: bool = False,
+    ) -> None:
+        """Fill the tensors of ``state_dict`` in place from the checkpoint in ``dir``.
+
+        Args:
+            dir: the checkpoint directory (path or URL).
+            state_dict: tensors to fill; any sharding, independent of the one saved.
+            no_dist: read and check alone, with no collective even inside a process group.
+            metadata: the checkpoint's metadata, if already read.
+            strategy: ``"default"`` (every rank reads what it needs) or ``"two_stage"``.
+            verify: check the checksums of the bytes read, where the checkpoint has them.
+
+        Raises:
+            IncompleteCheckpointError: ``dir`` has no ``metadata.json``.
+            CorruptCheckpointError: the files are damaged or disagree with the metadata.
+            CheckpointMismatchError: a key is missing, or a shape or dtype differs.
+        """
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown load strategy {strategy!r}; expected one of {STRATEGIES}")
+        load_state_dict(open_storage(dir), state_dict, no_dist=no_dist, metadata=metadata)
+
+    @torch.no_grad()
+    def unshard(
+        self,
+        dir: str | Storage,
+        *,
+        device: torch.device | str | None = None,
+        rank0_only: bool = False,
+        no_dist: bool = False,
+        num_threads: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Full (unsharded) tensors of every key, tied keys included.
+
+        Args:
+            device: where the tensors go (CPU by default).
+            rank0_only: only rank 0 reads; other ranks get ``{}``.
+            no_dist: no collectives; this process reads everything alone.
+            num_threads: parallel reads (default ``CHECKPOINTER_IO_THREADS`` or 4).
+        """
+        return unshard_state_dict(
+            open_storage(dir), device=device, rank0_only=rank0_only, no_dist=no_dist, num_threads=num_threads
+        )
+
+    def get_metadata(self, dir: str | Storage, *, no_dist: bool = False) -> StorageMetadata:
+        """The checkpoint's metadata (read by rank 0 and shared, unless ``no_dist``)."""
+        return read_metadata(open_storage(dir), no_dist=no_dist)

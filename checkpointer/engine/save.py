@@ -1,0 +1,214 @@
+"""Saving a flat state dict: plan once across ranks, each rank writes its pieces, rank 0 commits last.
+
+The recipe:
+
+1. Every rank describes its values (:func:`~checkpointer.sharding.describe`); values that
+   share memory with an earlier key (tied parameters) become aliases, saved once.
+2. Rank 0 checks the directory (``FileExistsError`` unless ``save_overwrite``; with it, the
+   old ``metadata.json`` is removed first so the old checkpoint reads as incomplete).
+3. Rank 0 gathers every rank's pieces, builds the plan (each distinct piece gets one
+   writer) and scatters each rank its keys. A cached plan skips this: one all-reduce
+   confirms every rank's structure is unchanged.
+4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename).
+5. All ranks agree the files are written; rank 0 removes stale rank files and writes
+   ``metadata.json`` atomically; all ranks agree again.
+
+A failure anywhere reaches every rank at the next agreement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .. import dist
+from ..errors import CheckpointError
+from ..format.layout import METADATA_FILENAME, is_rank_filename, rank_filename
+from ..format.metadata import StorageMetadata, parse_metadata
+from ..planning.plan import Piece, PieceDesc, build_save_plan
+from ..sharding import LocalTensor, describe
+from ..storage.base import Storage
+from .rankfile import write_rank_file
+
+__all__ = ["save_state_dict", "SavePlanCache", "describe_state_dict"]
+
+
+@dataclass
+class SavePlanCache:
+    """The last save plan of one :class:`~checkpointer.Checkpointer`, reused while the structure holds."""
+
+    fingerprint: str
+    keys: tuple[str, ...]
+    metadata: StorageMetadata
+
+
+def describe_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, LocalTensor], dict[str, str]]:
+    """Describe every value; a value sharing memory with an earlier key becomes an alias of it."""
+    described: dict[str, LocalTensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise TypeError(f"state dict keys must be strings, got {key!r}")
+        try:
+            lt = describe(value)
+        except (TypeError, ValueError) as ex:
+            raise CheckpointError(f"cannot save {key!r}: {ex}") from ex
+        data = lt.data
+        if data.numel() > 0:
+            ident = (data.device, data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.dtype, lt.shape, lt.piece)
+            if ident in seen:
+                aliases[key] = seen[ident]
+                continue
+            seen[ident] = key
+        described[key] = lt
+    return described, aliases
+
+
+def _desc_json(described: Mapping[str, LocalTensor], aliases: Mapping[str, str]) -> bytes:
+    items = []
+    for key, lt in described.items():
+        p = lt.piece
+        items.append([key, list(lt.shape), lt.dtype, lt.is_sharded, p.flat, p.local_shape, p.global_offset])
+    return json.dumps({"items": items, "aliases": aliases}, separators=(",", ":")).encode()
+
+
+def _parse_descs(payload: bytes) -> tuple[list[PieceDesc], dict[str, str]]:
+    raw = json.loads(payload)
+    descs = []
+    for key, shape, dtype, is_sharded, flat, local_shape, global_offset in raw["items"]:
+        piece = Piece(
+            flat=tuple(tuple(r) for r in flat) if flat is not None else None,
+            local_shape=tuple(local_shape) if local_shape is not None else None,
+            global_offset=tuple(global_offset) if global_offset is not None else None,
+        )
+        descs.append(PieceDesc(key, tuple(shape), dtype, is_sharded, piece))
+    return descs, raw["aliases"]
+
+
+def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> None:
+    """Refuse to save over a checkpoint unless asked; ``retire_old`` then makes the old one incomplete."""
+    storage.prepare()
+    if storage.exists(METADATA_FILENAME):
+        if not save_overwrite:
+            raise FileExistsError(
+                f"{storage.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
+                "(pass save_overwrite=True to replace it)"
+            )
+        if retire_old:
+            storage.delete(METADATA_FILENAME)
+
+
+def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> tuple[tuple[str, ...], StorageMetadata]:
+    """Steps 2-3 without a cached plan. Returns this rank's keys and the metadata."""
+    rank = dist.get_rank()
+    error: BaseException | None = local_error
+    if rank == 0 and error is None:
+        try:
+            _check_directory(storage, save_overwrite, retire_old=False)
+        except BaseException as ex:  # noqa: BLE001 - reported to every rank below
+            error = ex
+    mine = _error_json(error) if error is not None else _desc_json(described, aliases)
+    gathered = dist.gather_bytes(mine, dst=0)
+    replies: list[bytes] | None = None
+    metadata_json = b""
+    if gathered is not None:
+        replies, metadata_json = _plan_on_rank0(gathered)
+        if metadata_json:
+            # Planned: only now retire an old checkpoint here, before any rank writes a file.
+            try:
+                _check_directory(storage, save_overwrite, retire_old=True)
+            except BaseException as ex:  # noqa: BLE001 - reported to every rank below
+                error = ex
+                replies = [_error_json(ex)] * len(gathered)
+    reply = json.loads(dist.scatter_bytes(replies, src=0))
+    if "error" in reply:
+        dist.agree(error, "save")  # re-raises this rank's own error, or the failing rank's
+        raise CheckpointError(reply["error"])
+    if error is not None:
+        raise error
+    metadata_json = dist.broadcast_bytes(metadata_json if rank == 0 else None, src=0)
+    return tuple(reply["keys"]), parse_metadata(metadata_json, where="save plan")
+
+
+def _error_json(error: BaseException) -> bytes:
+    return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
+
+
+def _plan_on_rank0(gathered: list[bytes]) -> tuple[list[bytes], bytes]:
+    world = len(gathered)
+    descs_per_rank, aliases = [], {}
+    for r, payload in enumerate(gathered):
+        raw = json.loads(payload)
+        if "error" in raw:
+            return [json.dumps({"error": f"save failed on rank {r}: {raw['error']}"}).encode()] * world, b""
+        descs, rank_aliases = _parse_descs(payload)
+        descs_per_rank.append(descs)
+        aliases.update(rank_aliases)
+    try:
+        plan = build_save_plan(descs_per_rank, aliases=aliases)
+    except (ValueError, CheckpointError) as ex:
+        return [json.dumps({"error": f"cannot save: {ex}"}).encode()] * world, b""
+    replies = [json.dumps({"keys": list(keys)}).encode() for keys in plan.keys_per_rank]
+    return replies, plan.metadata.to_json_bytes()
+
+
+def save_state_dict(
+    storage: Storage,
+    state_dict: Mapping[str, Any],
+    *,
+    save_overwrite: bool = False,
+    cache: SavePlanCache | None = None,
+) -> tuple[StorageMetadata, list[str], SavePlanCache | None]:
+    """Save on every rank. Returns the metadata, the files this rank created, and the plan to cache."""
+    rank = dist.get_rank()
+    described: dict[str, LocalTensor] = {}
+    aliases: dict[str, str] = {}
+    local_error: BaseException | None = None
+    try:
+        described, aliases = describe_state_dict(state_dict)
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank by the plan exchange
+        local_error = ex
+    fingerprint = hashlib.sha256(_desc_json(described, aliases) + str(dist.get_world_size()).encode()).hexdigest()
+
+    plan_keys: tuple[str, ...] | None = None
+    metadata: StorageMetadata | None = None
+    if cache is not None:
+        ok = local_error is None and cache.fingerprint == fingerprint
+        if ok and rank == 0:
+            try:
+                _check_directory(storage, save_overwrite, retire_old=True)
+            except BaseException:  # noqa: BLE001 - the full path below reports it
+                ok = False
+        if dist.all_reduce_min(int(ok)) == 1:
+            plan_keys, metadata = cache.keys, cache.metadata
+    if plan_keys is None or metadata is None:
+        plan_keys, metadata = _plan(storage, described, aliases, local_error, save_overwrite)
+
+    files: list[str] = []
+    error: BaseException | None = None
+    try:
+        if rank != 0:
+            storage.prepare()
+        if plan_keys:
+            name = rank_filename(rank)
+            write_rank_file(storage, name, [(key, described[key]) for key in plan_keys])
+            files.append(storage.join(name))
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank
+        error = ex
+    dist.agree(error, "save")
+
+    if rank == 0:
+        try:
+            wanted = set(metadata.files())
+            for name in storage.list():
+                if is_rank_filename(name) and name not in wanted:
+                    storage.delete(name)
+            storage.write(METADATA_FILENAME, metadata.to_json_bytes())
+            files.append(storage.join(METADATA_FILENAME))
+        except BaseException as ex:  # noqa: BLE001 - reported to every rank
+            error = ex
+    dist.agree(error, "save (commit)")
+    return metadata, files, SavePlanCache(fingerprint, plan_keys, metadata)

@@ -1,0 +1,58 @@
+"""Full tensors from a checkpoint, on one rank or all, never through a sharded model."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dist
+from ..errors import CorruptCheckpointError
+from ..format.dtypes import dtype_from_code
+from ..planning.overlap import SourceIndex
+from ..planning.plan import build_load_plan, spec_ranges
+from ..storage.base import Storage
+from .load import read_metadata
+from .rankfile import HeaderCache, execute_reads
+
+__all__ = ["unshard_state_dict"]
+
+
+def unshard_state_dict(
+    storage: Storage,
+    *,
+    device: torch.device | str | None = None,
+    rank0_only: bool = False,
+    no_dist: bool = False,
+    num_threads: int | None = None,
+) -> dict[str, torch.Tensor]:
+    rank = dist.get_rank()
+    if rank0_only and no_dist and rank != 0:
+        raise ValueError(f"unshard with rank0_only=True and no_dist=True is undefined on rank {rank}")
+    if rank0_only and rank != 0:
+        return {}
+    metadata = read_metadata(storage, no_dist=no_dist or rank0_only)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out: dict[str, torch.Tensor] = {}
+    jobs = []
+    for key, meta in metadata.tensors.items():
+        index = SourceIndex([spec_ranges(s, meta.shape) for s in meta.shard_spec_per_file.values()])
+        if index.covered() != meta.numel:
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements"
+            )
+        full = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
+        out[key] = full
+        if meta.numel:
+            plan = build_load_plan(key, meta, [(0, meta.numel)])
+            jobs.append((plan, full.view(-1), {f: s.local_numel for f, s in meta.shard_spec_per_file.items()}))
+    error: BaseException | None = None
+    try:
+        with torch.no_grad():
+            execute_reads(storage, jobs, headers=HeaderCache(storage), num_threads=num_threads)
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank
+        error = ex
+    dist.agree(error, "unshard", no_dist=no_dist or rank0_only)
+    if device.type != "cpu":
+        out = {k: v.to(device) for k, v in out.items()}
+    for alias, target in (metadata.aliases or {}).items():
+        out[alias] = out[target]
+    return out

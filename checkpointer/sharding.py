@@ -1,0 +1,176 @@
+"""What a local tensor holds of its full tensor: the only module that knows DTensor and FSDP types.
+
+:func:`describe` turns a state-dict value into a :class:`LocalTensor`: the local memory to
+write from or read into, the full shape, and the :class:`~checkpointer.planning.plan.Piece`
+of the full tensor that memory holds. Values may be plain tensors (replicated), DTensors
+(``Shard(d)`` on any dim and ``Replicate`` over any mesh), :class:`FlatShardedTensor`, or
+OLMo-core's ``ShardedFlatTensor``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .format.dtypes import code_from_dtype
+from .planning.plan import Piece
+
+__all__ = ["FlatShardedTensor", "LocalTensor", "describe", "dtensor_box", "with_sharding_of", "local_data"]
+
+
+@dataclass(frozen=True)
+class FlatShardedTensor:
+    """A local 1-D piece of a larger tensor: ``local`` holds elements ``flattened_offsets``
+    (``[start, end)`` ranges of the row-major flattened full tensor of ``shape``), back to back.
+
+    Example: rank 1 of 2 holding the second half of a 4x4 tensor::
+
+        FlatShardedTensor(local=torch.empty(8), shape=(4, 4), flattened_offsets=((8, 16),))
+    """
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    flattened_offsets: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        numel = sum(e - s for s, e in self.flattened_offsets)
+        if self.local.numel() != numel:
+            raise ValueError(f"local tensor has {self.local.numel()} elements, offsets describe {numel}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """One state-dict value as the engine sees it."""
+
+    data: torch.Tensor  # local memory, any device; read into / written from in place
+    shape: tuple[int, ...]  # full tensor
+    dtype: str
+    is_sharded: bool
+    piece: Piece
+
+    @property
+    def numel(self) -> int:
+        return self.piece.numel
+
+
+@dataclass(frozen=True)
+class _SameShardingAs:
+    """A local tensor laid out like another value's local tensor (optimizer state of a sharded param)."""
+
+    local: torch.Tensor
+    like: LocalTensor
+
+
+def with_sharding_of(local: torch.Tensor, param: Any) -> Any:
+    """Wrap ``local`` so it is described with the sharding of ``param``'s local tensor."""
+    return _SameShardingAs(local, describe(param))
+
+
+def local_data(value: Any) -> torch.Tensor:
+    """The local tensor memory of a state-dict value."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, (FlatShardedTensor, _SameShardingAs)):
+        return value.local
+    if _is_olmo_flat(value):
+        return value.sharded_data
+    if isinstance(value, nn.Parameter):
+        return value.data
+    return value
+
+
+def describe(value: Any) -> LocalTensor:
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        shape = tuple(value.shape)
+        coord = value.device_mesh.get_coordinate()
+        if coord is None:
+            return LocalTensor(local, shape, code_from_dtype(value.dtype), True, Piece(flat=()))
+        sizes, offsets = dtensor_box(shape, value.placements, [value.device_mesh.size(i) for i in range(value.device_mesh.ndim)], coord)
+        if tuple(local.shape) != sizes:
+            raise ValueError(f"DTensor local shape {tuple(local.shape)} is not the expected {sizes} for {value.placements}")
+        return LocalTensor(local, shape, code_from_dtype(value.dtype), True, Piece(local_shape=sizes, global_offset=offsets))
+    if isinstance(value, FlatShardedTensor):
+        return LocalTensor(
+            value.local, tuple(value.shape), code_from_dtype(value.local.dtype), True, Piece(flat=tuple(map(tuple, value.flattened_offsets)))
+        )
+    if isinstance(value, _SameShardingAs):
+        like = value.like
+        if value.local.numel() != like.data.numel():
+            raise ValueError("state tensor does not match its parameter's local shard")
+        return LocalTensor(value.local, like.shape, code_from_dtype(value.local.dtype), like.is_sharded, like.piece)
+    if _is_olmo_flat(value):
+        return _describe_olmo_flat(value)
+    if isinstance(value, torch.Tensor):
+        data = value.data if isinstance(value, nn.Parameter) else value
+        return LocalTensor(data, tuple(data.shape), code_from_dtype(data.dtype), False, Piece.whole(data.shape))
+    raise TypeError(f"cannot checkpoint a value of type {type(value).__name__}")
+
+
+def dtensor_box(
+    shape: Sequence[int], placements: Sequence[Any], mesh_sizes: Sequence[int], coord: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box a mesh coordinate holds: ``Shard(d)`` splits dim ``d`` like ``torch.chunk``, in mesh-dim order."""
+    sizes, offsets = list(shape), [0] * len(shape)
+    for placement, n, c in zip(placements, mesh_sizes, coord):
+        if isinstance(placement, Shard) and type(placement) is Shard:
+            d = placement.dim
+            chunk = math.ceil(sizes[d] / n) if n else 0
+            start = min(c * chunk, sizes[d])
+            end = min(start + chunk, sizes[d])
+            offsets[d] += start
+            sizes[d] = end - start
+        elif not isinstance(placement, Replicate):
+            raise TypeError(f"placement {placement} is not supported in checkpoints (use Shard or Replicate)")
+    return tuple(sizes), tuple(offsets)
+
+
+def _is_olmo_flat(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and hasattr(value, "sharding_spec") and hasattr(value, "sharded_data")
+
+
+def _describe_olmo_flat(value: Any) -> LocalTensor:
+    import torch.distributed as dist
+
+    spec = value.sharding_spec
+    group = getattr(value, "process_group", None)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    offsets = tuple(tuple(r) for r in spec.unsharded_flattened_offsets[rank])
+    data = value.sharded_data
+    return LocalTensor(data, tuple(spec.unsharded_shape), code_from_dtype(data.dtype), True, Piece(flat=offsets))
+
+
+def fsdp1_flat_views(model: nn.Module) -> dict[nn.Parameter, FlatShardedTensor]:
+    """For an FSDP1 model with ``use_orig_params=True``: each original parameter's local flat piece.
+
+    FSDP1 exposes no public API for this, so this one function reads the flat parameter's
+    ``_shard_param_infos``; keep every private access here.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    out: dict[nn.Parameter, FlatShardedTensor] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDP):
+            continue
+        handle = getattr(module, "_handle", None)
+        if handle is None or not handle.uses_sharded_strategy:
+            continue
+        if not handle._use_orig_params:
+            raise TypeError("FSDP1 models must use use_orig_params=True")
+        flat = handle.flat_param
+        for param, shape, info in zip(flat._params, flat._shapes, flat._shard_param_infos):
+            if info.in_shard:
+                ranges: tuple[tuple[int, int], ...] = ((info.intra_param_start_idx, info.intra_param_end_idx + 1),)
+            else:
+                ranges = ()
+            out[param] = FlatShardedTensor(param.data.view(-1), tuple(shape), ranges)
+    return out
