@@ -99,7 +99,7 @@ class Checkpointer:
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown load strategy {strategy!r}; expected one of {STRATEGIES}")
-        load_state_dict(open_storage(dir), state_dict, no_dist=no_dist, metadata=metadata)
+        load_state_dict(open_storage(dir), state_dict, no_dist=no_dist, metadata=metadata, verify=verify)
 
     @torch.no_grad()
     def unshard(

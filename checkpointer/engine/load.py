@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -22,10 +23,10 @@ from ..format.metadata import StorageMetadata, TensorStorageMetadata, parse_meta
 from ..planning.plan import TensorLoadPlan, build_load_plan, piece_ranges
 from ..sharding import LocalTensor
 from ..storage.base import Storage
-from .rankfile import HeaderCache, execute_reads
+from .rankfile import HeaderCache, ReadJob, execute_reads
 from .save import describe_state_dict
 
-__all__ = ["read_metadata", "load_state_dict", "plan_local_loads", "MAX_METADATA_BYTES"]
+__all__ = ["read_metadata", "load_state_dict", "plan_local_loads", "fill_in_place", "LocalLoad", "MAX_METADATA_BYTES"]
 
 MAX_METADATA_BYTES = 1 << 30
 _STAGE_BYTES = 256 << 20
@@ -57,9 +58,19 @@ def _meta_for(metadata: StorageMetadata, key: str, storage: Storage) -> TensorSt
     return meta
 
 
-def plan_local_loads(
-    storage: Storage, metadata: StorageMetadata, state_dict: Mapping[str, Any]
-) -> list[tuple[str, LocalTensor, TensorLoadPlan, dict[str, int]]]:
+@dataclass(frozen=True)
+class LocalLoad:
+    key: str
+    local: LocalTensor
+    plan: TensorLoadPlan
+    numel_per_file: dict[str, int]
+    checksums_per_file: dict[str, tuple[int, ...] | None]
+
+    def job(self, dest: torch.Tensor) -> ReadJob:
+        return ReadJob(self.plan, dest, self.numel_per_file, self.checksums_per_file)
+
+
+def plan_local_loads(storage: Storage, metadata: StorageMetadata, state_dict: Mapping[str, Any]) -> list[LocalLoad]:
     """Check every key against the metadata and plan its reads (keys sharing memory load once)."""
     described, _ = describe_state_dict(state_dict)
     out = []
@@ -75,8 +86,16 @@ def plan_local_loads(
             )
         saved_key = key if key in metadata.tensors else metadata.aliases[key]  # type: ignore[index]
         plan = build_load_plan(saved_key, meta, piece_ranges(lt.piece, lt.shape))
-        numel_per_file = {f: spec.local_numel for f, spec in meta.shard_spec_per_file.items()}
-        out.append((key, lt, plan, numel_per_file))
+        specs = meta.shard_spec_per_file
+        out.append(
+            LocalLoad(
+                key,
+                lt,
+                plan,
+                {f: spec.local_numel for f, spec in specs.items()},
+                {f: spec.checksums for f, spec in specs.items()},
+            )
+        )
     return out
 
 
@@ -87,40 +106,46 @@ def load_state_dict(
     no_dist: bool = False,
     metadata: StorageMetadata | None = None,
     num_threads: int | None = None,
+    verify: bool = False,
 ) -> None:
     if metadata is None:
         metadata = read_metadata(storage, no_dist=no_dist)
     error: BaseException | None = None
     try:
         with torch.no_grad():
-            fill_in_place(storage, plan_local_loads(storage, metadata, state_dict), num_threads=num_threads)
+            chunk = metadata.checksum_chunk_bytes if verify else None
+            fill_in_place(storage, plan_local_loads(storage, metadata, state_dict), num_threads=num_threads, verify_chunk_bytes=chunk)
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "load", no_dist=no_dist)
 
 
-def fill_in_place(storage: Storage, planned, *, num_threads: int | None = None) -> None:
+def fill_in_place(
+    storage: Storage, loads: list[LocalLoad], *, num_threads: int | None = None, verify_chunk_bytes: int | None = None
+) -> None:
     headers = HeaderCache(storage)
+    options = dict(headers=headers, num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
     direct, staged = [], []
-    for key, lt, plan, numel_per_file in planned:
-        if lt.numel == 0:
+    for load in loads:
+        if load.local.numel == 0:
             continue
-        data = lt.data
+        data = load.local.data
         if data.device.type == "cpu" and data.is_contiguous():
-            direct.append((plan, data.view(-1), numel_per_file))
+            direct.append(load.job(data.view(-1)))
         else:
-            staged.append((lt, plan, numel_per_file))
-    execute_reads(storage, direct, headers=headers, num_threads=num_threads)
+            staged.append(load)
+    execute_reads(storage, direct, **options)
     # Host staging in batches of bounded size, for device or strided destinations.
-    batch, batch_bytes = [], 0
-    for item in staged + [None]:
-        if item is not None:
-            lt, plan, numel_per_file = item
-            host = torch.empty(lt.numel, dtype=lt.data.dtype, pin_memory=lt.data.is_cuda)
-            batch.append((lt, plan, numel_per_file, host))
+    batch: list[tuple[LocalLoad, torch.Tensor]] = []
+    batch_bytes = 0
+    for load in staged + [None]:
+        if load is not None:
+            data = load.local.data
+            host = torch.empty(load.local.numel, dtype=data.dtype, pin_memory=data.is_cuda)
+            batch.append((load, host))
             batch_bytes += host.numel() * host.element_size()
-        if batch and (item is None or batch_bytes >= _STAGE_BYTES):
-            execute_reads(storage, [(p, h, n) for _, p, n, h in batch], headers=headers, num_threads=num_threads)
-            for lt, _, _, host in batch:
-                lt.data.copy_(host.view(lt.data.shape))
+        if batch and (load is None or batch_bytes >= _STAGE_BYTES):
+            execute_reads(storage, [ld.job(host) for ld, host in batch], **options)
+            for ld, host in batch:
+                ld.local.data.copy_(host.view(ld.local.data.shape))
             batch, batch_bytes = [], 0

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 
 from ..buffers import memoryview_of
+from ..checksums import chunk_crcs, crc32c
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
@@ -17,7 +19,7 @@ from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
 from ..storage.base import ReadRequest, Storage
 
-__all__ = ["write_rank_file", "HeaderCache", "execute_reads", "io_threads"]
+__all__ = ["write_rank_file", "HeaderCache", "ReadJob", "execute_reads", "io_threads"]
 
 _SPECULATIVE_HEADER = 1 << 16
 _SPLIT_BYTES = 32 << 20
@@ -27,29 +29,38 @@ def io_threads() -> int:
     return int(os.environ.get("CHECKPOINTER_IO_THREADS", "4"))
 
 
-def write_rank_file(storage: Storage, name: str, tensors: Sequence[tuple[str, LocalTensor]]) -> int:
-    """Write the local pieces as one safetensors file, streaming from tensor memory. Returns bytes written."""
+def write_rank_file(
+    storage: Storage, name: str, tensors: Sequence[tuple[str, LocalTensor]], *, checksums: bool = True
+) -> dict[str, list[int]]:
+    """Write the local pieces as one safetensors file, streaming from tensor memory.
+
+    Returns each key's CRC32C per :data:`~checkpointer.checksums.CHUNK_BYTES` of its piece,
+    computed on a second thread while the first writes (both release the GIL).
+    """
     header, _ = build_header([(key, lt.dtype, lt.numel) for key, lt in tensors])
-    total = len(header)
-    with storage.open_writer(name) as writer:
-        writer.write([memoryview(header)])
-        batch: list[memoryview] = []
-        keep: list[torch.Tensor] = []
-        for _, lt in tensors:
-            data = lt.data
-            if data.device.type != "cpu" or not data.is_contiguous():
-                data = data.detach().to("cpu", copy=False).contiguous()
-            keep.append(data)
-            view = memoryview_of(data)
-            batch.append(view)
-            total += len(view)
-            if len(batch) >= 256:
+    crcs: dict[str, Future[list[int]]] = {}
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpointer-crc") as hasher:
+        with storage.open_writer(name) as writer:
+            writer.write([memoryview(header)])
+            batch: list[memoryview] = []
+            keep: list[torch.Tensor] = []
+            for key, lt in tensors:
+                data = lt.data
+                if data.device.type != "cpu" or not data.is_contiguous():
+                    data = data.detach().to("cpu").contiguous()
+                keep.append(data)
+                view = memoryview_of(data)
+                if checksums:
+                    crcs[key] = hasher.submit(chunk_crcs, view)
+                batch.append(view)
+                if len(batch) >= 64:
+                    writer.write(batch)
+                    batch = []
+            if batch:
                 writer.write(batch)
-                batch, keep = [], []
-        if batch:
-            writer.write(batch)
-        writer.commit()
-    return total
+            result = {key: future.result() for key, future in crcs.items()}
+            writer.commit()
+    return result
 
 
 class HeaderCache:
@@ -82,9 +93,18 @@ class HeaderCache:
         return header
 
 
-def _byte_requests(
-    plan: TensorLoadPlan, dest: memoryview, headers: HeaderCache, expected_numel: dict[str, int]
-) -> dict[str, list[ReadRequest]]:
+@dataclass(frozen=True)
+class ReadJob:
+    """Fill ``dest`` (flat, contiguous, CPU) by ``plan``; ``numel_per_file`` checks the file headers."""
+
+    plan: TensorLoadPlan
+    dest: torch.Tensor
+    numel_per_file: dict[str, int]
+    checksums_per_file: dict[str, tuple[int, ...] | None] | None = None
+
+
+def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache) -> dict[str, list[ReadRequest]]:
+    plan = job.plan
     size = itemsize(plan.dtype)
     out: dict[str, list[ReadRequest]] = {}
     for item in plan.items:
@@ -92,10 +112,10 @@ def _byte_requests(
         where = headers.storage.join(item.file)
         if entry is None:
             raise CorruptCheckpointError(f"{where}: tensor {plan.key!r} is in metadata.json but not in the file")
-        if entry.dtype != plan.dtype or entry.numel != expected_numel[item.file]:
+        if entry.dtype != plan.dtype or entry.numel != job.numel_per_file[item.file]:
             raise CorruptCheckpointError(
                 f"{where}: tensor {plan.key!r} is {entry.dtype} x {entry.numel} in the file but "
-                f"{plan.dtype} x {expected_numel[item.file]} in metadata.json"
+                f"{plan.dtype} x {job.numel_per_file[item.file]} in metadata.json"
             )
         start = entry.start + item.src_offset * size
         buf = dest[item.dst_offset * size : (item.dst_offset + item.numel) * size]
@@ -105,23 +125,22 @@ def _byte_requests(
 
 def execute_reads(
     storage: Storage,
-    jobs: Sequence[tuple[TensorLoadPlan, torch.Tensor, dict[str, int]]],
+    jobs: Sequence[ReadJob],
     *,
     headers: HeaderCache | None = None,
     num_threads: int | None = None,
+    verify_chunk_bytes: int | None = None,
 ) -> None:
-    """Run load plans. Each job is (plan, flat contiguous CPU destination, piece numel per file).
+    """Run load plans, straight into their destinations.
 
     Reads for one file are sorted by offset (adjacent ones become one ``preadv``) and split
-    into chunks spread over a small thread pool.
+    into chunks spread over a small thread pool. With ``verify_chunk_bytes``, every
+    checksummed chunk the reads touched is checked afterwards.
     """
     headers = headers or HeaderCache(storage)
     per_file: dict[str, list[ReadRequest]] = {}
-    keep = []
-    for plan, dest, numel_per_file in jobs:
-        keep.append(dest)
-        view = memoryview_of(dest)
-        for name, reqs in _byte_requests(plan, view, headers, numel_per_file).items():
+    for job in jobs:
+        for name, reqs in _byte_requests(job, memoryview_of(job.dest), headers).items():
             per_file.setdefault(name, []).extend(reqs)
     tasks: list[tuple[str, list[ReadRequest]]] = []
     for name, reqs in per_file.items():
@@ -136,14 +155,59 @@ def execute_reads(
                 chunk, chunk_bytes = [], 0
         if chunk:
             tasks.append((name, chunk))
+    _run(num_threads, [(_read, storage, name, reqs) for name, reqs in tasks])
+    if verify_chunk_bytes:
+        _run(num_threads, _verify_tasks(storage, jobs, headers, verify_chunk_bytes))
+
+
+def _run(num_threads: int | None, tasks: list[tuple]) -> None:
     threads = min(num_threads or io_threads(), len(tasks))
     if threads <= 1:
-        for name, reqs in tasks:
-            _read(storage, name, reqs)
+        for fn, *args in tasks:
+            fn(*args)
         return
-    with ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-read") as pool:
-        for future in [pool.submit(_read, storage, name, reqs) for name, reqs in tasks]:
+    with ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-io") as pool:
+        for future in [pool.submit(fn, *args) for fn, *args in tasks]:
             future.result()
+
+
+def _verify_tasks(storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCache, chunk: int) -> list[tuple]:
+    """Checks for every checksummed chunk the reads touched: hashed from the destination when
+    one read covered it whole, re-read from storage otherwise (only at piece boundaries)."""
+    tasks: list[tuple] = []
+    reread: set[tuple[str, str, int]] = set()
+    for job in jobs:
+        size = itemsize(job.plan.dtype)
+        dest = memoryview_of(job.dest)
+        for item in job.plan.items:
+            crcs = (job.checksums_per_file or {}).get(item.file)
+            if crcs is None:
+                continue
+            piece_bytes = job.numel_per_file[item.file] * size
+            a, b = item.src_offset * size, (item.src_offset + item.numel) * size
+            d = item.dst_offset * size
+            for c in range(a // chunk, -(-b // chunk)):
+                lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
+                where = (item.file, job.plan.key, c)
+                if c >= len(crcs):
+                    raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {job.plan.key!r} has too few checksums")
+                if a <= lo and hi <= b:
+                    tasks.append((_check, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
+                elif where not in reread:
+                    reread.add(where)
+                    start = headers.get(item.file).entries[job.plan.key].start
+                    tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
+    return tasks
+
+
+def _check(storage: Storage, where: tuple[str, str, int], view: memoryview, expected: int) -> None:
+    if crc32c(view) != expected:
+        name, key, c = where
+        raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
+
+
+def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
+    _check(storage, where, memoryview(storage.read(where[0], start, end)), expected)
 
 
 def _read(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from .. import dist
 from ..errors import CheckpointError
+from ..checksums import ALGORITHM, CHUNK_BYTES
 from ..format.layout import METADATA_FILENAME, is_rank_filename, rank_filename
 from ..format.metadata import StorageMetadata, parse_metadata
 from ..planning.plan import Piece, PieceDesc, build_save_plan
@@ -189,26 +190,38 @@ def save_state_dict(
 
     files: list[str] = []
     error: BaseException | None = None
+    crcs: dict[str, list[int]] = {}
     try:
         if rank != 0:
             storage.prepare()
         if plan_keys:
             name = rank_filename(rank)
-            write_rank_file(storage, name, [(key, described[key]) for key in plan_keys])
+            crcs = write_rank_file(storage, name, [(key, described[key]) for key in plan_keys])
             files.append(storage.join(name))
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
-    dist.agree(error, "save")
+    status = {"ok": error is None, "crcs": crcs}
+    gathered = dist.gather_bytes(json.dumps(status, separators=(",", ":")).encode(), dst=0)
 
-    if rank == 0:
-        try:
-            wanted = set(metadata.files())
-            for name in storage.list():
-                if is_rank_filename(name) and name not in wanted:
-                    storage.delete(name)
-            storage.write(METADATA_FILENAME, metadata.to_json_bytes())
-            files.append(storage.join(METADATA_FILENAME))
-        except BaseException as ex:  # noqa: BLE001 - reported to every rank
-            error = ex
-    dist.agree(error, "save (commit)")
+    commit_error: BaseException | None = None
+    if gathered is not None:
+        statuses = [json.loads(b) for b in gathered]
+        if all(s["ok"] for s in statuses):
+            try:
+                crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
+                committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
+                _commit(storage, committed)
+                files.append(storage.join(METADATA_FILENAME))
+            except BaseException as ex:  # noqa: BLE001 - reported to every rank
+                commit_error = ex
+    dist.agree(error or commit_error, "save")
     return metadata, files, SavePlanCache(fingerprint, plan_keys, metadata)
+
+
+def _commit(storage: Storage, metadata: StorageMetadata) -> None:
+    """Rank 0, once every rank file is durable: drop stale rank files, then publish metadata.json."""
+    wanted = set(metadata.files())
+    for name in storage.list():
+        if is_rank_filename(name) and name not in wanted:
+            storage.delete(name)
+    storage.write(METADATA_FILENAME, metadata.to_json_bytes())

@@ -11,7 +11,7 @@ from ..planning.overlap import SourceIndex
 from ..planning.plan import build_load_plan, spec_ranges
 from ..storage.base import Storage
 from .load import read_metadata
-from .rankfile import HeaderCache, execute_reads
+from .rankfile import HeaderCache, ReadJob, execute_reads
 
 __all__ = ["unshard_state_dict"]
 
@@ -23,6 +23,7 @@ def unshard_state_dict(
     rank0_only: bool = False,
     no_dist: bool = False,
     num_threads: int | None = None,
+    verify: bool = False,
 ) -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
     if rank0_only and no_dist and rank != 0:
@@ -43,11 +44,20 @@ def unshard_state_dict(
         out[key] = full
         if meta.numel:
             plan = build_load_plan(key, meta, [(0, meta.numel)])
-            jobs.append((plan, full.view(-1), {f: s.local_numel for f, s in meta.shard_spec_per_file.items()}))
+            specs = meta.shard_spec_per_file
+            jobs.append(
+                ReadJob(plan, full.view(-1), {f: s.local_numel for f, s in specs.items()}, {f: s.checksums for f, s in specs.items()})
+            )
     error: BaseException | None = None
     try:
         with torch.no_grad():
-            execute_reads(storage, jobs, headers=HeaderCache(storage), num_threads=num_threads)
+            execute_reads(
+                storage,
+                jobs,
+                headers=HeaderCache(storage),
+                num_threads=num_threads,
+                verify_chunk_bytes=metadata.checksum_chunk_bytes if verify else None,
+            )
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "unshard", no_dist=no_dist or rank0_only)

@@ -38,6 +38,8 @@ class TensorShardSpec(BaseModel):
     flattened_offsets: tuple[tuple[int, int], ...] | None = None
     local_shape: tuple[int, ...] | None = None
     global_offset: tuple[int, ...] | None = None
+    checksums: tuple[int, ...] | None = None
+    """CRC32C of each ``StorageMetadata.checksum_chunk_bytes`` of this piece's bytes (new, optional)."""
 
     @model_validator(mode="after")
     def _one_form(self) -> TensorShardSpec:
@@ -126,6 +128,15 @@ class StorageMetadata(BaseModel):
     world_size: int | None = None
     aliases: dict[str, str] | None = None
     """Keys saved once under another name (tied parameters): ``{alias: saved_key}``."""
+    checksum_algorithm: str | None = None
+    checksum_chunk_bytes: int | None = None
+
+    @field_validator("checksum_chunk_bytes")
+    @classmethod
+    def _chunk(cls, n: int | None) -> int | None:
+        if n is not None and n <= 0:
+            raise ValueError("checksum_chunk_bytes must be positive")
+        return n
 
     @model_validator(mode="after")
     def _aliases_resolve(self) -> StorageMetadata:
@@ -133,6 +144,21 @@ class StorageMetadata(BaseModel):
             if target not in self.tensors or alias in self.tensors:
                 raise ValueError(f"alias {alias!r} -> {target!r} does not resolve to a saved tensor")
         return self
+
+    def with_checksums(self, crcs_per_file: dict[str, dict[str, list[int]]], *, algorithm: str, chunk_bytes: int) -> StorageMetadata:
+        """A copy with each file's per-piece checksums filled in."""
+        tensors = {}
+        for key, meta in self.tensors.items():
+            specs = {
+                name: spec.model_copy(update={"checksums": tuple(crcs_per_file[name][key])})
+                if key in crcs_per_file.get(name, {})
+                else spec
+                for name, spec in meta.shard_spec_per_file.items()
+            }
+            tensors[key] = meta.model_copy(update={"shard_spec_per_file": specs})
+        return self.model_copy(
+            update={"tensors": tensors, "checksum_algorithm": algorithm, "checksum_chunk_bytes": chunk_bytes}
+        )
 
     def files(self) -> list[str]:
         names = {name for t in self.tensors.values() for name in t.shard_spec_per_file}

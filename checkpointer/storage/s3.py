@@ -1,0 +1,405 @@
+"""Amazon S3 and S3-compatible stores (MinIO, moto) through boto3.
+
+``s3://bucket/prefix``: a file ``name`` is the key ``prefix/name``. The endpoint and the
+credentials come from boto3's standard settings (``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, the credential chain), never from this module.
+botocore's own retries are turned off: every call goes through :func:`call_with_retry`, so
+``CHECKPOINTER_IO_RETRIES`` bounds all of them.
+
+Reads are ranged GETs read straight into the caller's buffers (:meth:`S3Storage.read_into`).
+A :class:`S3Writer` streams into a multipart upload, parts uploaded in parallel; a file
+smaller than one part is a single PUT. Nothing is visible before ``commit``.
+"""
+
+from __future__ import annotations
+
+import binascii
+import hashlib
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Sequence, TypeVar
+
+from .base import ReadRequest, Storage, Writer, check_name
+from .retry import RangeTask, RetryPolicy, call_with_retry, fill_range, is_transient, plan_ranges, redact, run_parallel
+
+__all__ = ["S3Storage", "S3Writer"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MiB = 1 << 20
+MIN_PART = 5 * MiB  # S3's smallest part (all but the last)
+MAX_PARTS = 10_000
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+_THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+             "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException"}
+
+
+def _boto():
+    try:
+        import boto3
+        import botocore.config
+        import botocore.exceptions
+    except ImportError as e:  # pragma: no cover - boto3 is a dependency
+        raise ImportError("s3:// URLs need boto3: pip install boto3") from e
+    return boto3, botocore
+
+
+def _error_code(exc: BaseException) -> tuple[str, int]:
+    response = getattr(exc, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def _transient(exc: BaseException) -> bool:
+    _, botocore = _boto()
+    e = botocore.exceptions
+    if isinstance(exc, e.ClientError):
+        code, status = _error_code(exc)
+        return code in _THROTTLE or status in (408, 429) or status >= 500
+    if isinstance(exc, (e.HTTPClientError, e.ConnectionError, e.IncompleteReadError, e.ChecksumError,
+                        e.CredentialRetrievalError)):
+        return True
+    import urllib3.exceptions
+
+    return isinstance(exc, (urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)) or is_transient(exc)
+
+
+class _ViewReader:
+    """A seekable file over a memoryview, so botocore can send (and resend) it without a copy of the whole."""
+
+    def __init__(self, view: memoryview):
+        self._view = view
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def read(self, n: int | None = -1) -> bytes:
+        stop = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
+        data = self._view[self._pos : stop].tobytes()
+        self._pos = stop
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + pos))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class S3Storage(Storage):
+    """Files under ``s3://bucket/prefix``.
+
+    Args:
+        url: ``s3://bucket`` or ``s3://bucket/prefix``.
+        client: a boto3 S3 client to use (default: one from the standard settings, with
+            botocore retries off). :meth:`child` views share it.
+        part_size: bytes per multipart-upload part and per ranged GET (at least 5 MiB).
+        max_concurrency: parallel requests of one ``read_into`` or one writer.
+        retry: retry bounds (default: :class:`RetryPolicy`, ``CHECKPOINTER_IO_RETRIES``).
+        connect_timeout, read_timeout: per-request socket timeouts, in seconds.
+    """
+
+    def __init__(self, url: str, *, client: Any = None, part_size: int = 64 * MiB, max_concurrency: int = 8,
+                 retry: RetryPolicy | None = None, connect_timeout: float = 10.0, read_timeout: float = 60.0):
+        scheme, sep, rest = str(url).partition("://")
+        if scheme.lower() != "s3" or not sep:
+            raise ValueError(f"not an s3:// URL: {url!r}")
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"{url!r} names no bucket: use s3://bucket/prefix")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        if self.prefix:
+            check_name(self.prefix)
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        if part_size < MIN_PART:
+            raise ValueError(f"part_size {part_size} is below S3's minimum part of {MIN_PART} bytes")
+        self.part_size = part_size
+        self.max_concurrency = max(1, max_concurrency)
+        self.retry = retry or RetryPolicy()
+        self._timeouts = (connect_timeout, read_timeout)
+        self._client = client if client is not None else self._make_client()
+
+    def _make_client(self) -> Any:
+        boto3, botocore = _boto()
+        config = botocore.config.Config(
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            max_pool_connections=2 * self.max_concurrency + 4,
+            connect_timeout=self._timeouts[0],
+            read_timeout=self._timeouts[1],
+            tcp_keepalive=True,
+        )
+        return boto3.session.Session().client("s3", config=config)
+
+    def _key(self, name: str) -> str:
+        name = check_name(name)
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def child(self, name: str) -> S3Storage:
+        storage = S3Storage.__new__(S3Storage)
+        storage.__dict__.update(self.__dict__)
+        storage.prefix = self._key(name)
+        storage.url = f"s3://{self.bucket}/{storage.prefix}"
+        return storage
+
+    def call(self, op: str, name: str, fn: Callable[[int], T]) -> T:
+        """Run ``fn(attempt)`` with retries; S3 errors become ``FileNotFoundError`` / ``OSError`` naming the URL."""
+        _, botocore = _boto()
+        url = self.join(name)
+        try:
+            return call_with_retry(fn, op=op, url=url, transient=_transient, policy=self.retry)
+        except botocore.exceptions.ClientError as e:
+            code, status = _error_code(e)
+            if code in _NOT_FOUND or status == 404:
+                raise FileNotFoundError(url) from e
+            raise OSError(f"{op} {url}: {redact(str(e))}") from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise OSError(f"{op} {url}: {type(e).__name__}: {redact(str(e))}") from e
+
+    def size(self, name: str) -> int:
+        key = self._key(name)
+        head = self.call("HEAD", name, lambda _: self._client.head_object(Bucket=self.bucket, Key=key))
+        return int(head["ContentLength"])
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self) -> list[str]:
+        root = f"{self.prefix}/" if self.prefix else ""
+
+        def listing(_: int) -> list[str]:
+            names: set[str] = set()
+            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root, Delimiter="/")
+            for page in pages:
+                names.update(obj["Key"][len(root) :] for obj in page.get("Contents", ()))
+                names.update(p["Prefix"][len(root) :].rstrip("/") for p in page.get("CommonPrefixes", ()))
+            names.discard("")
+            return sorted(names)
+
+        return self.call("LIST", "", listing)
+
+    def delete(self, name: str) -> None:
+        key = self._key(name)
+        try:
+            self.call("DELETE", name, lambda _: self._client.delete_object(Bucket=self.bucket, Key=key))
+        except FileNotFoundError:
+            pass
+
+    def _get(self, key: str, first: int, last: int | None) -> Any:
+        if first == 0 and last is None:
+            return self._client.get_object(Bucket=self.bucket, Key=key)
+        rng = f"bytes={first}-" + ("" if last is None else str(last))
+        return self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        key = self._key(name)
+        if start < 0 or (end is not None and end <= start):
+            self.size(name)  # a missing file is still FileNotFoundError
+            return b""
+        _, botocore = _boto()
+
+        def get(_: int) -> bytes:
+            try:
+                resp = self._get(key, start, None if end is None else end - 1)
+            except botocore.exceptions.ClientError as e:
+                if _error_code(e)[0] == "InvalidRange":  # the range starts at or past the end
+                    return b""
+                raise
+            with resp["Body"] as body:
+                return body.read()
+
+        return self.call(f"GET bytes {start}-{'' if end is None else end - 1}", name, get)
+
+    def read_into(self, name: str, requests: Sequence[ReadRequest]) -> None:
+        key = self._key(name)
+        tasks = plan_ranges(requests, self.part_size)
+        run_parallel(lambda task: self._fetch(name, key, task), tasks, self.max_concurrency)
+
+    def _fetch(self, name: str, key: str, task: RangeTask) -> None:
+        _, botocore = _boto()
+
+        def attempt(_: int) -> None:
+            first = task.start + task.done
+            try:
+                resp = self._get(key, first, task.end - 1)
+            except botocore.exceptions.ClientError as e:
+                if _error_code(e)[0] != "InvalidRange":
+                    raise
+                raise OSError(f"{self.join(name)} ends before byte {first}: the file is truncated") from e
+            with resp["Body"] as body:
+                if int(resp["ContentLength"]) < task.end - first:
+                    raise OSError(f"{self.join(name)} ends before byte {task.end}: the file is truncated")
+                fill_range(task, body)
+
+        self.call(f"GET bytes {task.start}-{task.end - 1}", name, attempt)
+
+    def write(self, name: str, data: bytes) -> None:
+        with self.open_writer(name) as writer:
+            writer.write([memoryview(data)])
+            writer.commit()
+
+    def open_writer(self, name: str) -> S3Writer:
+        return S3Writer(self, name)
+
+
+class S3Writer(Writer):
+    """Streams a file into a multipart upload; at most ``max_concurrency`` parts are in flight.
+
+    Memory stays bounded: small buffers are copied into a part buffer that is uploaded when
+    full (at most ``max_concurrency + 1`` part buffers exist); a buffer of a part or more is
+    uploaded straight from the caller's memory, and ``write`` waits for those parts.
+    """
+
+    def __init__(self, storage: S3Storage, name: str):
+        self._s = storage
+        self._name = name
+        self._key = storage._key(name)
+        self._size = storage.part_size
+        self._buf: bytearray | None = None
+        self._fill = 0
+        self._total = 0
+        self._upload_id: str | None = None
+        self._etags: dict[int, str] = {}
+        self._futures: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._slots = threading.Semaphore(storage.max_concurrency)
+        self._closed = False
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ValueError(f"writer for {self._s.join(self._name)} is closed")
+        for fut in self._futures:
+            if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+
+    def write(self, buffers: Sequence[memoryview]) -> None:
+        self._check()
+        direct: list[Future] = []
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            self._total += len(view)
+            while len(view):
+                if self._fill == 0 and len(view) >= self._size:
+                    direct.append(self._submit(view[: self._size]))
+                    view = view[self._size :]
+                    continue
+                if self._buf is None:
+                    self._buf = bytearray(self._size)
+                n = min(len(view), self._size - self._fill)
+                self._buf[self._fill : self._fill + n] = view[:n]
+                self._fill += n
+                view = view[n:]
+                if self._fill == self._size:
+                    self._submit(memoryview(self._buf))
+                    self._buf, self._fill = None, 0
+        for fut in direct:
+            fut.result()
+
+    def _submit(self, view: memoryview) -> Future:
+        if self._upload_id is None:
+            resp = self._s.call("CreateMultipartUpload", self._name, lambda _: self._s._client.create_multipart_upload(
+                Bucket=self._s.bucket, Key=self._key))
+            self._upload_id = resp["UploadId"]
+            self._pool = ThreadPoolExecutor(self._s.max_concurrency, thread_name_prefix="ckpt-s3-part")
+        number = len(self._futures) + 1
+        if number > MAX_PARTS:
+            raise OSError(f"{self._s.join(self._name)} needs more than {MAX_PARTS} parts: raise part_size")
+        self._slots.acquire()
+        assert self._pool is not None
+        fut = self._pool.submit(self._upload_part, number, view)
+        fut.add_done_callback(lambda _: self._slots.release())
+        self._futures.append(fut)
+        return fut
+
+    def _upload_part(self, number: int, view: memoryview) -> None:
+        resp = self._s.call(f"PUT part {number}", self._name, lambda _: self._s._client.upload_part(
+            Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=_ViewReader(view)))
+        self._etags[number] = resp["ETag"]
+
+    def commit(self) -> None:
+        self._check()
+        try:
+            if self._upload_id is None:
+                data = memoryview(self._buf)[: self._fill] if self._buf is not None else memoryview(b"")
+                self._s.call("PUT", self._name, lambda _: self._s._client.put_object(
+                    Bucket=self._s.bucket, Key=self._key, Body=_ViewReader(data)))
+            else:
+                if self._fill:
+                    self._submit(memoryview(self._buf)[: self._fill])  # type: ignore[arg-type]
+                for fut in self._futures:
+                    fut.result()
+                self._complete()
+                self._upload_id = None
+        except BaseException:
+            self.abort()
+            raise
+        self._close()
+
+    def _complete(self) -> None:
+        _, botocore = _boto()
+        parts = [{"ETag": self._etags[n], "PartNumber": n} for n in sorted(self._etags)]
+
+        def complete(attempt: int) -> None:
+            try:
+                self._s._client.complete_multipart_upload(
+                    Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+            except botocore.exceptions.ClientError as e:
+                # A retry after a lost response finds the upload gone: it completed if the
+                # object now has this upload's ETag.
+                if attempt == 0 or _error_code(e)[0] != "NoSuchUpload" or not self._completed(parts):
+                    raise
+
+        self._s.call("CompleteMultipartUpload", self._name, complete)
+
+    def _completed(self, parts: list[dict]) -> bool:
+        try:
+            head = self._s._client.head_object(Bucket=self._s.bucket, Key=self._key)
+            etag = str(head.get("ETag", "")).strip('"')
+            if not etag.endswith(f"-{len(parts)}") or int(head["ContentLength"]) != self._total:
+                return False
+            digest = hashlib.md5(b"".join(binascii.unhexlify(p["ETag"].strip('"')) for p in parts)).hexdigest()
+        except (binascii.Error, ValueError):
+            return True  # ETags that are not MD5s (SSE-KMS): the part count and size match
+        except Exception:
+            return False
+        return etag == f"{digest}-{len(parts)}"
+
+    def _close(self) -> None:
+        self._closed = True
+        self._buf = None
+        if self._pool is not None:
+            for fut in self._futures:
+                fut.cancel()
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def abort(self) -> None:
+        self._close()
+        upload_id, self._upload_id = self._upload_id, None
+        if upload_id is None:
+            return
+        try:
+            self._s.call("AbortMultipartUpload", self._name, lambda _: self._s._client.abort_multipart_upload(
+                Bucket=self._s.bucket, Key=self._key, UploadId=upload_id))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            # Raising here would hide the error that made the caller abort; an incomplete
+            # upload is invisible and a bucket lifecycle rule removes it.
+            log.warning("could not abort the multipart upload of %s: %s", self._s.join(self._name), e)
