@@ -33,6 +33,7 @@ __all__ = [
     "agree",
     "barrier",
     "share_from",
+    "share_tensor",
 ]
 
 TIMEOUT_ENV = "CHECKPOINTER_TIMEOUT_S"
@@ -217,3 +218,20 @@ def share_from(src: int, produce, what: str, *, no_dist: bool = False) -> bytes:
     status = json.loads(data[1:])
     _raise_remote(src, status, what)
     raise AssertionError("unreachable")
+
+
+def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int) -> None:
+    """Give ``buf`` from ``reader`` to every rank in ``ranks``: one broadcast when that is every
+    rank, point-to-point sends otherwise. Every rank in ``ranks`` calls it; others must not."""
+    if not is_distributed() or len(ranks) <= 1:
+        return
+    me = get_rank()
+    if len(ranks) == get_world_size():
+        _wait(dist.broadcast(buf, reader, async_op=True), "two-stage broadcast")
+        return
+    if me == reader:
+        works = [dist.isend(buf, dst=r, tag=tag) for r in ranks if r != reader]
+        for work in works:
+            _wait(work, "two-stage send")
+    else:
+        _wait(dist.irecv(buf, src=reader, tag=tag), "two-stage receive")

@@ -9,8 +9,10 @@ import torch
 
 from ..format.metadata import StorageMetadata
 from ..storage.base import Storage, open_storage
+from .. import dist
 from .load import load_state_dict, read_metadata
 from .save import SavePlanCache, save_state_dict
+from .two_stage import LoadStats, load_two_stage
 from .unshard import unshard_state_dict
 
 __all__ = ["Checkpointer"]
@@ -37,6 +39,8 @@ class Checkpointer:
 
     def __init__(self) -> None:
         self._plan_cache: SavePlanCache | None = None
+        self.last_load_stats: LoadStats | None = None
+        """Per-phase timings of the last two-stage load (``print`` it)."""
 
     @torch.no_grad()
     def save(
@@ -99,7 +103,12 @@ class Checkpointer:
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown load strategy {strategy!r}; expected one of {STRATEGIES}")
-        load_state_dict(open_storage(dir), state_dict, no_dist=no_dist, metadata=metadata, verify=verify)
+        storage = open_storage(dir)
+        if strategy == "two_stage" and not no_dist and dist.is_distributed():
+            metadata = metadata or read_metadata(storage)
+            self.last_load_stats = load_two_stage(storage, state_dict, metadata, verify=verify)
+        else:
+            load_state_dict(storage, state_dict, no_dist=no_dist, metadata=metadata, verify=verify)
 
     @torch.no_grad()
     def unshard(

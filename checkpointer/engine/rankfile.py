@@ -19,7 +19,7 @@ from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
 from ..storage.base import ReadRequest, Storage
 
-__all__ = ["write_rank_file", "HeaderCache", "ReadJob", "execute_reads", "io_threads"]
+__all__ = ["write_rank_file", "HeaderCache", "ReadJob", "execute_reads", "io_threads", "piece_start", "read_file_ranges", "verify_reads"]
 
 _SPECULATIVE_HEADER = 1 << 16
 _SPLIT_BYTES = 32 << 20
@@ -103,21 +103,26 @@ class ReadJob:
     checksums_per_file: dict[str, tuple[int, ...] | None] | None = None
 
 
+def piece_start(headers: HeaderCache, file: str, key: str, dtype: str, numel: int) -> int:
+    """Byte offset of ``key``'s piece in ``file``, after checking the header agrees with the metadata."""
+    entry = headers.get(file).entries.get(key)
+    where = headers.storage.join(file)
+    if entry is None:
+        raise CorruptCheckpointError(f"{where}: tensor {key!r} is in metadata.json but not in the file")
+    if entry.dtype != dtype or entry.numel != numel:
+        raise CorruptCheckpointError(
+            f"{where}: tensor {key!r} is {entry.dtype} x {entry.numel} in the file but {dtype} x {numel} in metadata.json"
+        )
+    return entry.start
+
+
 def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache) -> dict[str, list[ReadRequest]]:
     plan = job.plan
     size = itemsize(plan.dtype)
     out: dict[str, list[ReadRequest]] = {}
     for item in plan.items:
-        entry = headers.get(item.file).entries.get(plan.key)
-        where = headers.storage.join(item.file)
-        if entry is None:
-            raise CorruptCheckpointError(f"{where}: tensor {plan.key!r} is in metadata.json but not in the file")
-        if entry.dtype != plan.dtype or entry.numel != job.numel_per_file[item.file]:
-            raise CorruptCheckpointError(
-                f"{where}: tensor {plan.key!r} is {entry.dtype} x {entry.numel} in the file but "
-                f"{plan.dtype} x {job.numel_per_file[item.file]} in metadata.json"
-            )
-        start = entry.start + item.src_offset * size
+        entry_start = piece_start(headers, item.file, plan.key, plan.dtype, job.numel_per_file[item.file])
+        start = entry_start + item.src_offset * size
         buf = dest[item.dst_offset * size : (item.dst_offset + item.numel) * size]
         out.setdefault(item.file, []).append((start, buf))
     return out
@@ -157,7 +162,14 @@ def execute_reads(
             tasks.append((name, chunk))
     _run(num_threads, [(_read, storage, name, reqs) for name, reqs in tasks])
     if verify_chunk_bytes:
-        _run(num_threads, _verify_tasks(storage, jobs, headers, verify_chunk_bytes))
+        verify_reads(storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)
+
+
+def verify_reads(
+    storage: Storage, jobs: Sequence[ReadJob], *, headers: HeaderCache, chunk_bytes: int, num_threads: int | None = None
+) -> None:
+    """Check the checksums of every chunk the jobs' reads touched (after the reads filled them)."""
+    _run(num_threads, _verify_tasks(storage, jobs, headers, chunk_bytes))
 
 
 def _run(num_threads: int | None, tasks: list[tuple]) -> None:
@@ -195,7 +207,7 @@ def _verify_tasks(storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCach
                     tasks.append((_check, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
                 elif where not in reread:
                     reread.add(where)
-                    start = headers.get(item.file).entries[job.plan.key].start
+                    start = piece_start(headers, item.file, job.plan.key, job.plan.dtype, job.numel_per_file[item.file])
                     tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
     return tasks
 
@@ -208,6 +220,11 @@ def _check(storage: Storage, where: tuple[str, str, int], view: memoryview, expe
 
 def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
     _check(storage, where, memoryview(storage.read(where[0], start, end)), expected)
+
+
+def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:
+    """Fill each buffer from ``name`` (sorted by offset; adjacent ones coalesce)."""
+    _read(storage, name, sorted(reqs, key=lambda r: r[0]))
 
 
 def _read(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:

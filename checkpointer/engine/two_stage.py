@@ -1,0 +1,189 @@
+"""Two-stage load: every piece several ranks need is read from storage once and shared.
+
+The recipe (after Megatron-core's two-stage strategy):
+
+1. Each rank plans its local reads as the default strategy does.
+2. All ranks exchange what they need: ``(file, key, element interval)`` lists (one all-gather).
+3. Every rank computes the same schedule (:func:`~checkpointer.planning.readers.assign_readers`):
+   units of elements each needed by one set of ranks, each with one reader among them.
+4. Units go in batches of bounded size. While batch ``k`` is shared (one broadcast when every
+   rank needs a unit, point-to-point sends otherwise), a thread reads batch ``k + 1``.
+5. Each rank copies the units it needs into its tensors. A rank whose read failed still
+   takes part in every exchange, then all ranks raise at the closing agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .. import dist
+from ..buffers import memoryview_of
+from ..format.dtypes import itemsize
+from ..format.metadata import StorageMetadata
+from ..planning.readers import Need, ReadUnit, assign_readers
+from ..storage.base import Storage
+from .load import plan_local_loads
+from .rankfile import HeaderCache, ReadJob, piece_start, read_file_ranges, verify_reads
+
+__all__ = ["LoadStats", "load_two_stage"]
+
+log = logging.getLogger(__name__)
+_BATCH_BYTES = 64 << 20
+
+
+@dataclass
+class LoadStats:
+    """Where a load's time went, per phase, and how many bytes moved."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    bytes_read: int = 0
+    bytes_received: int = 0
+
+    def __str__(self) -> str:
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
+        return f"{phases}; read {self.bytes_read} B, received {self.bytes_received} B"
+
+
+@dataclass
+class _Dest:
+    start: int  # element offset into the piece
+    numel: int
+    dest: torch.Tensor  # flat destination
+    offset: int  # element offset into dest
+
+
+def load_two_stage(
+    storage: Storage,
+    state_dict: Mapping[str, Any],
+    metadata: StorageMetadata,
+    *,
+    verify: bool = False,
+    stats: LoadStats | None = None,
+) -> LoadStats:
+    stats = stats or LoadStats()
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        stats.seconds[phase] += now - clock
+        clock = now
+
+    rank = dist.get_rank()
+    error: BaseException | None = None
+    needs: list[Need] = []
+    dests: dict[tuple[str, str], list[_Dest]] = defaultdict(list)
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    jobs: list[ReadJob] = []
+    try:
+        for load in plan_local_loads(storage, metadata, state_dict):
+            if load.local.numel == 0:
+                continue
+            data = load.local.data
+            if data.device.type == "cpu" and data.is_contiguous():
+                flat = data.view(-1)
+            else:
+                flat = torch.empty(load.local.numel, dtype=data.dtype)
+                staged.append((flat, data))
+            jobs.append(load.job(flat))
+            for item in load.plan.items:
+                needs.append(Need(item.file, load.plan.key, item.src_offset, item.src_offset + item.numel))
+                dests[(item.file, load.plan.key)].append(_Dest(item.src_offset, item.numel, flat, item.dst_offset))
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank
+        error = ex
+    lap("planning")
+    mine = json.dumps({"ok": error is None, "needs": [[n.file, n.key, n.start, n.end] for n in needs]})
+    gathered = [json.loads(b) for b in dist.all_gather_bytes(mine.encode())]
+    lap("metadata exchange")
+    if not all(g["ok"] for g in gathered):
+        dist.agree(error, "two-stage load")
+    needs_per_rank = [[Need(*n) for n in g["needs"]] for g in gathered]
+    sizes = {key: itemsize(meta.dtype) for key, meta in metadata.tensors.items()}
+    units = assign_readers(needs_per_rank, sizes)
+    lap("planning")
+
+    headers = HeaderCache(storage)
+    numel_of = {(f, k): spec.local_numel for k, m in metadata.tensors.items() for f, spec in m.shard_spec_per_file.items()}
+    batches = _batches([u for u in units if rank in u.ranks], sizes)
+    tags = {u: i for i, u in enumerate(units)}
+
+    def read_batch(batch: list[ReadUnit]) -> tuple[dict[ReadUnit, torch.Tensor], BaseException | None]:
+        bufs = {u: torch.empty((u.end - u.start) * sizes[u.key], dtype=torch.uint8) for u in batch}
+        try:
+            per_file: dict[str, list] = defaultdict(list)
+            for u in batch:
+                if u.reader == rank:
+                    size = sizes[u.key]
+                    start = piece_start(headers, u.file, u.key, metadata.tensors[u.key].dtype, numel_of[(u.file, u.key)])
+                    per_file[u.file].append((start + u.start * size, memoryview_of(bufs[u])))
+            for name, reqs in per_file.items():
+                read_file_ranges(storage, name, reqs)
+            return bufs, None
+        except BaseException as ex:  # noqa: BLE001 - raised after the exchanges
+            return bufs, ex
+
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpointer-two-stage") as reader:
+        pending = reader.submit(read_batch, batches[0]) if batches else None
+        for i, batch in enumerate(batches):
+            t = time.perf_counter()
+            bufs, read_error = pending.result()  # type: ignore[union-attr]
+            stats.seconds["reads"] += time.perf_counter() - t
+            error = error or read_error
+            pending = reader.submit(read_batch, batches[i + 1]) if i + 1 < len(batches) else None
+            clock = time.perf_counter()
+            for u in batch:
+                dist.share_tensor(bufs[u], u.reader, u.ranks, tag=tags[u])
+                if u.reader == rank:
+                    stats.bytes_read += bufs[u].numel()
+                else:
+                    stats.bytes_received += bufs[u].numel()
+            lap("broadcasts")
+            for u in batch:
+                _scatter_unit(u, bufs[u], dests[(u.file, u.key)], sizes[u.key])
+            lap("copies")
+    if verify and metadata.checksum_chunk_bytes and error is None:
+        try:
+            verify_reads(storage, jobs, headers=headers, chunk_bytes=metadata.checksum_chunk_bytes)
+        except BaseException as ex:  # noqa: BLE001 - reported to every rank
+            error = ex
+        lap("verify")
+    for flat, data in staged:
+        data.copy_(flat.view(data.shape))
+    lap("copies")
+    dist.agree(error, "two-stage load")
+    log.debug("two-stage load on rank %d: %s", rank, stats)
+    return stats
+
+
+def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit]]:
+    out: list[list[ReadUnit]] = []
+    current: list[ReadUnit] = []
+    nbytes = 0
+    for u in units:
+        current.append(u)
+        nbytes += (u.end - u.start) * sizes[u.key]
+        if nbytes >= _BATCH_BYTES:
+            out.append(current)
+            current, nbytes = [], 0
+    if current:
+        out.append(current)
+    return out
+
+
+def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: list[_Dest], size: int) -> None:
+    """Copy the parts of a unit this rank needs into its destination tensors."""
+    for d in dests:
+        lo, hi = max(unit.start, d.start), min(unit.end, d.start + d.numel)
+        if hi <= lo:
+            continue
+        target = d.dest.view(torch.uint8) if d.dest.dtype != torch.uint8 else d.dest
+        dst = (d.offset + lo - d.start) * size
+        target[dst : dst + (hi - lo) * size].copy_(buf[(lo - unit.start) * size : (hi - unit.start) * size])
