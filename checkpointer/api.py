@@ -38,6 +38,10 @@ __all__ = [
     "flatten_optim_state",
 ]
 
+# The one piece of module state: the top-level save functions share a checkpointer so that
+# repeated saves reuse their plan and an async save can make the next one wait for it.
+_DEFAULT = Checkpointer()
+
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -144,24 +148,38 @@ def save_model_and_optim_state(
     untouched. Every rank calls it together.
     """
     dir = str(dir).rstrip("/")
-    checkpointer = Checkpointer()
     model_state = model_state_dict(model)
     optim_state = flatten_optim_state(model, optim, model_state)
-    _, model_files = checkpointer.save(f"{dir}/model", model_state, save_overwrite=save_overwrite)
-    _, optim_files = checkpointer.save(f"{dir}/optim", optim_state, save_overwrite=save_overwrite)
+    _, model_files = _DEFAULT.save(f"{dir}/model", model_state, save_overwrite=save_overwrite)
+    _, optim_files = _DEFAULT.save(f"{dir}/optim", optim_state, save_overwrite=save_overwrite)
     return model_files + optim_files
 
 
 def async_save_model_and_optim_state(
     dir: str, model: nn.Module, optim: torch.optim.Optimizer, *, save_overwrite: bool = False
 ) -> Future[list[str]]:
-    """Like :func:`save_model_and_optim_state`, returning a future (errors surface from ``.result()``)."""
-    future: Future[list[str]] = Future()
-    try:
-        future.set_result(save_model_and_optim_state(dir, model, optim, save_overwrite=save_overwrite))
-    except BaseException as ex:  # noqa: BLE001
-        future.set_exception(ex)
-    return future
+    """Like :func:`save_model_and_optim_state`, but returns once the state is staged in host memory.
+
+    Writing goes on in the background while training continues; the future gives this
+    rank's files, and errors surface from ``.result()``. A new save waits for the one in flight.
+    """
+    dir = str(dir).rstrip("/")
+    with torch.no_grad():
+        model_state = model_state_dict(model)
+        optim_state = flatten_optim_state(model, optim, model_state)
+        both = _DEFAULT.async_save_many(
+            [(f"{dir}/model", model_state), (f"{dir}/optim", optim_state)], save_overwrite=save_overwrite
+        )
+    files: Future[list[str]] = Future()
+
+    def done(f: Future) -> None:
+        if f.exception() is not None:
+            files.set_exception(f.exception())
+        else:
+            files.set_result([name for _, created in f.result() for name in created])
+
+    both.add_done_callback(done)
+    return files
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ __all__ = [
     "barrier",
     "share_from",
     "share_tensor",
+    "new_cpu_group",
 ]
 
 TIMEOUT_ENV = "CHECKPOINTER_TIMEOUT_S"
@@ -55,8 +56,8 @@ def timeout_seconds() -> float:
     return float(os.environ.get(TIMEOUT_ENV, "300"))
 
 
-def _device() -> torch.device:
-    backend = str(dist.get_backend())
+def _device(group: Any = None) -> torch.device:
+    backend = str(dist.get_backend(group))
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -73,26 +74,28 @@ def _wait(work: dist.Work | None, what: str) -> None:
         ) from ex
 
 
-def _to_tensor(payload: bytes, size: int) -> torch.Tensor:
+def _to_tensor(payload: bytes, size: int, group: Any = None) -> torch.Tensor:
     buf = torch.zeros(size, dtype=torch.uint8)
     if payload:
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return buf.to(_device())
+    return buf.to(_device(group))
 
 
-def _sizes(n: int) -> list[int]:
-    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(get_world_size())]
-    _wait(dist.all_gather(sizes, torch.tensor([n], dtype=torch.int64, device=_device()), async_op=True), "exchange")
+def _sizes(n: int, group: Any = None) -> list[int]:
+    dev = _device(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(get_world_size())]
+    mine = torch.tensor([n], dtype=torch.int64, device=dev)
+    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), "exchange")
     return [int(s.item()) for s in sizes]
 
 
-def all_gather_bytes(payload: bytes) -> list[bytes]:
+def all_gather_bytes(payload: bytes, group: Any = None) -> list[bytes]:
     if not is_distributed():
         return [payload]
-    sizes = _sizes(len(payload))
+    sizes = _sizes(len(payload), group)
     width = max(sizes)
-    out = [torch.empty(width, dtype=torch.uint8, device=_device()) for _ in sizes]
-    _wait(dist.all_gather(out, _to_tensor(payload, width), async_op=True), "all-gather")
+    out = [torch.empty(width, dtype=torch.uint8, device=_device(group)) for _ in sizes]
+    _wait(dist.all_gather(out, _to_tensor(payload, width, group), group=group, async_op=True), "all-gather")
     return [_bytes(t[:n]) for t, n in zip(out, sizes)]
 
 
@@ -112,15 +115,15 @@ def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
     return _bytes(buf)
 
 
-def gather_bytes(payload: bytes, dst: int = 0) -> list[bytes] | None:
+def gather_bytes(payload: bytes, dst: int = 0, group: Any = None) -> list[bytes] | None:
     """Every rank's payload on ``dst`` (None elsewhere)."""
     if not is_distributed():
         return [payload]
-    sizes = _sizes(len(payload))
+    sizes = _sizes(len(payload), group)
     width = max(sizes)
-    mine = _to_tensor(payload, width)
-    out = [torch.empty(width, dtype=torch.uint8, device=_device()) for _ in sizes] if get_rank() == dst else None
-    _wait(dist.gather(mine, out, dst=dst, async_op=True), "gather")
+    mine = _to_tensor(payload, width, group)
+    out = [torch.empty(width, dtype=torch.uint8, device=_device(group)) for _ in sizes] if get_rank() == dst else None
+    _wait(dist.gather(mine, out, dst=dst, group=group, async_op=True), "gather")
     if out is None:
         return None
     return [_bytes(t[:n]) for t, n in zip(out, sizes)]
@@ -164,7 +167,7 @@ _KNOWN = {
 }
 
 
-def agree(error: BaseException | None, what: str, *, no_dist: bool = False) -> None:
+def agree(error: BaseException | None, what: str, *, no_dist: bool = False, group: Any = None) -> None:
     """End a phase on every rank: raise on all ranks if any rank brought an error.
 
     The failing rank re-raises its own exception; the others raise the same library error
@@ -177,7 +180,7 @@ def agree(error: BaseException | None, what: str, *, no_dist: bool = False) -> N
     mine = {"ok": error is None}
     if error is not None:
         mine.update(type=type(error).__name__, message=str(error), file_exists=isinstance(error, FileExistsError))
-    statuses = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]
+    statuses = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode(), group)]
     failed = [(r, s) for r, s in enumerate(statuses) if not s["ok"]]
     if not failed:
         return
@@ -235,3 +238,10 @@ def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int)
             _wait(work, "two-stage send")
     else:
         _wait(dist.irecv(buf, src=reader, tag=tag), "two-stage receive")
+
+
+def new_cpu_group() -> Any:
+    """A gloo group over every rank, for collectives that run beside training (async saves)."""
+    if not is_distributed():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds()))

@@ -11,6 +11,7 @@ from ..format.metadata import StorageMetadata
 from ..storage.base import Storage, open_storage
 from .. import dist
 from .load import load_state_dict, read_metadata
+from .async_save import AsyncSaver
 from .save import SavePlanCache, save_state_dict
 from .two_stage import LoadStats, load_two_stage
 from .unshard import unshard_state_dict
@@ -38,7 +39,8 @@ class Checkpointer:
     """
 
     def __init__(self) -> None:
-        self._plan_cache: SavePlanCache | None = None
+        self._plan_cache: dict[str, SavePlanCache] = {}
+        self._async: AsyncSaver | None = None
         self.last_load_stats: LoadStats | None = None
         """Per-phase timings of the last two-stage load (``print`` it)."""
 
@@ -59,21 +61,34 @@ class Checkpointer:
         Raises:
             FileExistsError: ``dir`` holds a checkpoint and ``save_overwrite`` is False.
         """
-        metadata, files, self._plan_cache = save_state_dict(
-            open_storage(dir), state_dict, save_overwrite=save_overwrite, cache=self._plan_cache
-        )
-        return metadata, files
+        if self._async is not None:
+            self._async.wait()
+        return save_state_dict(open_storage(dir), state_dict, save_overwrite=save_overwrite, cache=self._plan_cache)
 
     def async_save(
         self, dir: str | Storage, state_dict: Mapping[str, Any], *, save_overwrite: bool = False
     ) -> Future[tuple[StorageMetadata, list[str]]]:
-        """Like :meth:`save`, returning a future. (Staging and background writing: see the performance issue.)"""
-        future: Future[tuple[StorageMetadata, list[str]]] = Future()
-        try:
-            future.set_result(self.save(dir, state_dict, save_overwrite=save_overwrite))
-        except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
-            future.set_exception(ex)
-        return future
+        """Like :meth:`save`, but returns once this rank's pieces are staged in host memory.
+
+        The file is written and committed in the background while training goes on; the
+        future holds :meth:`save`'s result, and its errors surface from ``.result()``. A new
+        save (async or not) first waits for the one in flight. Every rank calls it together.
+        """
+        return _first(self.async_save_many([(dir, state_dict)], save_overwrite=save_overwrite))
+
+    def async_save_many(
+        self, targets: list[tuple[str | Storage, Mapping[str, Any]]], *, save_overwrite: bool = False
+    ) -> Future[list[tuple[StorageMetadata, list[str]]]]:
+        """:meth:`async_save` of several ``(dir, state_dict)`` at once, written one after another."""
+        if self._async is None:
+            self._async = AsyncSaver()
+        opened = [(open_storage(d), sd) for d, sd in targets]
+        return self._async.save(opened, save_overwrite=save_overwrite, cache=self._plan_cache)
+
+    def wait(self) -> None:
+        """Block until an async save in flight has finished."""
+        if self._async is not None:
+            self._async.wait()
 
     @torch.no_grad()
     def load(
@@ -135,3 +150,16 @@ class Checkpointer:
     def get_metadata(self, dir: str | Storage, *, no_dist: bool = False) -> StorageMetadata:
         """The checkpoint's metadata (read by rank 0 and shared, unless ``no_dist``)."""
         return read_metadata(open_storage(dir), no_dist=no_dist)
+
+
+def _first(future: Future[list[Any]]) -> Future[Any]:
+    out: Future[Any] = Future()
+
+    def done(f: Future[list[Any]]) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(f.result()[0])
+
+    future.add_done_callback(done)
+    return out

@@ -33,7 +33,9 @@ from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from .rankfile import write_rank_file
 
-__all__ = ["save_state_dict", "SavePlanCache", "describe_state_dict"]
+__all__ = ["save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict"]
+
+_CACHE_ENTRIES = 8
 
 
 @dataclass
@@ -156,14 +158,28 @@ def _plan_on_rank0(gathered: list[bytes]) -> tuple[list[bytes], bytes]:
     return replies, plan.metadata.to_json_bytes()
 
 
-def save_state_dict(
+@dataclass
+class PlannedSave:
+    """A save after planning: what this rank writes, and the metadata rank 0 will commit."""
+
+    storage: Storage
+    described: dict[str, LocalTensor]
+    keys: tuple[str, ...]
+    metadata: StorageMetadata
+    fingerprint: str
+
+    def local_pieces(self) -> list[tuple[str, LocalTensor]]:
+        return [(key, self.described[key]) for key in self.keys]
+
+
+def plan_save(
     storage: Storage,
     state_dict: Mapping[str, Any],
     *,
     save_overwrite: bool = False,
-    cache: SavePlanCache | None = None,
-) -> tuple[StorageMetadata, list[str], SavePlanCache | None]:
-    """Save on every rank. Returns the metadata, the files this rank created, and the plan to cache."""
+    cache: dict[str, SavePlanCache] | None = None,
+) -> PlannedSave:
+    """Steps 1-3 on every rank: describe, check the directory, plan (or reuse a cached plan)."""
     rank = dist.get_rank()
     described: dict[str, LocalTensor] = {}
     aliases: dict[str, str] = {}
@@ -174,34 +190,48 @@ def save_state_dict(
         local_error = ex
     fingerprint = hashlib.sha256(_desc_json(described, aliases) + str(dist.get_world_size()).encode()).hexdigest()
 
-    plan_keys: tuple[str, ...] | None = None
-    metadata: StorageMetadata | None = None
+    cached = (cache or {}).get(fingerprint) if local_error is None else None
     if cache is not None:
-        ok = local_error is None and cache.fingerprint == fingerprint
+        ok = cached is not None
         if ok and rank == 0:
             try:
                 _check_directory(storage, save_overwrite, retire_old=True)
             except BaseException:  # noqa: BLE001 - the full path below reports it
                 ok = False
         if dist.all_reduce_min(int(ok)) == 1:
-            plan_keys, metadata = cache.keys, cache.metadata
-    if plan_keys is None or metadata is None:
-        plan_keys, metadata = _plan(storage, described, aliases, local_error, save_overwrite)
+            assert cached is not None
+            return PlannedSave(storage, described, cached.keys, cached.metadata, fingerprint)
+    keys, metadata = _plan(storage, described, aliases, local_error, save_overwrite)
+    if cache is not None:
+        while len(cache) >= _CACHE_ENTRIES:
+            cache.pop(next(iter(cache)))
+        cache[fingerprint] = SavePlanCache(fingerprint, keys, metadata)
+    return PlannedSave(storage, described, keys, metadata, fingerprint)
 
+
+def write_and_commit(
+    planned: PlannedSave, *, pieces: list[tuple[str, LocalTensor]] | None = None, group: Any = None
+) -> list[str]:
+    """Steps 4-5: write this rank's file (from ``pieces``, default the live tensors), then commit.
+
+    ``group`` is the process group for the closing collectives (async saves use their own).
+    """
+    storage, metadata, rank = planned.storage, planned.metadata, dist.get_rank()
     files: list[str] = []
     error: BaseException | None = None
     crcs: dict[str, list[int]] = {}
     try:
         if rank != 0:
             storage.prepare()
-        if plan_keys:
+        pieces = planned.local_pieces() if pieces is None else pieces
+        if pieces:
             name = rank_filename(rank)
-            crcs = write_rank_file(storage, name, [(key, described[key]) for key in plan_keys])
+            crcs = write_rank_file(storage, name, pieces)
             files.append(storage.join(name))
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     status = {"ok": error is None, "crcs": crcs}
-    gathered = dist.gather_bytes(json.dumps(status, separators=(",", ":")).encode(), dst=0)
+    gathered = dist.gather_bytes(json.dumps(status, separators=(",", ":")).encode(), dst=0, group=group)
 
     commit_error: BaseException | None = None
     if gathered is not None:
@@ -214,8 +244,20 @@ def save_state_dict(
                 files.append(storage.join(METADATA_FILENAME))
             except BaseException as ex:  # noqa: BLE001 - reported to every rank
                 commit_error = ex
-    dist.agree(error or commit_error, "save")
-    return metadata, files, SavePlanCache(fingerprint, plan_keys, metadata)
+    dist.agree(error or commit_error, "save", group=group)
+    return files
+
+
+def save_state_dict(
+    storage: Storage,
+    state_dict: Mapping[str, Any],
+    *,
+    save_overwrite: bool = False,
+    cache: dict[str, SavePlanCache] | None = None,
+) -> tuple[StorageMetadata, list[str]]:
+    """Save on every rank. Returns the metadata and the files this rank created."""
+    planned = plan_save(storage, state_dict, save_overwrite=save_overwrite, cache=cache)
+    return planned.metadata, write_and_commit(planned)
 
 
 def _commit(storage: Storage, metadata: StorageMetadata) -> None:

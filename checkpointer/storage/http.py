@@ -119,6 +119,11 @@ class HTTPStorage(Storage):
         path = posixpath.join(self._parts.path or "/", quote(check_name(name)))
         return urlunsplit(self._parts._replace(netloc=self._netloc, path=path))
 
+    def join(self, name: str) -> str:
+        """The file's URL for messages: user-info and query shown as ``***``."""
+        path = posixpath.join(self._parts.path or "/", quote(name)) if name else self._parts.path
+        return redact(urlunsplit(self._parts._replace(path=path)))
+
     def child(self, name: str) -> HTTPStorage:
         storage = HTTPStorage.__new__(HTTPStorage)
         storage.__dict__.update(self.__dict__)

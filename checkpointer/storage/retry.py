@@ -45,8 +45,9 @@ T = TypeVar("T")
 
 RETRIES_ENV = "CHECKPOINTER_IO_RETRIES"
 DEFAULT_RETRIES = 8
-READ_BLOCK = 1 << 20
-"""Bytes asked of a response stream per ``readinto``: bounds the transient copy some clients make."""
+READ_BLOCK = 256 * 1024
+"""Bytes asked of a response stream per ``readinto``: bounds the transient copy that urllib3
+makes, and what a dropped connection loses of a block in progress."""
 
 
 def io_retries() -> int:

@@ -1,0 +1,99 @@
+"""Asynchronous saves: plan and stage in the foreground, write and commit in the background.
+
+The call returns once this rank's pieces are copied into host buffers (reused from one
+save to the next, pinned for CUDA tensors), so training can change its tensors at once.
+A background thread writes the rank file and commits through a separate gloo group, so
+its collectives never interleave with the training loop's. A new save waits for the one
+in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Mapping
+
+import torch
+
+from .. import dist
+from ..format.metadata import StorageMetadata
+from ..sharding import LocalTensor
+from ..storage.base import Storage
+from .save import PlannedSave, SavePlanCache, plan_save, write_and_commit
+
+__all__ = ["AsyncSaver"]
+
+
+class AsyncSaver:
+    """One background writer with its staging buffers and process group."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-async-save")
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._group: Any = None
+        self._group_made = False
+        self._inflight: Future | None = None
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has finished; its errors stay on its future."""
+        inflight = self._inflight
+        if inflight is not None:
+            try:
+                inflight.result()
+            except BaseException:  # noqa: BLE001 - reported through that save's own future
+                pass
+
+    def save(
+        self,
+        targets: list[tuple[Storage, Mapping[str, Any]]],
+        *,
+        save_overwrite: bool,
+        cache: dict[str, SavePlanCache],
+    ) -> Future[list[tuple[StorageMetadata, list[str]]]]:
+        """Plan and stage every ``(storage, state_dict)`` now; write them all in the background."""
+        with self._lock:
+            self.wait()
+            result: Future[list[tuple[StorageMetadata, list[str]]]] = Future()
+            try:
+                if not self._group_made:
+                    self._group = dist.new_cpu_group()
+                    self._group_made = True
+                planned = [plan_save(st, sd, save_overwrite=save_overwrite, cache=cache) for st, sd in targets]
+                self._drop_unused({(i, key) for i, p in enumerate(planned) for key in p.keys})
+                staged = [self._stage(i, p) for i, p in enumerate(planned)]
+            except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
+                result.set_exception(ex)
+                return result
+            self._inflight = self._executor.submit(self._write, planned, staged, result)
+            return result
+
+    def _write(self, planned: list[PlannedSave], staged: list[list[tuple[str, LocalTensor]]], result: Future) -> None:
+        try:
+            out = [(p.metadata, write_and_commit(p, pieces=s, group=self._group)) for p, s in zip(planned, staged)]
+            result.set_result(out)
+        except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
+            result.set_exception(ex)
+
+    def _drop_unused(self, wanted: set[tuple[int, str]]) -> None:
+        for slot in list(self._buffers):
+            if slot not in wanted:
+                del self._buffers[slot]
+
+    def _stage(self, index: int, planned: PlannedSave) -> list[tuple[str, LocalTensor]]:
+        """Copy this rank's pieces into reusable host buffers."""
+        staged = []
+        cuda = False
+        for key, lt in planned.local_pieces():
+            data = lt.data
+            buf = self._buffers.get((index, key))
+            if buf is None or buf.numel() != data.numel() or buf.dtype != data.dtype:
+                buf = torch.empty(data.numel(), dtype=data.dtype, pin_memory=data.is_cuda)
+                self._buffers[(index, key)] = buf
+            buf.view(data.shape).copy_(data, non_blocking=data.is_cuda)
+            cuda = cuda or data.is_cuda
+            staged.append((key, replace(lt, data=buf)))
+        if cuda:
+            torch.cuda.synchronize()
+        return staged
