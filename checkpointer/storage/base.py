@@ -3,7 +3,10 @@
 A :class:`Storage` is rooted at one directory-like location (a checkpoint directory). Names
 are relative and ``/``-separated; a backend refuses a name that would leave its root. All
 methods may be called from several threads at once. Errors are builtin: a missing object
-is ``FileNotFoundError``, other I/O failures are ``OSError`` naming the URL.
+is ``FileNotFoundError``, other I/O failures are ``OSError`` naming the URL. A read-only
+backend (http) raises ``io.UnsupportedOperation`` from ``list``, ``write``, ``delete`` and
+``open_writer``, so loading never relies on ``list``. ``url`` and :meth:`Storage.join` are
+for messages and never contain credentials.
 
 Who calls what: during a save every rank opens a :class:`Writer` for its own file and
 commits it; rank 0 alone writes ``metadata.json`` with :meth:`Storage.write` last. During a
@@ -37,7 +40,7 @@ class Writer(ABC):
 
     @abstractmethod
     def write(self, buffers: Sequence[memoryview]) -> None:
-        """Append the buffers, in order."""
+        """Append the buffers, in order; the caller may reuse them once this returns."""
 
     @abstractmethod
     def commit(self) -> None:
@@ -77,7 +80,10 @@ class Storage(ABC):
 
     @abstractmethod
     def list(self) -> list[str]:
-        """Names of the files and sub-directories directly under the root (empty if it is missing)."""
+        """Names of the files and sub-directories directly under the root.
+
+        A missing directory or prefix gives ``[]``; a missing bucket is ``FileNotFoundError``.
+        """
 
     @abstractmethod
     def delete(self, name: str) -> None:

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, urlencode
 
-from .base import ReadRequest, Storage, Writer, check_name
+from .base import ReadRequest, Storage, check_name
 from .retry import (
     HTTPStatusError,
+    PartWriter,
     RangeTask,
     RetryPolicy,
+    bucket_url,
     call_with_retry,
     fill_range,
     is_transient,
@@ -61,8 +61,8 @@ def _transient(exc: BaseException) -> bool:
     if isinstance(exc, api.GoogleAPICallError):
         return transient_status(int(exc.code or 0))
     return isinstance(exc, (
-        google.auth.exceptions.TransportError, requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-        urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError,
+        google.auth.exceptions.TransportError, requests.ConnectionError, requests.Timeout,
+        requests.exceptions.ChunkedEncodingError, urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError,
     )) or is_transient(exc)
 
 
@@ -102,17 +102,10 @@ class GCSStorage(Storage):
 
     def __init__(self, url: str, *, client: Any = None, part_size: int = 64 * MiB, max_concurrency: int = 8,
                  retry: RetryPolicy | None = None, timeout: tuple[float, float] = (10.0, 120.0)):
-        scheme, sep, rest = str(url).partition("://")
-        if scheme.lower() not in ("gs", "gcs") or not sep:
-            raise ValueError(f"not a gs:// URL: {url!r}")
-        bucket, _, prefix = rest.partition("/")
-        if not bucket:
-            raise ValueError(f"{url!r} names no bucket: use gs://bucket/prefix")
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
+        self.bucket, self.prefix = bucket_url(url, ("gs", "gcs"))
         if self.prefix:
             check_name(self.prefix)
-        self.url = f"gs://{bucket}/{self.prefix}" if self.prefix else f"gs://{bucket}"
+        self.url = f"gs://{self.bucket}/{self.prefix}" if self.prefix else f"gs://{self.bucket}"
         if part_size <= 0:
             raise ValueError(f"part_size must be positive, got {part_size}")
         self.part_size = -(-part_size // CHUNK_UNIT) * CHUNK_UNIT
@@ -120,8 +113,14 @@ class GCSStorage(Storage):
         self.retry = retry or RetryPolicy()
         self.timeout = timeout
         if client is None:
+            import google.auth.exceptions
+
             gcs, _ = _gcs()
-            client = gcs.Client(project=None)
+            try:
+                client = gcs.Client(project=None)
+            except google.auth.exceptions.DefaultCredentialsError as e:
+                raise OSError(f"no Google credentials for {self.url}: run `gcloud auth application-default login` "
+                              "or set GOOGLE_APPLICATION_CREDENTIALS (or STORAGE_EMULATOR_HOST for an emulator)") from e
         self._client = client
 
     # The authorized requests session the client itself uses (google-cloud-storage's
@@ -203,7 +202,8 @@ class GCSStorage(Storage):
             pass
 
     def _media_url(self, name: str) -> str:
-        return f"{self._endpoint}/download/storage/v1/b/{quote(self.bucket, safe='')}/o/{quote(self._key(name), safe='')}?alt=media"
+        bucket, key = quote(self.bucket, safe=""), quote(self._key(name), safe="")
+        return f"{self._endpoint}/download/storage/v1/b/{bucket}/o/{key}?alt=media"
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         if start < 0 or (end is not None and end <= start):
@@ -255,116 +255,66 @@ class GCSStorage(Storage):
         return GCSWriter(self, name)
 
 
-class GCSWriter(Writer):
+class GCSWriter(PartWriter):
     """Streams a file into a resumable upload; a file smaller than one chunk is one request.
 
     GCS takes the chunks of a resumable upload strictly in order, so the parallelism is a
     pipeline: one chunk uploads while the caller fills the next (at most two chunk buffers).
-    A buffer of a chunk or more is uploaded straight from the caller's memory, and ``write``
-    waits for it. The object appears when the last chunk, which carries the total size, lands.
+    A buffer of a chunk or more is uploaded straight from the caller's memory. The object
+    appears when the last chunk, which carries the total size, lands.
     """
 
     def __init__(self, storage: GCSStorage, name: str):
+        super().__init__(storage.join(name), storage.part_size, workers=1, in_flight=1)
         self._s = storage
         self._name = name
         self._key = storage._key(name)
-        self._chunk = storage.part_size
-        self._buf: bytearray | None = None
-        self._fill = 0
-        self._offset = 0  # bytes handed to the uploader
         self._session_url: str | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._futures: list[Future] = []
-        self._slot = threading.Semaphore(1)
-        self._closed = False
 
     @property
     def _upload_base(self) -> str:
         return f"{self._s._endpoint}/upload/storage/v1/b/{quote(self._s.bucket, safe='')}/o"
 
-    def _check(self) -> None:
-        if self._closed:
-            raise ValueError(f"writer for {self._s.join(self._name)} is closed")
-        for fut in self._futures:
-            if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
-
-    def write(self, buffers: Sequence[memoryview]) -> None:
-        self._check()
-        direct: list[Future] = []
-        for buf in buffers:
-            view = memoryview(buf).cast("B")
-            while len(view):
-                if self._fill == 0 and len(view) >= self._chunk:
-                    direct.append(self._send(view[: self._chunk]))
-                    view = view[self._chunk :]
-                    continue
-                if self._buf is None:
-                    self._buf = bytearray(self._chunk)
-                n = min(len(view), self._chunk - self._fill)
-                self._buf[self._fill : self._fill + n] = view[:n]
-                self._fill += n
-                view = view[n:]
-                if self._fill == self._chunk:
-                    self._send(memoryview(self._buf))
-                    self._buf, self._fill = None, 0
-        for fut in direct:
-            fut.result()
-
-    def _send(self, view: memoryview, total: int | None = None) -> Future:
-        if self._session_url is None:
-            self._start_session()
-        start = self._offset
-        self._offset += len(view)
-        self._slot.acquire()
-        assert self._pool is not None
-        fut = self._pool.submit(self._put_chunk, start, view, total)
-        fut.add_done_callback(lambda _: self._slot.release())
-        self._futures.append(fut)
-        return fut
-
-    def _start_session(self) -> None:
+    def _begin(self) -> None:
         query = urlencode({"uploadType": "resumable", "name": self._key})
         resp = self._s.call("POST resumable session", self._name, lambda _: self._s.request(
             "POST", f"{self._upload_base}?{query}", json={"name": self._key},
             headers={"X-Upload-Content-Type": "application/octet-stream"}))
-        location = resp.headers.get("Location")
+        with resp:
+            location = resp.headers.get("Location")
         if not location:
-            raise OSError(f"POST resumable session {self._s.join(self._name)}: the response has no Location")
+            raise OSError(f"POST resumable session {self.url}: the response has no Location")
         self._session_url = location
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-gcs-chunk")
 
     def _persisted(self) -> int | None:
         """Bytes the session holds (a status query); None once the object is complete."""
         # gcp-storage-emulator answers this query with "Range: bytes=0-0" when it holds no
-        # bytes at all (real GCS omits the header), so it is only asked after a failure.
+        # bytes at all (real GCS sends no Range header), so it is only asked after a failure.
         resp = self._s.request("PUT", self._session_url, ok=(200, 201, 308), headers={"Content-Range": "bytes */*"})
         with resp:
-            if resp.status_code in (200, 201):
-                return None
-            return _range_end(resp.headers.get("Range"))
+            return None if resp.status_code in (200, 201) else _range_end(resp.headers.get("Range"))
 
-    def _put_chunk(self, start: int, view: memoryview, total: int | None) -> None:
-        end = start + len(view)
+    def _upload(self, number: int, offset: int, part: memoryview, total: int | None) -> None:
+        end = offset + len(part)
 
         def attempt(n: int) -> None:
-            pos = start
-            if n:
+            pos = offset
+            if n:  # after a failure, ask the session what it holds and go on from there
                 held = self._persisted()
                 if held is None:
                     if total is None:
                         raise OSError("the upload session completed before its last chunk")
                     return
-                if held < start:
-                    raise OSError(f"the upload session holds {held} bytes, fewer than the {start} already sent")
+                if held < offset:
+                    raise OSError(f"the upload session holds {held} bytes, fewer than the {offset} already sent")
                 pos = min(held, end)
-            while True:
-                last = total is not None
-                if pos == end and not last:
-                    return
-                rng = f"bytes {pos}-{end - 1}/{total if last else '*'}" if pos < end else f"bytes */{total}"
+            while total is not None or pos < end:
+                if pos < end:
+                    rng = f"bytes {pos}-{end - 1}/{'*' if total is None else total}"
+                else:
+                    rng = f"bytes */{total}"
                 resp = self._s.request("PUT", self._session_url, ok=(200, 201, 308),
-                                       data=_body(view[pos - start :]), headers={"Content-Range": rng})
+                                       data=_body(part[pos - offset :]), headers={"Content-Range": rng})
                 with resp:
                     if resp.status_code in (200, 201):
                         return
@@ -373,38 +323,26 @@ class GCSWriter(Writer):
                     raise ConnectionError(f"the upload session took none of the bytes from {pos}")
                 pos = min(held, end)
 
-        what = f"PUT bytes {start}-{end - 1}" + ("" if total is None else f" of {total}")
-        self._s.call(what, self._name, attempt)
+        self._s.call(f"PUT bytes {offset}-{end - 1}" + ("" if total is None else f" of {total}"), self._name, attempt)
 
     def commit(self) -> None:
         self._check()
-        data = memoryview(self._buf)[: self._fill] if self._buf is not None else memoryview(b"")
         try:
-            if self._session_url is None and len(data):
+            # An empty file goes through a session too: gcp-storage-emulator fails on an
+            # empty one-request upload (real GCS takes it).
+            if not self.started and self._parts.total:
+                data = self._parts.rest()
                 query = urlencode({"uploadType": "media", "name": self._key})
-                self._s.call("PUT", self._name, lambda _: self._s.request(
+                self._s.call("POST", self._name, lambda _: self._s.request(
                     "POST", f"{self._upload_base}?{query}", data=_body(data),
                     headers={"Content-Type": "application/octet-stream"}).close())
             else:
-                # An empty file goes through a session too: gcp-storage-emulator fails on an
-                # empty one-request upload (real GCS takes it).
-                self._send(data, total=self._offset + len(data))
-                for fut in self._futures:
-                    fut.result()
+                self._finish_parts(last_if_empty=True)
+            self._session_url = None
         except BaseException:
             self.abort()
             raise
-        self._session_url = None
         self._close()
-
-    def _close(self) -> None:
-        self._closed = True
-        self._buf = None
-        if self._pool is not None:
-            for fut in self._futures:
-                fut.cancel()
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
     def abort(self) -> None:
         self._close()
@@ -417,7 +355,7 @@ class GCSWriter(Writer):
         try:
             self._s.request("DELETE", session, ok=(200, 204, 404, 410, 499)).close()
         except OSError as e:
-            log.debug("could not cancel the upload session of %s: %s", self._s.join(self._name), e)
+            log.debug("could not cancel the upload session of %s: %s", self.url, e)
 
 
 def _range_end(header: str | None) -> int:

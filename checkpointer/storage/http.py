@@ -49,7 +49,12 @@ def _transport_errors() -> Iterator[None]:
     """urllib3 errors as builtin ones; their text is redacted (it can quote the request URL)."""
     exc = _urllib3().exceptions
     try:
-        yield
+        try:
+            yield
+        except exc.MaxRetryError as e:  # raised for redirects; unwrap any transport error
+            if isinstance(e.reason, (exc.TimeoutError, exc.ProtocolError, exc.NewConnectionError)):
+                raise e.reason from None
+            raise
     except exc.TimeoutError as e:
         raise TimeoutError(f"{type(e).__name__}: {redact(str(e))}") from None
     except (exc.ProtocolError, exc.NewConnectionError, exc.ProxyError) as e:
@@ -92,8 +97,7 @@ class HTTPStorage(Storage):
     """
 
     def __init__(self, url: str, *, part_size: int = 64 * MiB, max_concurrency: int = 8,
-                 retry: RetryPolicy | None = None, timeout: tuple[float, float] = (10.0, 60.0),
-                 _pool: Any = None):
+                 retry: RetryPolicy | None = None, timeout: tuple[float, float] = (10.0, 60.0)):
         parts = urlsplit(str(url))
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s):// URL: {redact(str(url))!r}")
@@ -111,9 +115,12 @@ class HTTPStorage(Storage):
         self.max_concurrency = max(1, max_concurrency)
         self.retry = retry or RetryPolicy()
         self.timeout = timeout
-        self._pool = _pool if _pool is not None else _urllib3().PoolManager(
-            maxsize=self.max_concurrency, retries=False,
-            timeout=_urllib3().Timeout(connect=timeout[0], read=timeout[1]))
+        urllib3 = _urllib3()
+        # Redirects are followed (credentials are dropped on a change of host); transport
+        # errors are raised as they are, for call_with_retry to judge.
+        retries = urllib3.Retry(total=None, connect=False, read=False, status=None, other=False, redirect=10)
+        self._pool = urllib3.PoolManager(
+            maxsize=self.max_concurrency, retries=retries, timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]))
 
     def _file_url(self, name: str) -> str:
         path = posixpath.join(self._parts.path or "/", quote(check_name(name)))
@@ -140,7 +147,8 @@ class HTTPStorage(Storage):
                 raise FileNotFoundError(url) from e
             raise OSError(f"{op} {url}: {e}") from e
 
-    def _request(self, method: str, name: str, headers: dict[str, str] | None = None, ok: tuple[int, ...] = (200,)) -> Any:
+    def _request(self, method: str, name: str, headers: dict[str, str] | None = None,
+                 ok: tuple[int, ...] = (200,)) -> Any:
         with _transport_errors():
             resp = self._pool.request(method, self._file_url(name), headers={**self._headers, **(headers or {})},
                                       preload_content=False, redirect=True)

@@ -16,12 +16,22 @@ from __future__ import annotations
 import binascii
 import hashlib
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence, TypeVar
 
-from .base import ReadRequest, Storage, Writer, check_name
-from .retry import RangeTask, RetryPolicy, call_with_retry, fill_range, is_transient, plan_ranges, redact, run_parallel
+from .base import ReadRequest, Storage, check_name
+from .retry import (
+    PartWriter,
+    RangeTask,
+    RetryPolicy,
+    bucket_url,
+    call_with_retry,
+    fill_range,
+    is_transient,
+    plan_ranges,
+    redact,
+    run_parallel,
+    transient_status,
+)
 
 __all__ = ["S3Storage", "S3Writer"]
 
@@ -58,7 +68,7 @@ def _transient(exc: BaseException) -> bool:
     e = botocore.exceptions
     if isinstance(exc, e.ClientError):
         code, status = _error_code(exc)
-        return code in _THROTTLE or status in (408, 429) or status >= 500
+        return code in _THROTTLE or transient_status(status)
     if isinstance(exc, (e.HTTPClientError, e.ConnectionError, e.IncompleteReadError, e.ChecksumError,
                         e.CredentialRetrievalError)):
         return True
@@ -113,17 +123,10 @@ class S3Storage(Storage):
 
     def __init__(self, url: str, *, client: Any = None, part_size: int = 64 * MiB, max_concurrency: int = 8,
                  retry: RetryPolicy | None = None, connect_timeout: float = 10.0, read_timeout: float = 60.0):
-        scheme, sep, rest = str(url).partition("://")
-        if scheme.lower() != "s3" or not sep:
-            raise ValueError(f"not an s3:// URL: {url!r}")
-        bucket, _, prefix = rest.partition("/")
-        if not bucket:
-            raise ValueError(f"{url!r} names no bucket: use s3://bucket/prefix")
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
+        self.bucket, self.prefix = bucket_url(url, ("s3",))
         if self.prefix:
             check_name(self.prefix)
-        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         if part_size < MIN_PART:
             raise ValueError(f"part_size {part_size} is below S3's minimum part of {MIN_PART} bytes")
         self.part_size = part_size
@@ -185,8 +188,8 @@ class S3Storage(Storage):
 
         def listing(_: int) -> list[str]:
             names: set[str] = set()
-            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root, Delimiter="/")
-            for page in pages:
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=root, Delimiter="/"):
                 names.update(obj["Key"][len(root) :] for obj in page.get("Contents", ()))
                 names.update(p["Prefix"][len(root) :].rstrip("/") for p in page.get("CommonPrefixes", ()))
             names.discard("")
@@ -258,92 +261,42 @@ class S3Storage(Storage):
         return S3Writer(self, name)
 
 
-class S3Writer(Writer):
-    """Streams a file into a multipart upload; at most ``max_concurrency`` parts are in flight.
+class S3Writer(PartWriter):
+    """Streams a file into a multipart upload, ``max_concurrency`` parts in flight at most.
 
-    Memory stays bounded: small buffers are copied into a part buffer that is uploaded when
-    full (at most ``max_concurrency + 1`` part buffers exist); a buffer of a part or more is
-    uploaded straight from the caller's memory, and ``write`` waits for those parts.
+    Memory stays bounded: small buffers are copied into part buffers (at most
+    ``max_concurrency + 1`` exist); a buffer of a part or more is uploaded straight from the
+    caller's memory. A file smaller than one part is a single PUT at commit.
     """
 
     def __init__(self, storage: S3Storage, name: str):
+        super().__init__(storage.join(name), storage.part_size, workers=storage.max_concurrency,
+                         in_flight=storage.max_concurrency, max_parts=MAX_PARTS)
         self._s = storage
         self._name = name
         self._key = storage._key(name)
-        self._size = storage.part_size
-        self._buf: bytearray | None = None
-        self._fill = 0
-        self._total = 0
         self._upload_id: str | None = None
         self._etags: dict[int, str] = {}
-        self._futures: list[Future] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._slots = threading.Semaphore(storage.max_concurrency)
-        self._closed = False
 
-    def _check(self) -> None:
-        if self._closed:
-            raise ValueError(f"writer for {self._s.join(self._name)} is closed")
-        for fut in self._futures:
-            if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
+    def _begin(self) -> None:
+        resp = self._s.call("CreateMultipartUpload", self._name, lambda _: self._s._client.create_multipart_upload(
+            Bucket=self._s.bucket, Key=self._key))
+        self._upload_id = resp["UploadId"]
 
-    def write(self, buffers: Sequence[memoryview]) -> None:
-        self._check()
-        direct: list[Future] = []
-        for buf in buffers:
-            view = memoryview(buf).cast("B")
-            self._total += len(view)
-            while len(view):
-                if self._fill == 0 and len(view) >= self._size:
-                    direct.append(self._submit(view[: self._size]))
-                    view = view[self._size :]
-                    continue
-                if self._buf is None:
-                    self._buf = bytearray(self._size)
-                n = min(len(view), self._size - self._fill)
-                self._buf[self._fill : self._fill + n] = view[:n]
-                self._fill += n
-                view = view[n:]
-                if self._fill == self._size:
-                    self._submit(memoryview(self._buf))
-                    self._buf, self._fill = None, 0
-        for fut in direct:
-            fut.result()
-
-    def _submit(self, view: memoryview) -> Future:
-        if self._upload_id is None:
-            resp = self._s.call("CreateMultipartUpload", self._name, lambda _: self._s._client.create_multipart_upload(
-                Bucket=self._s.bucket, Key=self._key))
-            self._upload_id = resp["UploadId"]
-            self._pool = ThreadPoolExecutor(self._s.max_concurrency, thread_name_prefix="ckpt-s3-part")
-        number = len(self._futures) + 1
-        if number > MAX_PARTS:
-            raise OSError(f"{self._s.join(self._name)} needs more than {MAX_PARTS} parts: raise part_size")
-        self._slots.acquire()
-        assert self._pool is not None
-        fut = self._pool.submit(self._upload_part, number, view)
-        fut.add_done_callback(lambda _: self._slots.release())
-        self._futures.append(fut)
-        return fut
-
-    def _upload_part(self, number: int, view: memoryview) -> None:
+    def _upload(self, number: int, offset: int, part: memoryview, total: int | None) -> None:
         resp = self._s.call(f"PUT part {number}", self._name, lambda _: self._s._client.upload_part(
-            Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=_ViewReader(view)))
+            Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=_ViewReader(part)))
         self._etags[number] = resp["ETag"]
 
     def commit(self) -> None:
         self._check()
         try:
-            if self._upload_id is None:
-                data = memoryview(self._buf)[: self._fill] if self._buf is not None else memoryview(b"")
+            if not self.started:
+                data = self._parts.rest()
                 self._s.call("PUT", self._name, lambda _: self._s._client.put_object(
                     Bucket=self._s.bucket, Key=self._key, Body=_ViewReader(data)))
             else:
-                if self._fill:
-                    self._submit(memoryview(self._buf)[: self._fill])  # type: ignore[arg-type]
-                for fut in self._futures:
-                    fut.result()
+                self._finish_parts(last_if_empty=False)
                 self._complete()
                 self._upload_id = None
         except BaseException:
@@ -371,7 +324,7 @@ class S3Writer(Writer):
         try:
             head = self._s._client.head_object(Bucket=self._s.bucket, Key=self._key)
             etag = str(head.get("ETag", "")).strip('"')
-            if not etag.endswith(f"-{len(parts)}") or int(head["ContentLength"]) != self._total:
+            if not etag.endswith(f"-{len(parts)}") or int(head["ContentLength"]) != self._parts.total:
                 return False
             digest = hashlib.md5(b"".join(binascii.unhexlify(p["ETag"].strip('"')) for p in parts)).hexdigest()
         except (binascii.Error, ValueError):
@@ -379,15 +332,6 @@ class S3Writer(Writer):
         except Exception:
             return False
         return etag == f"{digest}-{len(parts)}"
-
-    def _close(self) -> None:
-        self._closed = True
-        self._buf = None
-        if self._pool is not None:
-            for fut in self._futures:
-                fut.cancel()
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
     def abort(self) -> None:
         self._close()
@@ -402,4 +346,4 @@ class S3Writer(Writer):
         except OSError as e:
             # Raising here would hide the error that made the caller abort; an incomplete
             # upload is invisible and a bucket lifecycle rule removes it.
-            log.warning("could not abort the multipart upload of %s: %s", self._s.join(self._name), e)
+            log.warning("could not abort the multipart upload of %s: %s", self.url, e)

@@ -1,0 +1,302 @@
+"""Loopback servers for the storage tests: a fault-injecting HTTP proxy and a static file server.
+
+Everything binds 127.0.0.1 on a port the OS picks; nothing here talks to anything else.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from checkpointer.storage.retry import RetryPolicy
+
+S3_BUCKET = "ckpt-test"
+GCS_BUCKET = "ckpt-test-gcs"
+SECRET_KEY = "test-secret-DO-NOT-LEAK-4f1c"
+FAST = RetryPolicy(retries=8, base_delay=0.005, max_delay=0.02, max_elapsed=60.0)
+"""Quick retries for tests (the count and backoff are the production code's; only the pauses shrink)."""
+
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "expect",
+              "proxy-authorization", "proxy-connection", "content-length"}
+
+
+def unique(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{out[-4000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        # Clients that hang up (a reset, a closed pooled connection) are part of the tests.
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
+def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
+    if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        out = bytearray()
+        while True:
+            size = int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return bytes(out)
+            out += handler.rfile.read(size)
+            handler.rfile.readline()
+    return handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+
+
+@dataclass
+class Fault:
+    """The next ``count`` requests matching ``method``/``path`` fail as ``mode``, after ``skip`` matches pass.
+
+    Modes: ``503`` (answer 503 Slow Down), ``drop`` (close without answering; the request
+    never reaches the server), ``reset`` (the same, with a TCP reset), ``lost`` (forward, then close without answering: the server
+    acted but the client never hears), ``truncate`` (forward, send the headers and half the
+    body, close), ``stall`` (wait ``stall_s`` seconds, then close).
+    """
+
+    count: int
+    mode: str = "503"
+    method: str | None = None
+    path: str | None = None
+    skip: int = 0
+    stall_s: float = 2.0
+    fired: int = 0
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.method is None or method == self.method) and (self.path is None or self.path in path)
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]
+    fault: str | None = None
+
+
+@dataclass
+class FaultProxy:
+    """A reverse proxy to ``upstream`` (``http://127.0.0.1:port``) that injects :class:`Fault` s."""
+
+    upstream: str
+    faults: list[Fault] = field(default_factory=list)
+    seen: list[Seen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        parsed = urllib.parse.urlsplit(self.upstream)
+        self._up = (parsed.hostname, parsed.port)
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _handle(self) -> None:
+                proxy._serve(self)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
+
+        self._server = _Server(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+
+    def fail(self, count: int, mode: str = "503", **kw) -> Fault:
+        fault = Fault(count, mode, **kw)
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        with self._lock:
+            self.faults.clear()
+            self.seen.clear()
+
+    def _pick(self, method: str, path: str) -> Fault | None:
+        with self._lock:
+            for fault in self.faults:
+                if fault.fired < fault.count and fault.matches(method, path):
+                    if fault.skip:
+                        fault.skip -= 1
+                        return None
+                    fault.fired += 1
+                    return fault
+        return None
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        body = _read_body(h)
+        fault = self._pick(h.command, h.path)
+        with self._lock:
+            self.seen.append(Seen(h.command, h.path, dict(h.headers), fault.mode if fault else None))
+        mode = fault.mode if fault else None
+        if mode == "503":
+            payload = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            h.send_response(503)
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(payload)))
+            h.end_headers()
+            h.wfile.write(payload)
+            return
+        if mode == "reset":  # abortive close: the client reads ECONNRESET
+            h.close_connection = True
+            h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            h.connection.close()
+            return
+        if mode in ("drop", "stall"):
+            if mode == "stall":
+                time.sleep(fault.stall_s)
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        conn = http.client.HTTPConnection(*self._up, timeout=120)
+        try:
+            conn.putrequest(h.command, h.path, skip_host=True, skip_accept_encoding=True)
+            for key, value in h.headers.items():
+                if key.lower() not in HOP_BY_HOP:
+                    conn.putheader(key, value)
+            if body or h.command in ("PUT", "POST", "PATCH"):
+                conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body or None)
+            resp = conn.getresponse()
+            data = resp.read()
+            headers = resp.getheaders()
+        finally:
+            conn.close()
+        if mode == "lost":
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        h.send_response(resp.status, resp.reason)
+        length = None
+        for key, value in headers:
+            if key.lower() == "content-length":
+                length = value
+            elif key.lower() not in HOP_BY_HOP and key.lower() not in ("server", "date"):
+                h.send_header(key, value)
+        h.send_header("Content-Length", length if h.command == "HEAD" and length else str(len(data)))
+        h.end_headers()
+        if mode == "truncate":
+            h.wfile.write(data[: len(data) // 2])
+            h.wfile.flush()
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if h.command != "HEAD":
+            h.wfile.write(data)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class RangeFileServer:
+    """Serves the files under ``root`` over HTTP/1.1 with ``Range`` support (or, if
+    ``ranges=False``, ignoring ``Range`` like ``python -m http.server``), optionally behind
+    basic auth and a ``?token=`` query parameter, or redirects everything to ``redirect_to``."""
+
+    def __init__(self, root: str, *, ranges: bool = True, auth: tuple[str, str] | None = None,
+                 token: str | None = None, redirect_to: str | None = None):
+        server = self
+        self.root, self.ranges, self.token, self.redirect_to = root, ranges, token, redirect_to
+        self.authorization_seen: list[str | None] = []
+        self.auth = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode() if auth else None
+        self.ranges_seen: list[str | None] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                server._serve(self, head=True)
+
+            def do_GET(self) -> None:
+                server._serve(self, head=False)
+
+        self._server = _Server(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+
+    def _reply(self, h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], body: bytes, head: bool) -> None:
+        h.send_response(status)
+        for key, value in headers.items():
+            h.send_header(key, value)
+        h.send_header("Content-Length", headers.get("X-Length", str(len(body))))
+        h.end_headers()
+        if not head:
+            h.wfile.write(body)
+
+    def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        parts = urllib.parse.urlsplit(h.path)
+        query = urllib.parse.parse_qs(parts.query)
+        self.authorization_seen.append(h.headers.get("Authorization"))
+        if self.redirect_to:
+            return self._reply(h, 302, {"Location": self.redirect_to + parts.path}, b"", head)
+        if (self.auth and h.headers.get("Authorization") != self.auth) or (
+                self.token and query.get("token") != [self.token]):
+            return self._reply(h, 401, {}, b"unauthorized", head)
+        path = os.path.join(self.root, urllib.parse.unquote(parts.path).lstrip("/"))
+        if not os.path.isfile(path):
+            return self._reply(h, 404, {}, b"not found", head)
+        with open(path, "rb") as f:
+            data = f.read()
+        rng = h.headers.get("Range")
+        self.ranges_seen.append(rng)
+        if not rng or not self.ranges or head:
+            return self._reply(h, 200, {"X-Length": str(len(data))} if head else {}, data, head)
+        first, _, last = rng.removeprefix("bytes=").partition("-")
+        start, end = int(first), min(len(data), int(last) + 1 if last else len(data))
+        if start >= len(data):
+            return self._reply(h, 416, {"Content-Range": f"bytes */{len(data)}"}, b"", head)
+        return self._reply(h, 206, {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}"}, data[start:end], head)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,135 @@
+"""Read-only http(s):// loading against a tiny loopback file server with Range support."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from checkpointer.storage import open_storage
+from checkpointer.storage.http import HTTPStorage
+from checkpointer.storage.local import LocalStorage
+from checkpointer.storage.retry import RetryPolicy
+from storage_servers import FAST
+
+
+@pytest.fixture
+def served(tmp_path, file_server):
+    """A checkpoint-like directory on disk and a file server for its parent."""
+    local = LocalStorage(str(tmp_path / "ckpt"))
+    local.prepare()
+    data = os.urandom(2_000_000)
+    local.write("rank_0.bin", data)
+    local.write("metadata.json", b'{"ok": true}')
+    sub = local.child("sub dir")
+    sub.prepare()
+    sub.write("x", b"nested")
+    return str(tmp_path), data
+
+
+def test_http_reads(served, file_server) -> None:
+    root, data = served
+    server = file_server(root)
+    store = open_storage(f"{server.url}/ckpt/")
+    assert isinstance(store, HTTPStorage)
+    store = HTTPStorage(f"{server.url}/ckpt", part_size=64 * 1024, retry=FAST)
+    assert store.size("rank_0.bin") == len(data)
+    assert store.exists("metadata.json") and not store.exists("nope")
+    assert store.read("metadata.json") == b'{"ok": true}'
+    assert store.read("rank_0.bin", 10, 20) == data[10:20]
+    assert store.read("rank_0.bin", 1_999_990) == data[1_999_990:]
+    assert store.read("rank_0.bin", 2_400_000, 2_400_010) == b""
+    assert store.child("sub dir").read("x") == b"nested"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        store.read("nope")
+    with pytest.raises(FileNotFoundError):
+        store.size("nope")
+
+    server.ranges_seen.clear()
+    a, b, c = bytearray(100), bytearray(50), bytearray(150_000)
+    store.read_into("rank_0.bin", [(150, memoryview(b)), (50, memoryview(a)), (100_000, memoryview(c))])
+    assert bytes(a) + bytes(b) == data[50:200] and bytes(c) == data[100_000:250_000]
+    # adjacent requests coalesced, the large one split into part-size GETs
+    assert sorted(server.ranges_seen) == sorted(
+        ["bytes=50-199", "bytes=100000-165535", "bytes=165536-231071", "bytes=231072-249999"])
+    with pytest.raises(OSError, match="truncated"):
+        store.read_into("rank_0.bin", [(1_999_000, memoryview(bytearray(2000)))])
+
+
+def test_http_is_read_only(served, file_server) -> None:
+    store = HTTPStorage(f"{file_server(served[0]).url}/ckpt")
+    for call in (lambda: store.write("a", b"1"), lambda: store.open_writer("a"), lambda: store.delete("a"), store.list):
+        with pytest.raises(io.UnsupportedOperation):
+            call()
+
+
+def test_http_server_without_range_support(served, file_server) -> None:
+    root, data = served
+    store = HTTPStorage(f"{file_server(root, ranges=False).url}/ckpt", retry=FAST)
+    out = bytearray(1000)
+    store.read_into("rank_0.bin", [(123_456, memoryview(out))])
+    assert bytes(out) == data[123_456:124_456]
+    assert store.read("rank_0.bin", 5, 9) == data[5:9]
+
+
+def test_http_credentials_are_sent_but_never_shown(served, file_server) -> None:
+    root, data = served
+    server = file_server(root, auth=("alice", "hunter2"), token="s3cr3t")
+    port = server.url.rsplit(":", 1)[1]
+    store = HTTPStorage(f"http://alice:hunter2@127.0.0.1:{port}/ckpt?token=s3cr3t", retry=FAST)
+    assert store.read("metadata.json") == b'{"ok": true}'
+    assert "hunter2" not in store.url and "s3cr3t" not in store.url
+    wrong = HTTPStorage(f"http://alice:wrong-pw@127.0.0.1:{port}/ckpt?token=s3cr3t", retry=FAST)
+    with pytest.raises(OSError) as err:
+        wrong.read("metadata.json")
+    assert "401" in str(err.value)
+    assert "wrong-pw" not in str(err.value) and "s3cr3t" not in str(err.value)
+
+
+def test_http_follows_redirects_without_forwarding_credentials(served, file_server) -> None:
+    root, data = served
+    target = file_server(root)
+    front = file_server(root, redirect_to=target.url, auth=("alice", "pw"))
+    port = front.url.rsplit(":", 1)[1]
+    store = HTTPStorage(f"http://alice:pw@127.0.0.1:{port}/ckpt", retry=FAST)
+    assert store.size("rank_0.bin") == len(data)
+    out = bytearray(1000)
+    store.read_into("rank_0.bin", [(5000, memoryview(out))])
+    assert bytes(out) == data[5000:6000]
+    assert target.ranges_seen[-1] == "bytes=5000-5999"
+    assert all(front.authorization_seen) and not any(target.authorization_seen)
+
+
+def test_http_retries_and_resumes(served, file_server, fault_proxy) -> None:
+    root, data = served
+    proxy = fault_proxy(file_server(root).url)
+    store = HTTPStorage(f"{proxy.url}/ckpt", retry=FAST)
+    proxy.fail(3, "503")
+    assert store.size("rank_0.bin") == len(data)
+    proxy.fail(2, "drop")
+    assert store.read("metadata.json") == b'{"ok": true}'
+    proxy.fail(2, "reset")
+    assert store.exists("metadata.json")
+    proxy.clear()
+    proxy.fail(1, "truncate", method="GET")
+    out = bytearray(1_500_000)
+    store.read_into("rank_0.bin", [(1000, memoryview(out))])
+    assert bytes(out) == data[1000:1_501_000]
+    first, retry = [s.headers.get("Range") for s in proxy.seen]
+    assert first == "bytes=1000-1500999"
+    resumed = int(retry.removeprefix("bytes=").split("-")[0])
+    assert 1000 < resumed <= 1000 + 750_000 and retry.endswith("-1500999")  # only what was missing
+
+
+def test_http_beyond_the_budget(served, file_server, fault_proxy, monkeypatch) -> None:
+    monkeypatch.setenv("CHECKPOINTER_IO_RETRIES", "2")
+    root, _ = served
+    proxy = fault_proxy(file_server(root).url)
+    store = HTTPStorage(f"{proxy.url}/ckpt?token=abc", retry=RetryPolicy(base_delay=0.005, max_delay=0.01))
+    fault = proxy.fail(100, "drop")
+    with pytest.raises(OSError) as err:
+        store.read_into("rank_0.bin", [(0, memoryview(bytearray(10)))])
+    assert fault.fired == 3
+    assert f"{proxy.url}/ckpt/rank_0.bin?***" in str(err.value)
+    assert "GET bytes 0-9" in str(err.value) and "abc" not in str(err.value)

@@ -1,0 +1,177 @@
+"""The shared remote-I/O helpers on their own: retry bounds, range planning, redaction."""
+
+from __future__ import annotations
+
+import array
+import io
+import time
+
+import pytest
+
+from checkpointer.storage.retry import (
+    HTTPStatusError,
+    PartBuffer,
+    RangeTask,
+    RetryPolicy,
+    bucket_url,
+    call_with_retry,
+    fill_range,
+    io_retries,
+    plan_ranges,
+    redact,
+    run_parallel,
+)
+
+
+def _spans(tasks: list[RangeTask]) -> list[tuple[int, int]]:
+    return [(t.start, t.end) for t in tasks]
+
+
+def test_plan_ranges_coalesces_and_splits() -> None:
+    a, b, c = bytearray(4), bytearray(4), bytearray(2)
+    tasks = plan_ranges([(20, memoryview(c)), (0, memoryview(a)), (4, memoryview(b))], max_range=6)
+    assert _spans(tasks) == [(0, 6), (6, 8), (20, 22)]
+    assert [len(v) for v in tasks[0].buffers] == [4, 2]  # b straddles the cut: sliced
+    assert tasks[1].buffers[0].obj is b
+
+
+def test_plan_ranges_keeps_gaps_and_overlaps_apart_and_drops_empty() -> None:
+    reqs = [(0, memoryview(bytearray(10))), (5, memoryview(bytearray(10))), (16, memoryview(bytearray(1))),
+            (30, memoryview(bytearray(0)))]
+    assert _spans(plan_ranges(reqs, max_range=100)) == [(0, 10), (5, 15), (16, 17)]
+
+
+def test_plan_ranges_flattens_typed_buffers() -> None:
+    floats = array.array("f", [0.0] * 4)
+    (task,) = plan_ranges([(8, memoryview(floats))], max_range=100)
+    assert (task.start, task.end) == (8, 24) and task.buffers[0].format == "B"
+    with pytest.raises(ValueError):
+        plan_ranges([(0, memoryview(b"readonly"))], max_range=100)
+
+
+def test_fill_range_resumes_where_it_stopped() -> None:
+    data = bytes(range(100))
+    out1, out2 = bytearray(30), bytearray(40)
+    (task,) = plan_ranges([(10, memoryview(out1)), (40, memoryview(out2))], max_range=1000)
+
+    class Broken(io.BytesIO):
+        def readinto(self, b):  # delivers 45 bytes, then the connection "drops"
+            if self.tell() >= 45:
+                raise ConnectionResetError("reset")
+            return super().readinto(b[: 45 - self.tell()])
+
+    with pytest.raises(ConnectionResetError):
+        fill_range(task, Broken(data[10:80]), block=7)
+    assert task.done == 45
+    fill_range(task, io.BytesIO(data[10 + task.done : 80]))
+    assert bytes(out1) + bytes(out2) == data[10:80]
+    (short,) = plan_ranges([(0, memoryview(bytearray(10)))], max_range=1000)
+    with pytest.raises(ConnectionError, match="ended at byte 4"):
+        fill_range(short, io.BytesIO(b"1234"))
+
+
+def test_retry_counts_and_names_the_operation() -> None:
+    calls: list[int] = []
+
+    def flaky(attempt: int) -> str:
+        calls.append(attempt)
+        if attempt < 3:
+            raise HTTPStatusError(503, "slow down")
+        return "ok"
+
+    policy = RetryPolicy(retries=3, base_delay=0.001, max_delay=0.002)
+    assert call_with_retry(flaky, op="GET", url="s3://b/k", policy=policy) == "ok"
+    assert calls == [0, 1, 2, 3]
+    calls.clear()
+    with pytest.raises(OSError, match=r"GET bytes 0-9 s3://b/k failed after 3 attempts") as err:
+        call_with_retry(flaky, op="GET bytes 0-9", url="s3://b/k", policy=RetryPolicy(2, 0.001, 0.002))
+    assert isinstance(err.value.__cause__, HTTPStatusError)
+    assert calls == [0, 1, 2]
+
+
+def test_retry_passes_permanent_errors_through() -> None:
+    calls: list[int] = []
+
+    def denied(attempt: int) -> None:
+        calls.append(attempt)
+        raise HTTPStatusError(403, "denied")
+
+    with pytest.raises(HTTPStatusError):
+        call_with_retry(denied, op="GET", url="u", policy=RetryPolicy(5, 0.001, 0.002))
+    assert calls == [0]
+
+
+def test_retry_is_bounded_in_time() -> None:
+    def down(attempt: int) -> None:
+        raise ConnectionResetError("reset")
+
+    start = time.monotonic()
+    with pytest.raises(OSError, match="failed after"):
+        call_with_retry(down, op="GET", url="u", policy=RetryPolicy(1000, 0.05, 0.05, max_elapsed=0.3))
+    assert time.monotonic() - start < 1.0
+
+
+def test_backoff_grows_exponentially_with_jitter() -> None:
+    policy = RetryPolicy(retries=8, base_delay=0.1, max_delay=1.0)
+    for retry, cap in [(1, 0.1), (2, 0.2), (3, 0.4), (5, 1.0), (8, 1.0)]:
+        delays = {policy.delay(retry) for _ in range(20)}
+        assert all(cap / 2 <= d <= cap for d in delays) and len(delays) > 1
+
+
+def test_io_retries_env(monkeypatch) -> None:
+    monkeypatch.delenv("CHECKPOINTER_IO_RETRIES", raising=False)
+    assert io_retries() == 8 and RetryPolicy().retries == 8
+    monkeypatch.setenv("CHECKPOINTER_IO_RETRIES", "2")
+    assert RetryPolicy().retries == 2
+    for bad in ("-1", "many"):
+        monkeypatch.setenv("CHECKPOINTER_IO_RETRIES", bad)
+        with pytest.raises(ValueError, match="CHECKPOINTER_IO_RETRIES"):
+            io_retries()
+
+
+def test_redact_removes_userinfo_and_queries() -> None:
+    text = ("GET https://alice:hunter2@example.test/ckpt/rank_0?token=s3cr3t failed; "
+            "url: /upload/storage/v1/b/x/o?uploadType=resumable&upload_id=ABC (Caused by reset)")
+    out = redact(text)
+    assert "hunter2" not in out and "s3cr3t" not in out and "ABC" not in out
+    assert "https://***@example.test/ckpt/rank_0?***" in out
+    assert "/upload/storage/v1/b/x/o?***" in out
+    assert redact("s3://bucket/prefix/file") == "s3://bucket/prefix/file"
+
+
+def test_run_parallel_raises_the_first_failure() -> None:
+    seen: list[int] = []
+
+    def work(i: int) -> None:
+        if i == 3:
+            raise OSError("task 3 failed")
+        seen.append(i)
+
+    with pytest.raises(OSError, match="task 3"):
+        run_parallel(work, range(6), max_workers=2)
+    seen.clear()
+    run_parallel(work, [0, 1, 2], max_workers=4)
+    assert sorted(seen) == [0, 1, 2]
+
+
+def test_part_buffer_copies_small_buffers_and_borrows_large_ones() -> None:
+    parts = PartBuffer(8)
+    big = bytearray(range(20))
+    out = list(parts.feed([memoryview(b"abc"), memoryview(b"defgh"), memoryview(big)]))
+    assert [(bytes(p), borrowed) for p, borrowed in out] == [
+        (b"abcdefgh", False), (bytes(range(8)), True), (bytes(range(8, 16)), True)]
+    assert out[1][0].obj is big  # no copy
+    out = list(parts.feed([memoryview(b"x" * 5)]))
+    assert [(bytes(p), b) for p, b in out] == [(bytes(range(16, 20)) + b"xxxx", False)]
+    assert bytes(parts.rest()) == b"x" and bytes(parts.rest()) == b""
+    assert parts.total == 3 + 5 + 20 + 5
+    floats = array.array("f", [1.0, 2.0, 3.0])
+    assert bytes(next(iter(PartBuffer(12).feed([memoryview(floats)])))[0]) == floats.tobytes()
+
+
+def test_bucket_url() -> None:
+    assert bucket_url("s3://b/a/b/", ("s3",)) == ("b", "a/b")
+    assert bucket_url("gcs://b", ("gs", "gcs")) == ("b", "")
+    for bad in ("s3://", "s3:///x", "gs://b/x"):
+        with pytest.raises(ValueError):
+            bucket_url(bad, ("s3",))
