@@ -28,6 +28,8 @@ __all__ = [
 
 MAX_NDIM = 64
 MAX_NUMEL = 2**62
+MAX_RUNS_PER_TENSOR = 1 << 24
+"""A tensor's pieces may split into at most this many contiguous runs (bounds planning work)."""
 
 
 class TensorShardSpec(BaseModel):
@@ -100,7 +102,11 @@ class TensorStorageMetadata(BaseModel):
     @model_validator(mode="after")
     def _specs_fit(self) -> TensorStorageMetadata:
         numel = math.prod(self.shape)
+        runs = 0
         for name, spec in self.shard_spec_per_file.items():
+            runs += _run_count(spec, self.shape)
+            if runs > MAX_RUNS_PER_TENSOR:
+                raise ValueError(f"{name}: the pieces split into more than {MAX_RUNS_PER_TENSOR} runs")
             if spec.flattened_offsets is not None:
                 if any(end > numel for _, end in spec.flattened_offsets):
                     raise ValueError(f"{name}: flattened offsets past the tensor's {numel} elements")
@@ -166,6 +172,19 @@ class StorageMetadata(BaseModel):
 
     def to_json_bytes(self) -> bytes:
         return json.dumps(self.model_dump(exclude_none=False), separators=(",", ":")).encode()
+
+
+def _run_count(spec: TensorShardSpec, shape: tuple[int, ...]) -> int:
+    """How many contiguous runs a piece has (a box is one run per row of its leading dims)."""
+    if spec.flattened_offsets is not None:
+        return len(spec.flattened_offsets)
+    assert spec.local_shape is not None and spec.global_offset is not None
+    if len(spec.local_shape) != len(shape) or 0 in spec.local_shape:
+        return 0
+    split = len(shape) - 1
+    while split > 0 and spec.local_shape[split] == shape[split] and spec.global_offset[split] == 0:
+        split -= 1
+    return math.prod(spec.local_shape[:split])
 
 
 def new_metadata(tensors: dict[str, TensorStorageMetadata], *, world_size: int, aliases: dict[str, str]) -> StorageMetadata:

@@ -108,6 +108,8 @@ def build_header(pieces: list[tuple[str, str, int]], *, user_metadata: dict[str,
     offsets: list[int] = []
     pos = 0
     for key, dtype, numel in pieces:
+        if key in header or key == "__metadata__":
+            raise ValueError(f"tensor key {key!r} is given twice or is reserved")
         nbytes = numel * itemsize(dtype)
         header[key] = {"dtype": dtype, "shape": [numel], "data_offsets": [pos, pos + nbytes]}
         offsets.append(pos)

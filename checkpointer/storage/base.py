@@ -48,14 +48,13 @@ class Writer(ABC):
 
     @abstractmethod
     def abort(self) -> None:
-        """Discard what was written; the name is left as it was. Safe to call twice."""
+        """Discard what was written; the name is left as it was. Safe to call twice, and a no-op after commit."""
 
     def __enter__(self) -> Writer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.abort()
+        self.abort()  # a no-op after commit; otherwise nothing half-written stays behind
 
 
 class Storage(ABC):
@@ -96,9 +95,10 @@ class Storage(ABC):
     def read_into(self, name: str, requests: Sequence[ReadRequest]) -> None:
         """Fill each buffer with the bytes at its offset; a short file is ``EOFError``-free ``OSError``."""
         for offset, buf in requests:
-            data = self.read(name, offset, offset + len(buf))
-            if len(data) != len(buf):
-                raise OSError(f"short read of {self.join(name)} at {offset}: {len(data)} of {len(buf)} bytes")
+            buf = memoryview(buf).cast("B")
+            data = self.read(name, offset, offset + buf.nbytes)
+            if len(data) != buf.nbytes:
+                raise OSError(f"short read of {self.join(name)} at {offset}: {len(data)} of {buf.nbytes} bytes")
             buf[:] = data
 
     @abstractmethod

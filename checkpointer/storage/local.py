@@ -74,10 +74,10 @@ class LocalStorage(Storage):
             while i < len(requests):
                 # Requests that follow each other in the file go out as one preadv.
                 offset, first = requests[i]
-                bufs, end, j = [first], offset + len(first), i + 1
+                bufs, end, j = [first], offset + first.nbytes, i + 1
                 while j < len(requests) and requests[j][0] == end and len(bufs) < _IOV_MAX:
                     bufs.append(requests[j][1])
-                    end += len(requests[j][1])
+                    end += requests[j][1].nbytes
                     j += 1
                 _preadv_exact(fd, bufs, offset, path)
                 i = j

@@ -1,0 +1,453 @@
+"""format/metadata.py, format/layout.py, format/dtypes.py: round trips and hostile input."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpointer.errors import CheckpointError, CorruptCheckpointError
+from checkpointer.format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, itemsize
+from checkpointer.format.layout import (
+    METADATA_FILENAME,
+    check_filename,
+    is_rank_filename,
+    rank_filename,
+    temp_name,
+)
+from checkpointer.format.metadata import (
+    StorageMetadata,
+    TensorShardSpec,
+    TensorStorageMetadata,
+    parse_metadata,
+)
+
+WHERE = "ckpt/model/metadata.json"
+
+
+def valid_doc() -> dict:
+    """A metadata document as OLMo-core 0.1.0 writes it (no new fields)."""
+    return {
+        "tensors": {
+            "w": {
+                "shape": [4, 6],
+                "is_sharded": True,
+                "dtype": "F32",
+                "shard_spec_per_file": {
+                    "rank_0.safetensors": {"flattened_offsets": None, "local_shape": [2, 6], "global_offset": [0, 0]},
+                    "rank_1.safetensors": {"flattened_offsets": None, "local_shape": [2, 6], "global_offset": [2, 0]},
+                },
+            },
+            "flat": {
+                "shape": [10],
+                "is_sharded": True,
+                "dtype": "BF16",
+                "shard_spec_per_file": {
+                    "rank_0.safetensors": {"flattened_offsets": [[0, 3], [7, 10]]},
+                    "rank_1.safetensors": {"flattened_offsets": [[3, 7]], "local_shape": None, "global_offset": None},
+                },
+            },
+            "scalar": {
+                "shape": [],
+                "is_sharded": False,
+                "dtype": "I64",
+                "shard_spec_per_file": {"rank_1.safetensors": {"flattened_offsets": [[0, 1]]}},
+            },
+            "param_group0": {
+                "shape": [17],
+                "is_sharded": False,
+                "dtype": "U8",
+                "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": [[0, 17]]}},
+            },
+        }
+    }
+
+
+def parse(doc) -> StorageMetadata:
+    return parse_metadata(json.dumps(doc).encode(), where=WHERE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------------------------
+
+
+def test_olmo_document_parses():
+    md = parse(valid_doc())
+    w = md.tensors["w"]
+    assert w.shape == (4, 6) and w.dtype == "F32" and w.is_sharded
+    assert w.shard_spec_per_file["rank_1.safetensors"].global_offset == (2, 0)
+    assert md.tensors["flat"].shard_spec_per_file["rank_0.safetensors"].flattened_offsets == ((0, 3), (7, 10))
+    assert md.tensors["flat"].shard_spec_per_file["rank_0.safetensors"].local_numel == 6
+    assert w.shard_spec_per_file["rank_0.safetensors"].local_numel == 12
+    assert md.tensors["scalar"].numel == 1
+    assert md.files() == ["rank_0.safetensors", "rank_1.safetensors"]
+    assert md.format_version is None and md.aliases is None
+
+
+def test_round_trip_of_parsed_document():
+    md = parse(valid_doc())
+    again = parse_metadata(md.to_json_bytes(), where=WHERE)
+    assert again == md
+    assert again.to_json_bytes() == md.to_json_bytes()
+
+
+def test_round_trip_with_new_fields_and_aliases():
+    doc = valid_doc()
+    doc["format_version"] = 1
+    doc["world_size"] = 2
+    doc["aliases"] = {"tied.weight": "w"}
+    md = parse(doc)
+    assert md.aliases == {"tied.weight": "w"} and md.world_size == 2
+    assert parse_metadata(md.to_json_bytes(), where=WHERE) == md
+
+
+def test_round_trip_of_constructed_metadata():
+    md = StorageMetadata(
+        tensors={
+            "a": TensorStorageMetadata(
+                shape=(3, 0, 2),
+                is_sharded=True,
+                dtype="F8_E4M3",
+                shard_spec_per_file={"rank_0.safetensors": TensorShardSpec(local_shape=(3, 0, 2), global_offset=(0, 0, 0))},
+            ),
+            "b": TensorStorageMetadata(
+                shape=(5,),
+                is_sharded=False,
+                dtype="BOOL",
+                shard_spec_per_file={"rank_3.safetensors": TensorShardSpec(flattened_offsets=((0, 5),))},
+            ),
+        },
+        format_version=1,
+        world_size=4,
+    )
+    assert parse_metadata(md.to_json_bytes(), where=WHERE) == md
+    assert StorageMetadata(tensors={}) == parse_metadata(b'{"tensors": {}}', where=WHERE)
+
+
+@st.composite
+def metadata_docs(draw):
+    tensors = {}
+    for key in draw(st.lists(st.text(min_size=1, max_size=8), max_size=4, unique=True)):
+        ndim = draw(st.integers(0, 3))
+        shape = draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim))
+        numel = 1
+        for n in shape:
+            numel *= n
+        specs = {}
+        for rank in draw(st.lists(st.integers(0, 99), max_size=3, unique=True)):
+            if ndim and draw(st.booleans()):
+                offs = [draw(st.integers(0, n)) for n in shape]
+                local = [draw(st.integers(0, n - o)) for n, o in zip(shape, offs)]
+                specs[rank_filename(rank)] = {"local_shape": local, "global_offset": offs}
+            else:
+                cuts = sorted(draw(st.lists(st.integers(0, numel), max_size=4)))
+                specs[rank_filename(rank)] = {
+                    "flattened_offsets": [[cuts[i], cuts[i + 1]] for i in range(0, len(cuts) - 1, 2)]
+                }
+        tensors[key] = {
+            "shape": shape,
+            "is_sharded": draw(st.booleans()),
+            "dtype": draw(st.sampled_from(sorted(DTYPE_CODES))),
+            "shard_spec_per_file": specs,
+        }
+    doc = {"tensors": tensors}
+    if draw(st.booleans()):
+        doc["format_version"] = draw(st.integers(0, 5))
+        doc["world_size"] = draw(st.integers(1, 100))
+    if tensors and draw(st.booleans()):
+        doc["aliases"] = {"alias-of-" + k: k for k in tensors if "alias-of-" + k not in tensors}
+    return doc
+
+
+@settings(max_examples=100, deadline=None)
+@given(metadata_docs())
+def test_round_trip_property(doc):
+    md = parse(doc)
+    assert parse_metadata(md.to_json_bytes(), where=WHERE) == md
+    # Nothing is lost: every field of the input is in the output with the same value.
+    out = json.loads(md.to_json_bytes())
+    for key, t in doc["tensors"].items():
+        assert out["tensors"][key]["shape"] == t["shape"]
+        assert out["tensors"][key]["dtype"] == t["dtype"]
+        for name, spec in t["shard_spec_per_file"].items():
+            for field, value in spec.items():
+                assert out["tensors"][key]["shard_spec_per_file"][name][field] == value
+
+
+def test_checksums_round_trip():
+    doc = valid_doc()
+    doc["checksum_algorithm"] = "crc32c"
+    doc["checksum_chunk_bytes"] = 16 << 20
+    doc["tensors"]["w"]["shard_spec_per_file"]["rank_0.safetensors"]["checksums"] = [0, 4294967295]
+    md = parse(doc)
+    assert md.tensors["w"].shard_spec_per_file["rank_0.safetensors"].checksums == (0, 4294967295)
+    assert parse_metadata(md.to_json_bytes(), where=WHERE) == md
+    doc["checksum_chunk_bytes"] = 0
+    with pytest.raises(CorruptCheckpointError):
+        parse(doc)
+
+
+def test_unknown_fields_are_accepted_and_kept():
+    doc = valid_doc()
+    doc["checksums"] = {"rank_0.safetensors": "abc"}
+    doc["tensors"]["w"]["crc32"] = 12345
+    doc["tensors"]["w"]["shard_spec_per_file"]["rank_0.safetensors"]["sha256"] = "00ff"
+    md = parse(doc)
+    out = json.loads(md.to_json_bytes())
+    assert out["checksums"] == {"rank_0.safetensors": "abc"}
+    assert out["tensors"]["w"]["crc32"] == 12345
+    assert out["tensors"]["w"]["shard_spec_per_file"]["rank_0.safetensors"]["sha256"] == "00ff"
+    assert parse_metadata(md.to_json_bytes(), where=WHERE) == md
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejections
+# ---------------------------------------------------------------------------------------------
+
+
+def mutate(fn):
+    doc = copy.deepcopy(valid_doc())
+    fn(doc)
+    return json.dumps(doc).encode()
+
+
+def _set(path, value):
+    def fn(doc):
+        node = doc
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = value
+
+    return fn
+
+
+def _rename_file(key, old, new):
+    def fn(doc):
+        specs = doc["tensors"][key]["shard_spec_per_file"]
+        specs[new] = specs.pop(old)
+
+    return fn
+
+
+W0 = ("tensors", "w", "shard_spec_per_file", "rank_0.safetensors")
+F0 = ("tensors", "flat", "shard_spec_per_file", "rank_0.safetensors")
+
+BAD_DOCS = {
+    "not json": b"{not json",
+    "truncated json": b'{"tensors": {',
+    "empty": b"",
+    "not utf-8": b'{"tensors": {"\xff\xfe": 1}}',
+    "array": b"[]",
+    "string": b'"tensors"',
+    "number": b"3",
+    "null": b"null",
+    "no tensors": b"{}",
+    "tensors is a list": b'{"tensors": []}',
+    "duplicate top-level key": b'{"tensors": {}, "tensors": {}}',
+    "duplicate tensor key": (
+        b'{"tensors": {"a": {"shape": [1], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {}},'
+        b' "a": {"shape": [2], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {}}}}'
+    ),
+    "duplicate file key": (
+        b'{"tensors": {"a": {"shape": [2], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {'
+        b'"rank_0.safetensors": {"flattened_offsets": [[0, 2]]},'
+        b'"rank_0.safetensors": {"flattened_offsets": [[0, 1]]}}}}}'
+    ),
+    "unknown dtype": mutate(_set(("tensors", "w", "dtype"), "F128")),
+    "lowercase dtype": mutate(_set(("tensors", "w", "dtype"), "float32")),
+    "negative shape": mutate(_set(("tensors", "w", "shape"), [4, -6])),
+    "fractional shape": mutate(_set(("tensors", "w", "shape"), [4, 6.5])),
+    "string shape": mutate(_set(("tensors", "w", "shape"), "4,6")),
+    "too many dims": mutate(_set(("tensors", "w", "shape"), [1] * 65)),
+    "too many elements": mutate(_set(("tensors", "w", "shape"), [2**40, 2**40])),
+    "missing is_sharded": mutate(lambda d: d["tensors"]["w"].pop("is_sharded")),
+    "missing shard_spec_per_file": mutate(lambda d: d["tensors"]["w"].pop("shard_spec_per_file")),
+    "offsets past numel": mutate(_set(F0 + ("flattened_offsets",), [[0, 3], [7, 11]])),
+    "offsets reversed": mutate(_set(F0 + ("flattened_offsets",), [[3, 0]])),
+    "negative offsets": mutate(_set(F0 + ("flattened_offsets",), [[-1, 3]])),
+    "offsets not pairs": mutate(_set(F0 + ("flattened_offsets",), [[0, 3, 5]])),
+    "box leaves the shape": mutate(_set(W0 + ("global_offset",), [3, 0])),
+    "box too wide": mutate(_set(W0 + ("local_shape",), [2, 7])),
+    "box wrong ndim": mutate(_set(W0 + ("local_shape",), [2, 6, 1])),
+    "box ndim differs from offset": mutate(_set(W0 + ("global_offset",), [0])),
+    "negative local_shape": mutate(_set(W0 + ("local_shape",), [-2, 6])),
+    "negative global_offset": mutate(_set(W0 + ("global_offset",), [-1, 0])),
+    "spec without a form": mutate(_set(W0, {"local_shape": [2, 6]})),
+    "empty spec": mutate(_set(W0, {})),
+    "filename with slash": mutate(_rename_file("w", "rank_0.safetensors", "sub/rank_0.safetensors")),
+    "filename climbing": mutate(_rename_file("w", "rank_0.safetensors", "../rank_0.safetensors")),
+    "filename dotdot": mutate(_rename_file("w", "rank_0.safetensors", "..")),
+    "filename dot": mutate(_rename_file("w", "rank_0.safetensors", ".")),
+    "absolute filename": mutate(_rename_file("w", "rank_0.safetensors", "/etc/passwd")),
+    "hidden filename": mutate(_rename_file("w", "rank_0.safetensors", ".rank_0.safetensors")),
+    "backslash filename": mutate(_rename_file("w", "rank_0.safetensors", "..\\rank_0.safetensors")),
+    "empty filename": mutate(_rename_file("w", "rank_0.safetensors", "")),
+    "nul in filename": mutate(_rename_file("w", "rank_0.safetensors", "rank_0\x00.safetensors")),
+    "url filename": mutate(_rename_file("w", "rank_0.safetensors", "s3://bucket/rank_0.safetensors")),
+    "metadata.json as a rank file": mutate(_rename_file("w", "rank_0.safetensors", "metadata.json")),
+    "alias to nothing": mutate(_set(("aliases",), {"tied": "missing"})),
+    "alias shadows a tensor": mutate(_set(("aliases",), {"flat": "w"})),
+    "nested lists": b"[" * 100_000 + b"]" * 100_000,
+    "nested objects": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    "nested lists in an extra field": b'{"tensors": {}, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "nested objects in a shape": b'{"tensors": {"a": {"shape": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}}}",
+    "huge integer": b'{"tensors": {"a": {"shape": [' + b"9" * 5000 + b'], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {}}}}',
+}
+
+
+@pytest.mark.parametrize("data", BAD_DOCS.values(), ids=BAD_DOCS.keys())
+def test_parse_metadata_rejects(data):
+    with pytest.raises(CorruptCheckpointError) as info:
+        parse_metadata(data, where=WHERE)
+    assert WHERE in str(info.value)
+    assert len(str(info.value)) < 2000
+
+
+def test_corrupt_is_a_checkpoint_error():
+    assert issubclass(CorruptCheckpointError, CheckpointError)
+
+
+# ---------------------------------------------------------------------------------------------
+# layout.py and dtypes.py
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1, 7, 123])
+def test_rank_filename(rank):
+    name = rank_filename(rank)
+    assert name == f"rank_{rank}.safetensors"
+    assert is_rank_filename(name)
+    assert check_filename(name) == name
+
+
+@pytest.mark.parametrize("name", ["metadata.json", "rank_x.safetensors", "rank_1.safetensors.tmp", "xrank_1.safetensors", "rank_-1.safetensors"])
+def test_not_rank_filenames(name):
+    assert not is_rank_filename(name)
+
+
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "../x", "a/b", "/abs", ".hidden", METADATA_FILENAME, "a\\b", "a b", None, 3]
+)
+def test_check_filename_rejects(name):
+    with pytest.raises(CorruptCheckpointError):
+        check_filename(name)
+
+
+def test_temp_name_is_hidden_and_unique():
+    a, b = temp_name("rank_0.safetensors"), temp_name("rank_0.safetensors")
+    assert a != b
+    assert a.startswith(".") and "rank_0.safetensors" in a
+    with pytest.raises(CorruptCheckpointError):
+        check_filename(a)
+
+
+@pytest.mark.parametrize("code", sorted(DTYPE_CODES))
+def test_dtype_codes_round_trip(code):
+    dtype = dtype_from_code(code)
+    assert code_from_dtype(dtype) == code
+    assert itemsize(code) == torch.empty(0, dtype=dtype).element_size()
+
+
+def test_dtype_sizes():
+    assert {c: itemsize(c) for c in DTYPE_CODES} == {
+        "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+        "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    }  # fmt: skip
+
+
+def test_unknown_dtypes():
+    with pytest.raises(CorruptCheckpointError):
+        dtype_from_code("F128")
+    with pytest.raises(CorruptCheckpointError):
+        itemsize("float32")
+    with pytest.raises(TypeError):
+        code_from_dtype(torch.complex64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fuzz: any JSON put anywhere in a valid document is parsed or refused as corrupt, never
+# anything else, and what parses is consistent.
+# ---------------------------------------------------------------------------------------------
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 30),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=5),
+    st.sampled_from(["F32", "rank_0.safetensors", "..", "/x", METADATA_FILENAME, ".h", "w"]),
+)
+_JSON = st.recursive(
+    _SCALARS,
+    lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=4), c, max_size=3)),
+    max_leaves=10,
+)
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+_DOC_PATHS = list(_paths(valid_doc()))[1:] + [("aliases",), ("tensors", "new")]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_DOC_PATHS), _JSON), min_size=1, max_size=3))
+def test_fuzzed_metadata_is_parsed_or_corrupt(mutations):
+    from checkpointer.planning.plan import build_load_plan, spec_ranges
+
+    doc = valid_doc()
+    for path, value in mutations:
+        node = doc
+        try:
+            for p in path[:-1]:
+                node = node[p]
+            node[path[-1]] = value
+        except (KeyError, IndexError, TypeError):
+            pass
+    try:
+        md = parse_metadata(json.dumps(doc).encode(), where=WHERE)
+    except CorruptCheckpointError:
+        return
+    for key, t in md.tensors.items():
+        for name, spec in t.shard_spec_per_file.items():
+            assert check_filename(name) == name
+            for s, e in spec_ranges(spec, t.shape):
+                assert 0 <= s <= e <= t.numel
+        try:
+            plan = build_load_plan(key, t, [(0, t.numel)])
+        except CorruptCheckpointError:
+            continue
+        assert plan.numel == t.numel
+    for alias, target in (md.aliases or {}).items():
+        assert target in md.tensors and alias not in md.tensors
+
+
+def test_box_with_too_many_runs_is_refused_before_planning():
+    # A box one element wide over 2**31 rows would make the planner build 2**31 ranges.
+    raw = {
+        "tensors": {
+            "w": {
+                "shape": [2**31, 2],
+                "is_sharded": True,
+                "dtype": "F32",
+                "shard_spec_per_file": {
+                    "rank_0.safetensors": {"local_shape": [2**31, 1], "global_offset": [0, 0]}
+                },
+            }
+        }
+    }
+    with pytest.raises(CorruptCheckpointError, match="runs"):
+        parse_metadata(json.dumps(raw).encode(), where="metadata.json")
