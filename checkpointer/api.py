@@ -19,6 +19,7 @@ import torch.nn as nn
 from . import dist
 from .buffers import memoryview_of
 from .engine.checkpointer import Checkpointer
+from .engine.unshard import read_full
 from .errors import CheckpointMismatchError, CorruptCheckpointError
 from .format.builtins_pickle import decode_builtins, encode_builtins
 from .format.dtypes import dtype_from_code
@@ -216,7 +217,7 @@ def _load_optim(
     metadata = checkpointer.get_metadata(dir)
     error: BaseException | None = None
     try:
-        to_fill, torch_state = _plan_optim_load(checkpointer, dir, metadata, model, optim, model_state)
+        to_fill, torch_state = _plan_optim_load(dir, metadata, model, optim, model_state)
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "load optimizer")
@@ -225,7 +226,6 @@ def _load_optim(
 
 
 def _plan_optim_load(
-    checkpointer: Checkpointer,
     dir: str,
     metadata: StorageMetadata,
     model: nn.Module,
@@ -233,11 +233,10 @@ def _plan_optim_load(
     model_state: dict[str, Any],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The state tensors to fill in place, and the state dict to hand the optimizer afterwards."""
-    small = {key: _empty_like_meta(metadata, key) for key in metadata.tensors if not key.startswith("state.")}
     for key in ("num_param_groups", "state_keys"):
-        if key not in small:
+        if key not in metadata.tensors:
             raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
-    checkpointer.load(dir, small, metadata=metadata, no_dist=True)
+    small = read_full(open_storage(dir), metadata, [k for k in metadata.tensors if not k.startswith("state.")])
     num_groups = int(small["num_param_groups"].item())
     if num_groups != len(optim.param_groups):
         raise CheckpointMismatchError(
@@ -300,11 +299,6 @@ def _allocate_state(meta: TensorStorageMetadata, param: Any) -> torch.Tensor:
         like = param if isinstance(param, torch.Tensor) else local_data(param)
         return torch.empty_like(like.detach(), dtype=dtype)
     return torch.empty(meta.shape, dtype=dtype)
-
-
-def _empty_like_meta(metadata: StorageMetadata, key: str) -> torch.Tensor:
-    meta = metadata.tensors[key]
-    return torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

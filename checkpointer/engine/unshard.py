@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from .. import dist
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
+from ..format.metadata import StorageMetadata
 from ..planning.overlap import SourceIndex
 from ..planning.plan import build_load_plan, spec_ranges
 from ..storage.base import Storage
 from .load import read_metadata
-from .rankfile import HeaderCache, ReadJob, execute_reads
+from .rankfile import HeaderCache, ReadJob, execute_reads, piece_start
 
-__all__ = ["unshard_state_dict"]
+__all__ = ["unshard_state_dict", "read_full"]
 
 
 def unshard_state_dict(
@@ -31,38 +34,57 @@ def unshard_state_dict(
     if rank0_only and rank != 0:
         return {}
     metadata = read_metadata(storage, no_dist=no_dist or rank0_only)
-    device = torch.device(device) if device is not None else torch.device("cpu")
     out: dict[str, torch.Tensor] = {}
-    jobs = []
-    for key, meta in metadata.tensors.items():
-        index = SourceIndex([spec_ranges(s, meta.shape) for s in meta.shard_spec_per_file.values()])
-        if index.covered() != meta.numel:
-            raise CorruptCheckpointError(
-                f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements"
-            )
-        full = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
-        out[key] = full
-        if meta.numel:
-            plan = build_load_plan(key, meta, [(0, meta.numel)])
-            specs = meta.shard_spec_per_file
-            jobs.append(
-                ReadJob(plan, full.view(-1), {f: s.local_numel for f, s in specs.items()}, {f: s.checksums for f, s in specs.items()})
-            )
     error: BaseException | None = None
     try:
-        with torch.no_grad():
-            execute_reads(
-                storage,
-                jobs,
-                headers=HeaderCache(storage),
-                num_threads=num_threads,
-                verify_chunk_bytes=metadata.checksum_chunk_bytes if verify else None,
-            )
+        out = read_full(storage, metadata, list(metadata.tensors), num_threads=num_threads, verify=verify)
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "unshard", no_dist=no_dist or rank0_only)
+    device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     for alias, target in (metadata.aliases or {}).items():
         out[alias] = out[target]
+    return out
+
+
+def read_full(
+    storage: Storage,
+    metadata: StorageMetadata,
+    keys: Sequence[str],
+    *,
+    num_threads: int | None = None,
+    verify: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Full tensors of ``keys``, read by this process alone (no collectives).
+
+    Every piece is checked against its file's header before anything is allocated, so a
+    hostile ``metadata.json`` cannot make this allocate more than the files hold.
+    """
+    headers = HeaderCache(storage)
+    out: dict[str, torch.Tensor] = {}
+    jobs = []
+    for key in keys:
+        meta = metadata.tensors[key]
+        specs = meta.shard_spec_per_file
+        index = SourceIndex([spec_ranges(s, meta.shape) for s in specs.values()])
+        if index.covered() != meta.numel:
+            raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
+        for name, spec in specs.items():
+            piece_start(headers, name, key, meta.dtype, spec.local_numel)
+        full = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
+        out[key] = full
+        if meta.numel:
+            plan = build_load_plan(key, meta, [(0, meta.numel)])
+            numels = {f: s.local_numel for f, s in specs.items()}
+            jobs.append(ReadJob(plan, full.view(-1), numels, {f: s.checksums for f, s in specs.items()}))
+    with torch.no_grad():
+        execute_reads(
+            storage,
+            jobs,
+            headers=headers,
+            num_threads=num_threads,
+            verify_chunk_bytes=metadata.checksum_chunk_bytes if verify else None,
+        )
     return out
