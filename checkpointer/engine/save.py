@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .. import dist
 from ..errors import CheckpointError
 from ..checksums import ALGORITHM, CHUNK_BYTES
-from ..format.layout import METADATA_FILENAME, is_rank_filename, rank_filename
+from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename, rank_filename
 from ..format.metadata import StorageMetadata, parse_metadata
 from ..planning.plan import Piece, PieceDesc, build_save_plan
 from ..sharding import LocalTensor, describe
@@ -92,16 +95,28 @@ def _parse_descs(payload: bytes) -> tuple[list[PieceDesc], dict[str, str]]:
 
 
 def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> None:
-    """Refuse to save over a checkpoint unless asked; ``retire_old`` then makes the old one incomplete."""
+    """Refuse to save over a checkpoint unless asked. With ``retire_old``, take the save lock
+    and make an old checkpoint incomplete, before any rank writes."""
     storage.prepare()
-    if storage.exists(METADATA_FILENAME):
+    if storage.exists(METADATA_FILENAME) and not save_overwrite:
+        raise FileExistsError(
+            f"{storage.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
+            "(pass save_overwrite=True to replace it)"
+        )
+    if not retire_old:
+        return
+    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+    try:
+        storage.create_exclusive(LOCK_FILENAME, lock)
+    except FileExistsError:
         if not save_overwrite:
             raise FileExistsError(
-                f"{storage.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
-                "(pass save_overwrite=True to replace it)"
-            )
-        if retire_old:
-            storage.delete(METADATA_FILENAME)
+                f"another save into {storage.url} is in progress, or one crashed there: "
+                f"{storage.join(LOCK_FILENAME)} exists (remove it, or pass save_overwrite=True)"
+            ) from None
+        storage.write(LOCK_FILENAME, lock)
+    if storage.exists(METADATA_FILENAME):
+        storage.delete(METADATA_FILENAME)
 
 
 def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> tuple[tuple[str, ...], StorageMetadata]:
@@ -192,15 +207,17 @@ def plan_save(
 
     cached = (cache or {}).get(fingerprint) if local_error is None else None
     if cache is not None:
-        ok = cached is not None
+        ok = locked = cached is not None
         if ok and rank == 0:
             try:
                 _check_directory(storage, save_overwrite, retire_old=True)
             except BaseException:  # noqa: BLE001 - the full path below reports it
-                ok = False
+                ok = locked = False
         if dist.all_reduce_min(int(ok)) == 1:
             assert cached is not None
             return PlannedSave(storage, described, cached.keys, cached.metadata, fingerprint)
+        if locked and rank == 0:
+            _release_lock(storage)  # the full path below takes it again
     keys, metadata = _plan(storage, described, aliases, local_error, save_overwrite)
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
@@ -244,6 +261,8 @@ def write_and_commit(
                 files.append(storage.join(METADATA_FILENAME))
             except BaseException as ex:  # noqa: BLE001 - reported to every rank
                 commit_error = ex
+        else:
+            _release_lock(storage)
     dist.agree(error or commit_error, "save", group=group)
     return files
 
@@ -267,3 +286,11 @@ def _commit(storage: Storage, metadata: StorageMetadata) -> None:
         if is_rank_filename(name) and name not in wanted:
             storage.delete(name)
     storage.write(METADATA_FILENAME, metadata.to_json_bytes())
+    _release_lock(storage)
+
+
+def _release_lock(storage: Storage) -> None:
+    try:
+        storage.delete(LOCK_FILENAME)
+    except OSError:
+        pass  # the checkpoint stands; a leftover lock only makes the next save here ask for save_overwrite

@@ -9,6 +9,7 @@ from ..errors import CorruptCheckpointError
 
 __all__ = [
     "METADATA_FILENAME",
+    "LOCK_FILENAME",
     "FORMAT_VERSION",
     "rank_filename",
     "temp_name",
@@ -17,6 +18,8 @@ __all__ = [
 ]
 
 METADATA_FILENAME = "metadata.json"
+LOCK_FILENAME = ".checkpointer-save.lock"
+"""Held by rank 0 from planning until commit, so two jobs never save into one directory at once."""
 FORMAT_VERSION = 1
 _RANK_FILE = re.compile(r"rank_(\d+)\.safetensors")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]+")

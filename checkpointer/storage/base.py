@@ -105,6 +105,15 @@ class Storage(ABC):
     def write(self, name: str, data: bytes) -> None:
         """Write a whole small file atomically (replacing any file of that name)."""
 
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        """Create a small file only if no file of that name exists, else ``FileExistsError``.
+
+        Backends override this with an atomic primitive; this default checks, then writes.
+        """
+        if self.exists(name):
+            raise FileExistsError(self.join(name))
+        self.write(name, data)
+
     @abstractmethod
     def open_writer(self, name: str) -> Writer:
         """Start writing a file that appears, whole, at commit."""

@@ -89,6 +89,16 @@ class LocalStorage(Storage):
             writer.write([memoryview(data)])
             writer.commit()
 
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.root)
+
     def open_writer(self, name: str) -> LocalWriter:
         return LocalWriter(self._path(name))
 
