@@ -13,6 +13,9 @@ from .api import (
     unshard_optim_state,
 )
 from .engine.checkpointer import Checkpointer
+from .engine.export import export_safetensors
+from .engine.lazy import lazy_load
+from .engine.reshard import get_shard_dims, reshard_tensor
 from .errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -30,7 +33,11 @@ __all__ = [
     "unshard_model_state",
     "unshard_optim_state",
     "latest_checkpoint",
+    "export_safetensors",
     "Checkpointer",
+    "lazy_load",
+    "reshard_tensor",
+    "get_shard_dims",
     "FlatShardedTensor",
     "StorageMetadata",
     "TensorStorageMetadata",

@@ -106,12 +106,12 @@ class ReadJob:
 def piece_start(headers: HeaderCache, file: str, key: str, dtype: str, numel: int) -> int:
     """Byte offset of ``key``'s piece in ``file``, after checking the header agrees with the metadata."""
     entry = headers.get(file).entries.get(key)
-    where = headers.storage.join(file)
     if entry is None:
-        raise CorruptCheckpointError(f"{where}: tensor {key!r} is in metadata.json but not in the file")
+        raise CorruptCheckpointError(f"{headers.storage.join(file)}: tensor {key!r} is in metadata.json but not in the file")
     if entry.dtype != dtype or entry.numel != numel:
         raise CorruptCheckpointError(
-            f"{where}: tensor {key!r} is {entry.dtype} x {entry.numel} in the file but {dtype} x {numel} in metadata.json"
+            f"{headers.storage.join(file)}: tensor {key!r} is {entry.dtype} x {entry.numel} in the file "
+            f"but {dtype} x {numel} in metadata.json"
         )
     return entry.start
 

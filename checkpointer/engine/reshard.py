@@ -113,23 +113,23 @@ def reshard_tensor(
     # DP splits tile dim 0 of each TP shard; TP shards tile dim ``tp_dim``.
     widths = [shard[0].size(tp_dim) for shard in source_splits]
     start, end = tp_bounds(sum(widths), tgt_tp, tp_rank)
-    parts: list[tuple[int, Tensor]] = []  # (offset along tp_dim in the result, a dim-0 stack to narrow)
+    parts: list[tuple[int, list[Tensor]]] = []  # (offset along tp_dim in the result, DP splits narrowed)
     pos = 0
     for shard, width in zip(source_splits, widths):
         lo, hi = max(start, pos), min(end, pos + width)
         if hi > lo:
-            parts.append((lo - start, [s.narrow(tp_dim, lo - pos, hi - lo) for s in shard]))  # type: ignore[arg-type]
+            parts.append((lo - start, [s.narrow(tp_dim, lo - pos, hi - lo) for s in shard]))
         pos += width
     if len(parts) == 1:
-        return _cat_dim0(key, parts[0][1])  # type: ignore[arg-type]
+        return _cat_dim0(key, parts[0][1])
     ref = source_splits[0][0]
     rows = sum(s.size(0) for s in source_splits[0])
     shape = list(ref.shape)
     shape[0], shape[tp_dim] = rows, end - start
-    out = ref.new_empty(shape) if parts else ref.new_empty(shape)
+    out = ref.new_empty(shape)
     for offset, stack in parts:
         row = 0
-        for s in stack:  # type: ignore[attr-defined]
+        for s in stack:
             _check_rest(key, ref, s, (0, tp_dim))
             out.narrow(0, row, s.size(0)).narrow(tp_dim, offset, s.size(tp_dim)).copy_(s)
             row += s.size(0)
@@ -211,14 +211,18 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
     fsdp_module = _fsdp_module_class()
     out: dict[str, int] = {}
     declared: dict[str, int] = {}
+    under_fsdp: dict[str, bool] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        under_fsdp = fsdp_module is not None and isinstance(module, fsdp_module)
+        parent = prefix.rpartition(".")[0]
+        fsdp = (fsdp_module is not None and isinstance(module, fsdp_module)) or (
+            bool(prefix) and under_fsdp.get(parent, False)
+        )
+        under_fsdp[prefix] = fsdp
         for name, value in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if isinstance(value, DTensor):
-                fsdp = under_fsdp or _has_fsdp_ancestor(model, prefix, fsdp_module)
                 dim = _tp_dim(value.placements, skip_fsdp=fsdp)
                 if dim is not None:
-                    out[_join(prefix, name)] = dim % max(value.dim(), 1)
+                    out[_join(prefix, name)] = dim
         own = getattr(type(module), "get_shard_dims", None)
         if callable(own):
             declared.update({_join(prefix, k): int(d) for k, d in _pairs(module.get_shard_dims())})
@@ -240,19 +244,6 @@ def _fsdp_module_class() -> type | None:
     except ImportError:  # pragma: no cover - torch builds without distributed
         return None
     return FSDPModule
-
-
-def _has_fsdp_ancestor(model: nn.Module, prefix: str, fsdp_module: type | None) -> bool:
-    if fsdp_module is None:
-        return False
-    if isinstance(model, fsdp_module):
-        return True
-    module: Any = model
-    for part in prefix.split(".") if prefix else []:
-        module = getattr(module, part)
-        if isinstance(module, fsdp_module):
-            return True
-    return False
 
 
 def _tp_dim(placements: Sequence[Any], *, skip_fsdp: bool) -> int | None:

@@ -1,0 +1,403 @@
+"""Export a checkpoint as Hugging Face-style safetensors: one file, or size-bounded shards plus
+``model.safetensors.index.json``. Streams: no process holds more than one tensor.
+
+The recipe, on every rank of a process group (or one process alone):
+
+1. Each rank reads ``metadata.json`` itself (it is small; no collective) and builds the same
+   plan: the selected keys in metadata order, packed into output shards of at most
+   ``max_shard_size`` bytes (a larger tensor gets a shard of its own). Each shard gets one
+   writer rank: largest shard first, to the rank with the fewest bytes so far.
+2. Each rank writes its own shards: the header first (shapes and offsets follow from the
+   metadata), then tensor by tensor: read the whole tensor from the rank files (checksums
+   checked where the checkpoint has them), cast, append, let go.
+3. All ranks agree the shards exist (an error anywhere raises everywhere).
+4. Rank 0 removes the shards of an earlier export that this one did not write, then writes the
+   index last; all ranks agree again.
+
+Tied parameters (``metadata.aliases``) are written once, under the saved name, as
+``save_pretrained`` does; the index names only tensors that have data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from .. import dist
+from ..buffers import memoryview_of
+from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, itemsize
+from ..format.metadata import StorageMetadata
+from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
+from ..planning.plan import build_load_plan
+from ..storage.base import Storage, open_storage
+from .load import read_metadata
+from .locate import model_checkpoint
+from .rankfile import HeaderCache, ReadJob, execute_reads
+
+__all__ = [
+    "export_safetensors",
+    "run_export",
+    "ExportTensor",
+    "OutputShard",
+    "ExportPlan",
+    "CheckpointTensors",
+    "plan_export",
+    "select_tensors",
+    "parse_size",
+    "parse_dtype",
+    "split_output",
+    "INDEX_NAME",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_DTYPE_NAMES = {
+    "bf16": "BF16", "bfloat16": "BF16",
+    "fp16": "F16", "f16": "F16", "float16": "F16", "half": "F16",
+    "fp32": "F32", "f32": "F32", "float32": "F32", "float": "F32",
+    "fp64": "F64", "f64": "F64", "float64": "F64", "double": "F64",
+}  # fmt: skip
+
+Fetch = Callable[[str], torch.Tensor]
+"""Returns the full tensor saved under a key."""
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5_000_000_000 (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = _SIZE.fullmatch(str(size))
+        if match is None:
+            raise ValueError(f"cannot read {size!r} as a size: use bytes or a unit, e.g. 5GB, 500MB, 2GiB")
+        unit = (match.group(2) or "").lower()
+        base = _UNITS[unit[0]] if unit else 1
+        if "i" in unit:
+            base = 1024 ** "bkmgt".index(unit[0])
+        value = int(float(match.group(1)) * base)
+    if value <= 0:
+        raise ValueError(f"max shard size must be positive, got {size!r}")
+    return value
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> str | None:
+    """A dtype name (``bf16``, ``float16``, ``F32``...) or ``torch.dtype`` as a safetensors code."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        return code_from_dtype(dtype)
+    text = str(dtype).strip()
+    if text.upper() in DTYPE_CODES and text.upper() in _FLOAT_CODES:
+        return text.upper()
+    name = text.lower().removeprefix("torch.")
+    if name in _DTYPE_NAMES:
+        return _DTYPE_NAMES[name]
+    raise ValueError(f"unknown dtype {dtype!r}: use bf16, fp16, fp32 or fp64")
+
+
+@dataclass(frozen=True)
+class ExportTensor:
+    """One tensor of the output: written as ``name``, read from the source's ``source`` key."""
+
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors code in the output
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    name: str
+    tensors: tuple[ExportTensor, ...]
+    writer: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    shards: tuple[OutputShard, ...]
+    single_file: bool
+
+    def index_json(self) -> bytes:
+        weight_map = {t.name: s.name for s in self.shards for t in s.tensors}
+        total = sum(s.nbytes for s in self.shards)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def select_tensors(
+    entries: Iterable[tuple[str, Sequence[int], str]],
+    *,
+    aliases: dict[str, str] | None = None,
+    keys: str | re.Pattern[str] | None = None,
+    dtype: str | None = None,
+) -> list[ExportTensor]:
+    """The tensors to write, in ``entries`` order: ``(key, shape, dtype_code)`` filtered by the
+    regular expression ``keys`` (``re.search`` on each name). A tied tensor is written once, under
+    its saved key, or under its first matching alias when only aliases match. Floating-point
+    tensors are cast to ``dtype`` when given; others keep theirs."""
+    try:
+        pattern = re.compile(keys) if isinstance(keys, str) else keys
+    except re.error as ex:
+        raise ValueError(f"--keys {keys!r} is not a valid regular expression: {ex}") from None
+    wanted = (lambda name: True) if pattern is None else (lambda name: pattern.search(name) is not None)
+    aliases_of: dict[str, list[str]] = {}
+    for alias, target in sorted((aliases or {}).items()):
+        aliases_of.setdefault(target, []).append(alias)
+    out = []
+    for key, shape, code in entries:
+        name = key if wanted(key) else next((a for a in aliases_of.get(key, ()) if wanted(a)), None)
+        if name is None:
+            continue
+        out_code = dtype if dtype is not None and code in _FLOAT_CODES else code
+        out.append(ExportTensor(name, key, tuple(shape), out_code))
+    return out
+
+
+def plan_export(
+    tensors: Sequence[ExportTensor], *, single_file: bool, max_shard_size: int | str = "5GB", world_size: int = 1
+) -> ExportPlan:
+    """Pack ``tensors`` in order into shards of at most ``max_shard_size`` bytes and give each a writer."""
+    if not tensors:
+        raise ValueError("nothing to export: no tensor is selected")
+    groups: list[list[ExportTensor]] = []
+    if single_file:
+        groups = [list(tensors)]
+    else:
+        limit = parse_size(max_shard_size)
+        size = 0
+        for t in tensors:
+            if not groups or (groups[-1] and size + t.nbytes > limit):
+                groups.append([])
+                size = 0
+            groups[-1].append(t)
+            size += t.nbytes
+    n = len(groups)
+    sizes = [sum(t.nbytes for t in g) for g in groups]
+    load = [0] * world_size
+    writer = [0] * n
+    for i in sorted(range(n), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        writer[i] = rank
+        load[rank] += sizes[i]
+    shards = tuple(
+        OutputShard("" if single_file else f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(g), writer[i])
+        for i, g in enumerate(groups)
+    )
+    return ExportPlan(shards, single_file)
+
+
+def shaped_header(tensors: Sequence[ExportTensor], *, user_metadata: dict[str, str] | None = None) -> bytes:
+    """Safetensors header bytes (length prefix included) for full tensors, laid out in order.
+
+    Like :func:`~checkpointer.format.safetensors_header.build_header`, with real shapes
+    instead of flat pieces; the data area starts on a 64-byte boundary.
+    """
+    header: dict[str, Any] = {"__metadata__": user_metadata} if user_metadata else {}
+    pos = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    padded = -(-(PREFIX_BYTES + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT - PREFIX_BYTES
+    text += b" " * (padded - len(text))
+    return struct.pack("<Q", len(text)) + text
+
+
+class CheckpointTensors:
+    """Whole tensors of one checkpoint directory, read one at a time (checksums checked)."""
+
+    def __init__(self, storage: Storage, metadata: StorageMetadata, *, verify: bool = True, num_threads: int | None = None):
+        self.storage = storage
+        self.metadata = metadata
+        self.headers = HeaderCache(storage)
+        self.verify_chunk = metadata.checksum_chunk_bytes if verify else None
+        self.num_threads = num_threads
+
+    def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(key, tuple(meta.shape), meta.dtype) for key, meta in self.metadata.tensors.items()]
+
+    def fetch(self, key: str) -> torch.Tensor:
+        key = (self.metadata.aliases or {}).get(key, key)
+        meta = self.metadata.tensors[key]
+        full = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
+        if meta.numel:
+            specs = meta.shard_spec_per_file
+            job = ReadJob(
+                build_load_plan(key, meta, [(0, meta.numel)]),
+                full.view(-1),
+                {f: s.local_numel for f, s in specs.items()},
+                {f: s.checksums for f, s in specs.items()},
+            )
+            execute_reads(
+                self.storage, [job], headers=self.headers, num_threads=self.num_threads, verify_chunk_bytes=self.verify_chunk
+            )
+        return full
+
+
+def split_output(out: str) -> tuple[str, str]:
+    """``(parent directory URL, file name)`` of an output file path or URL."""
+    out = str(out)
+    if "://" in out:
+        parent, _, name = out.rstrip("/").rpartition("/")
+        return parent, name
+    parent, name = os.path.split(os.path.abspath(os.path.expanduser(out)))
+    return parent, name
+
+
+def _write_shard(storage: Storage, name: str, shard: OutputShard, fetch: Fetch, bar: Any) -> str:
+    with storage.open_writer(name) as writer:
+        writer.write([memoryview(shaped_header(shard.tensors, user_metadata={"format": "pt"}))])
+        for t in shard.tensors:
+            data = fetch(t.source)
+            if tuple(data.shape) != t.shape:
+                raise ValueError(f"tensor {t.source!r} came back as {list(data.shape)}, expected {list(t.shape)}")
+            target = dtype_from_code(t.dtype)
+            if data.dtype != target:
+                data = data.to(target)
+            data = data.detach().cpu().contiguous().view(-1)
+            writer.write([memoryview_of(data)])
+            del data
+            if bar is not None:
+                bar.advance(t.nbytes, 1)
+        writer.commit()
+    return storage.join(name)
+
+
+def run_export(
+    out: str | Storage,
+    plan: ExportPlan,
+    fetch: Fetch,
+    *,
+    no_dist: bool = False,
+    make_progress: Callable[[int, int], Any] | None = None,
+    prepared_error: BaseException | None = None,
+) -> list[str]:
+    """Steps 2-4 of the recipe for a plan every rank built alike. Returns this rank's files.
+
+    ``out`` is the output file (single-file plans) or directory. ``prepared_error`` is a failure
+    of this rank while planning, brought to the first agreement so that no rank waits alone.
+    """
+    rank = 0 if no_dist else dist.get_rank()
+    files: list[str] = []
+    error = prepared_error
+    storage: Storage | None = None
+    if error is None:
+        try:
+            if plan.single_file:
+                parent, filename = split_output(str(out))
+                storage = open_storage(parent)
+            else:
+                storage, filename = open_storage(out), ""
+            storage.prepare()
+            mine = [s for s in plan.shards if s.writer == rank]
+            bar = make_progress(sum(s.nbytes for s in mine), sum(len(s.tensors) for s in mine)) if make_progress else None
+            try:
+                for shard in mine:
+                    files.append(_write_shard(storage, filename or shard.name, shard, fetch, bar))
+            finally:
+                if bar is not None:
+                    bar.close()
+        except BaseException as ex:  # noqa: BLE001 - reported to every rank
+            error = ex
+    dist.agree(error, "export", no_dist=no_dist)
+    if plan.single_file:
+        return files
+    assert storage is not None
+    index_error: BaseException | None = None
+    if rank == 0:
+        try:
+            written = {s.name for s in plan.shards}
+            for name in storage.list():
+                if (_SHARD_NAME.fullmatch(name) or name == "model.safetensors") and name not in written:
+                    storage.delete(name)
+            storage.write(INDEX_NAME, plan.index_json())
+            files.append(storage.join(INDEX_NAME))
+        except BaseException as ex:  # noqa: BLE001 - reported to every rank
+            index_error = ex
+    dist.agree(index_error, "export index", no_dist=no_dist)
+    return files
+
+
+def export_checkpoint(
+    dir: str | Storage,
+    out: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    keys: str | re.Pattern[str] | None = None,
+    no_dist: bool = False,
+    make_progress: Callable[[int, int], Any] | None = None,
+) -> list[str]:
+    """:func:`export_safetensors`, with a progress bar factory ``make_progress(bytes, tensors)``."""
+    world = 1 if no_dist else dist.get_world_size()
+    plan: ExportPlan | None = None
+    fetch: Fetch = _unplanned
+    error: BaseException | None = None
+    try:
+        storage = model_checkpoint(open_storage(dir))
+        metadata = read_metadata(storage, no_dist=True)
+        source = CheckpointTensors(storage, metadata)
+        tensors = select_tensors(source.entries(), aliases=metadata.aliases, keys=keys, dtype=parse_dtype(dtype))
+        if not tensors:
+            raise ValueError(f"no tensor of {storage.url} matches --keys {getattr(keys, 'pattern', keys)!r}")
+        plan = plan_export(tensors, single_file=str(out).endswith(".safetensors"), max_shard_size=max_shard_size, world_size=world)
+        fetch = source.fetch
+    except BaseException as ex:  # noqa: BLE001 - brought to the agreement in run_export
+        error = ex
+    if plan is None:
+        plan = ExportPlan((), True)
+    return run_export(out, plan, fetch, no_dist=no_dist, make_progress=make_progress, prepared_error=error)
+
+
+def _unplanned(key: str) -> torch.Tensor:
+    raise AssertionError("export was not planned")
+
+
+def export_safetensors(
+    dir: str,
+    out: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+    keys: str | re.Pattern[str] | None = None,
+) -> list[str]:
+    """Write a checkpoint's model tensors as Hugging Face safetensors, streaming one tensor at a time.
+
+    Args:
+        dir: a checkpoint directory, or the top-level directory of
+            :func:`~checkpointer.save_model_and_optim_state` (its ``model/`` is exported).
+        out: a path or URL ending in ``.safetensors`` for one file; otherwise a directory that
+            gets ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``.
+        max_shard_size: the most bytes per shard (``"5GB"``, ``"500MB"``, ``"2GiB"`` or an int); a
+            larger tensor gets a shard of its own. Ignored for a single file.
+        dtype: cast floating-point tensors to it (``"bf16"``, ``torch.float16``...).
+        keys: a regular expression; only tensors whose name it matches (``re.search``) are written.
+
+    Returns:
+        The files this process wrote. Called on every rank of a process group (e.g. under
+        ``torchrun``), the shards are divided among the ranks and written in parallel.
+
+    Example::
+
+        export_safetensors("ckpt/step1000", "hf_out/", max_shard_size="2GB", dtype="bf16")
+        model = AutoModelForCausalLM.from_pretrained("hf_out/")   # with a config.json beside it
+    """
+    return export_checkpoint(dir, out, max_shard_size=max_shard_size, dtype=dtype, keys=keys)

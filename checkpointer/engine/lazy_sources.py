@@ -1,0 +1,374 @@
+"""The checkpoint formats :func:`~checkpointer.engine.lazy.lazy_load` reads, one tensor at a time.
+
+Each format gives a sequence of :class:`LazyTensor`: a key, a shape, a dtype and a
+``read(box)`` that returns a fresh tensor holding just that box of the full tensor
+(``None``: all of it). Safetensors-based formats read only the box's bytes (see
+:func:`read_box` for slices along a trailing dimension), through the
+:class:`~checkpointer.storage.base.Storage` interface, so local files and remote URLs
+behave alike; a torch pickle (``.pt``/``.bin``) is loaded whole (or memory-mapped) and cut.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..buffers import memoryview_of
+from ..errors import CorruptCheckpointError
+from ..format.dtypes import dtype_from_code, itemsize
+from ..format.layout import check_filename
+from ..format.metadata import StorageMetadata, reject_duplicate_keys
+from ..planning.overlap import Range, box_ranges
+from ..planning.plan import build_load_plan
+from ..storage.base import ReadRequest, Storage, Writer
+from ..storage.local import LocalStorage
+from .rankfile import HeaderCache, ReadJob, execute_reads
+
+__all__ = [
+    "Box",
+    "LazyTensor",
+    "read_box",
+    "checkpoint_tensors",
+    "safetensors_tensors",
+    "hf_index_tensors",
+    "torch_file_tensors",
+    "GatheredReads",
+    "MAX_INDEX_BYTES",
+]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""``(local_shape, global_offset)`` of the part of a tensor to read."""
+
+MAX_INDEX_BYTES = 256 << 20
+_GAP_BYTES = 1 << 20
+_SPAN_BYTES = 64 << 20
+_STAGE_BYTES = 16 << 20
+_MANY_RANGES = 64
+_SHORT_RANGE_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """One tensor of a checkpoint, not read yet."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[Box | None], torch.Tensor]
+
+
+def read_box(
+    shape: Sequence[int], dtype: torch.dtype, box: Box | None, read_ranges: Callable[[list[Range], torch.Tensor], None]
+) -> torch.Tensor:
+    """A fresh tensor holding ``box`` of a stored tensor (all of it for ``None``).
+
+    ``read_ranges(ranges, flat)`` fills ``flat`` with the elements ``ranges`` of the flattened
+    stored tensor, back to back. A box cut along a trailing dimension is one range per row:
+    when there are many short ones, whole rows are read instead, 16 MiB at a time into a
+    staging buffer, and the box is copied out (fewer, larger reads for up to ``tp_size``
+    times the bytes); otherwise exactly the box's elements are read.
+    """
+    if box is None:
+        dest = torch.empty(tuple(shape), dtype=dtype)
+        if dest.numel():
+            read_ranges([(0, dest.numel())], dest.view(-1))
+        return dest
+    local, offset = box
+    dest = torch.empty(local, dtype=dtype)
+    if dest.numel() == 0:
+        return dest
+    cut = [d for d in range(len(shape)) if local[d] != shape[d]]
+    if len(cut) == 1 and cut[0] > 0:
+        d = cut[0]
+        outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1 :])
+        row = shape[d] * inner
+        size = dest.element_size()
+        if outer > _MANY_RANGES and local[d] * inner * size < _SHORT_RANGE_BYTES and row * size <= _STAGE_BYTES:
+            per_block = _STAGE_BYTES // (row * size)
+            stage = torch.empty(min(per_block, outer) * row, dtype=dtype)
+            out = dest.view(outer, local[d], inner)
+            for first in range(0, outer, per_block):
+                n = min(per_block, outer - first)
+                flat = stage[: n * row]
+                read_ranges([(first * row, (first + n) * row)], flat)
+                out[first : first + n].copy_(flat.view(n, shape[d], inner).narrow(1, offset[d], local[d]))
+            return dest
+    read_ranges(box_ranges(shape, local, offset), dest.view(-1))
+    return dest
+
+
+# ---------------------------------------------------------------------------------------
+# This library's checkpoint directory
+# ---------------------------------------------------------------------------------------
+
+
+def checkpoint_tensors(storage: Storage, metadata: StorageMetadata) -> Iterator[LazyTensor]:
+    """The tensors of a checkpoint directory (tied keys after the key they share memory with)."""
+    headers = HeaderCache(storage)
+    aliases: dict[str, list[str]] = {}
+    for alias, target in (metadata.aliases or {}).items():
+        aliases.setdefault(target, []).append(alias)
+    for key, meta in metadata.tensors.items():
+        specs = meta.shard_spec_per_file
+        numel_per_file = {f: s.local_numel for f, s in specs.items()}
+
+        def read_ranges(ranges: list[Range], flat: torch.Tensor, key: str = key, meta: Any = meta, numel_per_file: dict = numel_per_file) -> None:
+            plan = build_load_plan(key, meta, ranges)
+            execute_reads(storage, [ReadJob(plan, flat, numel_per_file)], headers=headers)
+
+        def read(box: Box | None, meta: Any = meta, read_ranges: Any = read_ranges) -> torch.Tensor:
+            return read_box(meta.shape, dtype_from_code(meta.dtype), box, read_ranges)
+
+        for name in [key, *aliases.get(key, [])]:
+            yield LazyTensor(name, tuple(meta.shape), dtype_from_code(meta.dtype), read)
+
+
+# ---------------------------------------------------------------------------------------
+# Safetensors files, alone or as the shards of a Hugging Face directory
+# ---------------------------------------------------------------------------------------
+
+
+def safetensors_tensors(storage: Storage, name: str, keys: Sequence[str] | None = None) -> Iterator[LazyTensor]:
+    """The tensors of one safetensors file, in file order (only ``keys``, when given).
+
+    The header is read and validated now; the tensors as the iterator advances.
+    """
+    where = storage.join(name)
+    entries = HeaderCache(storage).get(name).entries
+    if keys is not None:
+        missing = [k for k in keys if k not in entries]
+        if missing:
+            raise CorruptCheckpointError(f"{where}: tensors {missing[:5]} are listed in the index but not in the file")
+        wanted = set(keys)
+        entries = {k: e for k, e in entries.items() if k in wanted}
+    return _safetensors_entries(storage, name, where, sorted(entries.items(), key=lambda kv: kv[1].start))
+
+
+def _safetensors_entries(storage: Storage, name: str, where: str, entries: list[tuple[str, Any]]) -> Iterator[LazyTensor]:
+    for key, entry in entries:
+
+        def read_ranges(ranges: list[Range], flat: torch.Tensor, key: str = key, entry: Any = entry) -> None:
+            size = itemsize(entry.dtype)
+            view = memoryview_of(flat)
+            requests: list[ReadRequest] = []
+            pos = 0
+            for start, end in ranges:
+                n = (end - start) * size
+                requests.append((entry.start + start * size, view[pos : pos + n]))
+                pos += n
+            try:
+                storage.read_into(name, requests)
+            except FileNotFoundError as ex:
+                raise CorruptCheckpointError(f"{where}: the file disappeared while reading {key!r}") from ex
+            except EOFError as ex:
+                raise CorruptCheckpointError(f"{where}: the file is truncated in {key!r} ({ex})") from ex
+
+        def read(box: Box | None, entry: Any = entry, read_ranges: Any = read_ranges) -> torch.Tensor:
+            return read_box(entry.shape, dtype_from_code(entry.dtype), box, read_ranges)
+
+        yield LazyTensor(key, entry.shape, dtype_from_code(entry.dtype), read)
+
+
+def hf_index_tensors(
+    storage: Storage,
+    index_name: str,
+    per_file: Callable[[Storage, str, Sequence[str]], Iterator[LazyTensor]],
+    resolve: Callable[[Storage, str], tuple[Storage, str]],
+) -> Iterator[LazyTensor]:
+    """The tensors of a Hugging Face directory sharded by ``index_name``, one file after another.
+
+    The index is read and validated now; each shard's header when the iterator reaches it.
+    """
+    index_storage, index_file = resolve(storage, index_name)
+    return _hf_files(storage, index_name, read_hf_index(index_storage, index_file), per_file, resolve)
+
+
+def _hf_files(
+    storage: Storage,
+    index_name: str,
+    files: dict[str, list[str]],
+    per_file: Callable[[Storage, str, Sequence[str]], Iterator[LazyTensor]],
+    resolve: Callable[[Storage, str], tuple[Storage, str]],
+) -> Iterator[LazyTensor]:
+    for filename, keys in files.items():
+        file_storage, file_name = resolve(storage, filename)
+        try:
+            exists = file_storage.exists(file_name)
+        except OSError as ex:
+            raise CorruptCheckpointError(f"{storage.join(filename)}: cannot check the shard ({ex})") from ex
+        if not exists:
+            raise CorruptCheckpointError(f"{storage.join(filename)}: shard listed in {index_name} is missing")
+        yield from per_file(file_storage, file_name, keys)
+
+
+def read_hf_index(storage: Storage, index_name: str) -> dict[str, list[str]]:
+    """Validate ``model.safetensors.index.json``: ``{filename: [keys]}``, files in name order."""
+    import json
+
+    where = storage.join(index_name)
+    size = storage.size(index_name)
+    if size > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(f"{where}: index of {size} bytes is over the {MAX_INDEX_BYTES} byte limit")
+    try:
+        raw = json.loads(storage.read(index_name), object_pairs_hook=reject_duplicate_keys)
+    except (ValueError, RecursionError, UnicodeDecodeError) as ex:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({ex})") from ex
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CorruptCheckpointError(f"{where}: expected an object with a \"weight_map\" of key -> file name")
+    files: dict[str, list[str]] = {}
+    for key, filename in weight_map.items():
+        try:
+            check_filename(filename)
+        except CorruptCheckpointError as ex:
+            raise CorruptCheckpointError(
+                f"{where}: weight_map maps {key!r} to {filename!r}, which is not a plain file name inside the directory"
+            ) from ex
+        files.setdefault(filename, []).append(key)
+    return dict(sorted(files.items()))
+
+
+# ---------------------------------------------------------------------------------------
+# Torch pickles (.pt / .bin)
+# ---------------------------------------------------------------------------------------
+
+
+def torch_file_tensors(
+    storage: Storage, name: str, keys: Sequence[str] | None = None, *, mmap: bool, restrict: bool
+) -> Iterator[LazyTensor]:
+    """The tensors of a ``torch.save`` file: loaded whole now (``mmap``: mapped), cut when read.
+
+    Nested mappings are flattened with ``.`` (``{"model": {"w": t}}`` gives ``model.w``);
+    values that are neither tensors nor mappings are skipped.
+    """
+    where = storage.join(name)
+    obj = _torch_load(storage, name, where, mmap=mmap, restrict=restrict)
+    if not isinstance(obj, Mapping):
+        raise CorruptCheckpointError(f"{where}: holds a {type(obj).__name__}, not a state dict")
+    flat: dict[str, torch.Tensor] = {}
+    _flatten(obj, "", flat)
+    del obj
+    if keys is not None:
+        missing = [k for k in keys if k not in flat]
+        if missing:
+            raise CorruptCheckpointError(f"{where}: tensors {missing[:5]} are listed in the index but not in the file")
+        flat = {k: flat[k] for k in keys}
+    return _torch_entries(flat)
+
+
+def _torch_entries(flat: dict[str, torch.Tensor]) -> Iterator[LazyTensor]:
+    for key in list(flat):
+        tensor = flat.pop(key)  # the file's memory goes as the caller drops what it was given
+
+        def read(box: Box | None, tensor: torch.Tensor = tensor) -> torch.Tensor:
+            if box is None:
+                return tensor
+            part = tensor
+            for dim, (size, offset) in enumerate(zip(*box)):
+                if size != tensor.shape[dim]:
+                    part = part.narrow(dim, offset, size)
+            return part.clone(memory_format=torch.contiguous_format) if part.numel() < tensor.numel() else part
+
+        yield LazyTensor(key, tuple(tensor.shape), tensor.dtype, read)
+        del tensor, read
+
+
+def _torch_load(storage: Storage, name: str, where: str, *, mmap: bool, restrict: bool) -> Any:
+    if isinstance(storage, LocalStorage):
+        source: Any = os.path.join(storage.root, name)
+    else:
+        source = io.BytesIO(storage.read(name))  # a pickle is read whole anyway; no mmap remotely
+        mmap = False
+    try:
+        return torch.load(source, map_location="cpu", weights_only=restrict, mmap=mmap)
+    except (OSError, MemoryError):
+        raise
+    except Exception as ex:  # noqa: BLE001 - any failure to unpickle is a bad file
+        first_line = str(ex).strip().splitlines()[0] if str(ex).strip() else ""
+        hint = " (weights_only=True refuses pickled objects other than tensors and builtins)" if restrict else ""
+        raise CorruptCheckpointError(
+            f"{where}: cannot load the torch checkpoint{hint}: {type(ex).__name__}: {first_line[:300]}"
+        ) from ex
+
+
+def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
+    for k, v in obj.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out[key] = v.detach()
+        elif isinstance(v, Mapping):
+            _flatten(v, f"{key}.", out)
+
+
+# ---------------------------------------------------------------------------------------
+# Remote reads: many small ranges become few ranged requests
+# ---------------------------------------------------------------------------------------
+
+
+class GatheredReads(Storage):
+    """A view of ``inner`` whose :meth:`read_into` fetches requests less than 1 MiB apart as one
+    range (through a staging buffer of at most 64 MiB): a slice along a trailing dimension is
+    a range per row, and an object store charges per request."""
+
+    def __init__(self, inner: Storage, *, gap: int = _GAP_BYTES, span: int = _SPAN_BYTES):
+        self.inner, self.gap, self.span = inner, gap, span
+        self.url = inner.url
+
+    def child(self, name: str) -> Storage:
+        return GatheredReads(self.inner.child(name), gap=self.gap, span=self.span)
+
+    def size(self, name: str) -> int:
+        return self.inner.size(name)
+
+    def exists(self, name: str) -> bool:
+        return self.inner.exists(name)
+
+    def list(self) -> list[str]:
+        return self.inner.list()
+
+    def delete(self, name: str) -> None:
+        self.inner.delete(name)
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        return self.inner.read(name, start, end)
+
+    def write(self, name: str, data: bytes) -> None:
+        self.inner.write(name, data)
+
+    def open_writer(self, name: str) -> Writer:
+        return self.inner.open_writer(name)
+
+    def read_into(self, name: str, requests: Sequence[ReadRequest]) -> None:
+        groups: list[list[ReadRequest]] = []
+        end = -1
+        for off, buf in sorted((r for r in requests if len(r[1])), key=lambda r: r[0]):
+            if groups and end <= off <= end + self.gap and off + len(buf) - groups[-1][0][0] <= self.span:
+                groups[-1].append((off, buf))
+            else:
+                groups.append([(off, buf)])
+            end = off + len(buf)
+        direct = [g[0] for g in groups if len(g) == 1]
+        if direct:
+            self.inner.read_into(name, direct)
+        batch: list[tuple[list[ReadRequest], bytearray]] = []
+        staged = 0
+        for group in [g for g in groups if len(g) > 1] + [None]:  # type: ignore[list-item]
+            if group is not None:
+                first = group[0][0]
+                stage = bytearray(group[-1][0] + len(group[-1][1]) - first)
+                batch.append((group, stage))
+                staged += len(stage)
+            if batch and (group is None or staged >= self.span):
+                self.inner.read_into(name, [(g[0][0], memoryview(s)) for g, s in batch])
+                for g, s in batch:
+                    view = memoryview(s)
+                    for off, buf in g:
+                        rel = off - g[0][0]
+                        buf.cast("B")[:] = view[rel : rel + len(buf)]
+                batch, staged = [], 0
