@@ -1,0 +1,55 @@
+"""Fixtures of the multi-process tests: ``run_distributed`` and a shared checkpoint directory.
+
+``run_distributed(fn, world_size, *args, timeout=120, init_pg=True)`` runs the module-level
+function ``fn(rank, world_size, *args)`` on every rank of a session-wide pool of that world
+size and returns the per-rank results; a failing rank fails the test with its traceback.
+``init_pg=False`` runs it in workers with no process group at all; ``dead_ok=True`` lets a
+rank's process exit (its result is ``"died"``, and the pool is restarted for the next test).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+for _p in (_ROOT, _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from harness import DistributedTestFailure, PoolManager  # noqa: E402
+
+
+PRESTART_MIN_TESTS = 6
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Note how many collected tests use the pools: enough of them, and all pools start at once."""
+    config._dist_pool_tests = sum(1 for item in items if "run_distributed" in getattr(item, "fixturenames", ()))
+
+
+@pytest.fixture(scope="session")
+def _pool_manager(pytestconfig):
+    manager = PoolManager()
+    if getattr(pytestconfig, "_dist_pool_tests", 0) >= PRESTART_MIN_TESTS:
+        manager.prestart([(ws, True) for ws in (1, 2, 3, 4)])
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture(scope="session")
+def run_distributed(_pool_manager):
+    def run(fn, world_size, *args, timeout=120.0, init_pg=True, dead_ok=False, **kwargs):
+        __tracebackhide__ = True
+        try:
+            return _pool_manager.run(
+                fn, world_size, *args, timeout=timeout, init_pg=init_pg, dead_ok=dead_ok, **kwargs
+            )
+        except DistributedTestFailure as e:
+            report = str(e)
+        pytest.fail(report, pytrace=False)
+
+    return run

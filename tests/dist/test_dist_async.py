@@ -1,0 +1,76 @@
+"""Async saves: the checkpoint holds the state at the call, while training goes on meanwhile."""
+
+from __future__ import annotations
+
+import torch
+from dist_helpers import (
+    assert_local_same,
+    assert_same,
+    build_model,
+    build_optim,
+    catch,
+    files_under,
+    model_full_state,
+    optim_full_state,
+    to_layout,
+    train,
+    zeros_like_layout,
+)
+
+from checkpointer import Checkpointer, async_save_model_and_optim_state, load_model_and_optim_state
+
+
+def _async_save_and_train(rank, world_size, ckpt_a, ckpt_b):
+    model = build_model(world_size)
+    optim = build_optim(model, "adamw")
+    train(model, optim, range(2))
+    at_a = (model_full_state(model), optim_full_state(model, optim))
+    fut_a = async_save_model_and_optim_state(ckpt_a, model, optim)
+    train(model, optim, range(2, 4))  # parameters and state change in place while A is written
+    at_b = (model_full_state(model), optim_full_state(model, optim))
+    fut_b = async_save_model_and_optim_state(ckpt_b, model, optim)  # waits for A
+    train(model, optim, range(4, 5))
+    files_a, files_b = fut_a.result(timeout=60), fut_b.result(timeout=60)
+    again = async_save_model_and_optim_state(ckpt_a, model, optim)
+    error = catch(again.result, timeout=60)
+    return at_a, at_b, [str(f) for f in files_a], [str(f) for f in files_b], error
+
+
+def _load(rank, world_size, ckpt, expected_model, expected_optim):
+    model = build_model(world_size, seed=1)
+    optim = build_optim(model, "adamw", fresh=True)
+    load_model_and_optim_state(ckpt, model, optim)
+    assert_same(expected_model, model_full_state(model), "model")
+    assert_same(expected_optim, optim_full_state(model, optim), "optimizer")
+    return True
+
+
+def test_async_save_snapshots_state(run_distributed, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    results = run_distributed(_async_save_and_train, 2, a, b)
+    at_a, at_b = results[0][0], results[0][1]
+    assert run_distributed(_load, 3, a, *at_a) == [True] * 3
+    assert run_distributed(_load, 1, b, *at_b) == [True]
+    created_a = set().union(*(set(r[2]) for r in results))
+    assert len(created_a) == len(files_under(a)), (sorted(created_a), sorted(files_under(a)))
+    for rank, r in enumerate(results):
+        assert r[4] is not None and "FileExistsError" in r[4]["mro"], f"rank {rank}: {r[4]}"
+
+
+def _flat_async(rank, world_size, ckpt):
+    full = {"w": torch.arange(91.0).reshape(7, 13), "r": torch.ones(4, dtype=torch.bfloat16)}
+    state = {"w": to_layout(full["w"], "shard1@2"), "r": full["r"].clone()}
+    ckpt_saver = Checkpointer()
+    fut = ckpt_saver.async_save(ckpt, state)
+    state["w"].to_local().add_(1000)  # changed after staging: must not reach the file
+    state["r"].zero_()
+    metadata, created = fut.result(timeout=60)
+    assert set(metadata.tensors) == {"w", "r"}
+    target = zeros_like_layout({"w": to_layout(full["w"], "shard1@2"), "r": full["r"]})
+    Checkpointer().load(ckpt, target)
+    assert_local_same(full, target)
+    return True
+
+
+def test_checkpointer_async_save(run_distributed, tmp_path):
+    assert run_distributed(_flat_async, 2, str(tmp_path / "flat")) == [True, True]

@@ -1,0 +1,200 @@
+"""Edge cases: overwriting with another world size, odd keys, views, failing and dying ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dist_helpers import (
+    assert_local_same,
+    assert_same,
+    build_model,
+    build_optim,
+    catch,
+    files_under,
+    model_full_state,
+    optim_full_state,
+    to_layout,
+    train,
+    zeros_like_layout,
+)
+
+import checkpointer
+from checkpointer import Checkpointer, load_model_and_optim_state, save_model_and_optim_state
+
+FAST_S = 20.0
+
+
+def _save_model(rank, world_size, ckpt, seed, overwrite):
+    model = build_model(world_size, seed=seed)
+    optim = build_optim(model, "sgd")
+    train(model, optim, range(2))
+    save_model_and_optim_state(ckpt, model, optim, save_overwrite=overwrite)
+    return model_full_state(model), optim_full_state(model, optim)
+
+
+def _load_model(rank, world_size, ckpt, expected_model, expected_optim):
+    model = build_model(world_size, seed=99)
+    optim = build_optim(model, "sgd", fresh=True)
+    load_model_and_optim_state(ckpt, model, optim)
+    assert_same(expected_model, model_full_state(model), "model")
+    assert_same(expected_optim, optim_full_state(model, optim), "optimizer")
+    return True
+
+
+@pytest.mark.parametrize("first_ws,second_ws", [(4, 2), (1, 3)])
+def test_overwrite_with_another_world_size(run_distributed, tmp_path, first_ws, second_ws):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_model, first_ws, ckpt, 0, False)
+    expected = run_distributed(_save_model, second_ws, ckpt, 5, True)[0]
+    for load_ws in (1, 3):
+        assert run_distributed(_load_model, load_ws, ckpt, *expected) == [True] * load_ws
+    # No rank file of the first save is left to be mistaken for part of the second.
+    for sub in ("model", "optim"):
+        names = sorted(os.listdir(os.path.join(ckpt, sub)))
+        stale = [n for n in names if n.startswith("rank_") and int(n[5:].split(".")[0]) >= second_ws]
+        assert not stale, f"{sub}: files of the overwritten checkpoint remain: {names}"
+
+
+ODD = {
+    "layers.0.attn/q_proj.weight": torch.arange(12.0).reshape(3, 4),
+    "ünïcode key ✓": torch.tensor([1, 2, 3], dtype=torch.int64),
+    "state.x.__step": torch.tensor(4.0),
+    "a": torch.ones(1),
+}
+
+
+def _odd_keys(rank, world_size, ckpt):
+    Checkpointer().save(ckpt, {k: v.clone() for k, v in ODD.items()})
+    target = {k: torch.zeros_like(v) for k, v in ODD.items()}
+    Checkpointer().load(ckpt, target)
+    assert_same(ODD, target, "odd keys")
+    assert_same(ODD, Checkpointer().unshard(ckpt), "odd keys (unshard)")
+    empty_dir = f"{ckpt}-empty"
+    Checkpointer().save(empty_dir, {})
+    Checkpointer().load(empty_dir, {})
+    assert Checkpointer().unshard(empty_dir) == {}
+    return True
+
+
+def test_odd_keys_and_empty_state_dict(run_distributed, tmp_path):
+    assert run_distributed(_odd_keys, 2, str(tmp_path / "ckpt")) == [True, True]
+
+
+def _views(rank, world_size, ckpt):
+    base = torch.arange(60.0).reshape(6, 10)
+    state = {
+        "transposed": base.t(),  # non-contiguous
+        "sliced": base[1:4, 2:7],  # non-contiguous view into a bigger storage
+        "strided": base[::2, ::3],
+        "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),  # stride 0
+        "dt": to_layout(base.t().contiguous(), "shard1@2"),
+    }
+    expected = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in state.items()}
+    Checkpointer().save(ckpt, state)
+    assert torch.equal(base, torch.arange(60.0).reshape(6, 10)), "save changed its input"
+    # Load into non-contiguous destinations inside a bigger buffer: only the view may change.
+    holder = torch.full((12, 20), -1.0)
+    dest = {
+        "transposed": holder[:10, :6],
+        "sliced": holder[:3, 7:12],
+        "strided": torch.zeros(6, 8)[::2, ::2],
+        "expanded": torch.zeros(3, 2),
+        "dt": zeros_like_layout({"dt": state["dt"]})["dt"],
+    }
+    Checkpointer().load(ckpt, dest)
+    assert_local_same(expected, dest, "views")
+    outside = torch.ones_like(holder, dtype=torch.bool)
+    outside[:10, :6] = False
+    outside[:3, 7:12] = False
+    assert (holder[outside] == -1).all(), "load wrote outside the views"
+    return True
+
+
+def test_non_contiguous_sources_and_destinations(run_distributed, tmp_path):
+    assert run_distributed(_views, 2, str(tmp_path / "ckpt")) == [True, True]
+
+
+def _failing_write_on_rank1(rank, world_size, ckpt):
+    from unittest import mock
+
+    from checkpointer.storage.local import LocalWriter
+
+    state = {"w": to_layout(torch.arange(91.0).reshape(7, 13), f"shard0@{world_size}"), "r": torch.ones(3)}
+
+    def write(self, buffers):
+        raise OSError(f"injected write failure of {self.path}")
+
+    if rank == 1:
+        with mock.patch.object(LocalWriter, "write", write):
+            failed = catch(Checkpointer().save, ckpt, state)
+    else:
+        failed = catch(Checkpointer().save, ckpt, state)
+    # The failed save left no checkpoint, and the same directory can be saved to afterwards.
+    incomplete = catch(Checkpointer().load, ckpt, zeros_like_layout(state))
+    Checkpointer().save(ckpt, state)
+    target = zeros_like_layout(state)
+    Checkpointer().load(ckpt, target)
+    assert_local_same({"w": torch.arange(91.0).reshape(7, 13), "r": torch.ones(3)}, target)
+    return failed, incomplete
+
+
+def test_write_failure_on_one_rank(run_distributed, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(_failing_write_on_rank1, 3, ckpt, timeout=60)
+    for rank, (failed, incomplete) in enumerate(results):
+        assert failed is not None, f"rank {rank}: the save did not fail"
+        assert failed["seconds"] < FAST_S, f"rank {rank} took {failed['seconds']:.1f}s"
+        assert "injected write failure" in failed["msg"], f"rank {rank}: {failed['type']}: {failed['msg']}"
+        assert incomplete is not None and "IncompleteCheckpointError" in incomplete["mro"], (rank, incomplete)
+    assert not any(n.startswith(".") for n in files_under(ckpt)), f"temp files left: {files_under(ckpt)}"
+
+
+def _inconsistent_replicated(rank, world_size, ckpt):
+    """A plain tensor is replicated; ranks that disagree on its shape make every rank raise."""
+    state = {"r": torch.ones(5 if rank != 1 else 6), "ok": torch.zeros(2)}
+    return catch(Checkpointer().save, ckpt, state)
+
+
+def test_save_of_inconsistent_shapes(run_distributed, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(_inconsistent_replicated, 3, ckpt, timeout=60)
+    for rank, r in enumerate(results):
+        assert r is not None, f"rank {rank}: save of inconsistent shapes succeeded"
+        assert "CheckpointError" in r["mro"] and ("'r'" in r["msg"] or '"r"' in r["msg"]), (rank, r["type"], r["msg"])
+    assert not os.path.exists(os.path.join(ckpt, "metadata.json"))
+
+
+def _rank1_dies_while_loading(rank, world_size, ckpt):
+    from unittest import mock
+
+    from checkpointer.storage.local import LocalStorage
+
+    state = zeros_like_layout({"w": to_layout(torch.zeros(8, 17), f"shard0@{world_size}")})
+    with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": "15"}):
+        if rank == 1:
+
+            def read_into(self, name, requests):
+                os._exit(17)
+
+            with mock.patch.object(LocalStorage, "read_into", read_into):
+                Checkpointer().load(ckpt, state)
+        return catch(Checkpointer().load, ckpt, state)
+
+
+def _save_w(rank, world_size, ckpt):
+    Checkpointer().save(ckpt, {"w": to_layout(torch.randn(8, 17), f"shard0@{world_size}")})
+    return True
+
+
+def test_a_rank_that_dies_does_not_hang_the_others(run_distributed, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_w, 2, ckpt)
+    results = run_distributed(_rank1_dies_while_loading, 3, ckpt, timeout=90, dead_ok=True)
+    assert results[1] == "died", results[1]
+    for rank in (0, 2):
+        r = results[rank]
+        assert r is not None and r != "died", f"rank {rank}: {r}"
+        assert "CheckpointError" in r["mro"], f"rank {rank} raised {r['type']}: {r['msg']}"
+        assert r["seconds"] < 60, f"rank {rank} took {r['seconds']:.1f}s"

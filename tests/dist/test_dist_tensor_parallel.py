@@ -1,0 +1,249 @@
+"""DTensor tensor parallelism: 1-D Shard(1) and 2x2 meshes, saved in one layout, loaded in another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from dist_helpers import (
+    LAYOUTS,
+    assert_local_same,
+    assert_same,
+    full,
+    lay_out,
+    local_piece,
+    mesh,
+    optim_full_state,
+    reference_tensors,
+    to_layout,
+    zeros_like_layout,
+)
+from torch.distributed.tensor import DTensor
+
+from checkpointer import Checkpointer, load_model_and_optim_state, save_model_and_optim_state
+
+SAVE_LAYOUTS = ["plain", "shard1@2", "rep_shard0@2x2", "shard0_shard1@2x2"]
+LOAD_LAYOUTS = ["plain", "shard1@2", "shard1@4", "rep_shard0@2x2", "shard0_shard1@2x2"]
+
+
+def _save_flat(rank, world_size, ckpt, layout):
+    state = lay_out(reference_tensors(), layout)
+    Checkpointer().save(ckpt, state)
+    return True
+
+
+def _load_flat(rank, world_size, ckpt, layout):
+    expected = reference_tensors()
+    state = zeros_like_layout(lay_out(expected, layout))
+    Checkpointer().load(ckpt, state)
+    assert_local_same(expected, state, f"rank {rank} in {layout}")
+    return True
+
+
+@pytest.fixture(scope="module")
+def saved_flat(run_distributed, tmp_path_factory):
+    cache = {}
+
+    def get(layout):
+        if layout not in cache:
+            ckpt = str(tmp_path_factory.mktemp(f"tp-{layout.replace('@', '-')}"))
+            run_distributed(_save_flat, LAYOUTS[layout][0], ckpt, layout)
+            cache[layout] = ckpt
+        return cache[layout]
+
+    return get
+
+
+@pytest.mark.parametrize("load_layout", LOAD_LAYOUTS)
+@pytest.mark.parametrize("save_layout", SAVE_LAYOUTS)
+def test_flat_state_dict_between_layouts(run_distributed, saved_flat, save_layout, load_layout):
+    ckpt = saved_flat(save_layout)
+    ws = LAYOUTS[load_layout][0]
+    assert run_distributed(_load_flat, ws, ckpt, load_layout) == [True] * ws
+
+
+# A model whose parameters are DTensors (tensor parallel), with AdamW state.
+
+
+class TPModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(13, 7))
+        self.e = nn.Parameter(torch.randn(5, 9))
+
+
+def _tp_model(layout, seed):
+    torch.manual_seed(seed)
+    model = TPModel()
+    for name, p in list(model.named_parameters()):
+        setattr(model, name, nn.Parameter(to_layout(p.detach(), layout)))
+    return model
+
+
+def _tp_steps(model, optim, layout, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(50 + step)
+        for name, p in model.named_parameters():
+            p.grad = to_layout(torch.randn(p.shape, generator=g), layout)
+        optim.step()
+        optim.zero_grad()
+
+
+def _save_tp_model(rank, world_size, ckpt, layout):
+    model = _tp_model(layout, 0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    _tp_steps(model, optim, layout, range(2))
+    save_model_and_optim_state(ckpt, model, optim)
+    return {k: full(v) for k, v in model.state_dict().items()}, optim_full_state(model, optim)
+
+
+def _load_tp_model(rank, world_size, ckpt, layout, expected_model, expected_optim):
+    model = _tp_model(layout, 1)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.1)
+    load_model_and_optim_state(ckpt, model, optim)
+    assert_local_same(expected_model, dict(model.state_dict()), f"model on rank {rank}")
+    names = {id(p): n for n, p in model.named_parameters()}
+    got_state = {f"state:{names[id(p)]}.{k}": v for p, st in optim.state.items() for k, v in st.items()}
+    expected_state = {k: v for k, v in expected_optim.items() if k.startswith("state:")}
+    assert_local_same(expected_state, got_state, f"optimizer state on rank {rank}")
+    expected_groups = {k: v for k, v in expected_optim.items() if not k.startswith("state:")}
+    got_groups = {k: v for k, v in optim_full_state_groups(model, optim).items()}
+    assert_same(expected_groups, got_groups, "param groups")
+    for p, st in optim.state.items():
+        if isinstance(p, DTensor):
+            assert st["exp_avg"].placements == p.placements, "optimizer state not sharded like its parameter"
+    return True
+
+
+def optim_full_state_groups(model, optim):
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for i, g in enumerate(optim.param_groups):
+        for k, v in g.items():
+            out[f"group{i}:{k}"] = [names[id(p)] for p in v] if k == "params" else v
+    return out
+
+
+@pytest.mark.parametrize(
+    "save_layout,load_layouts",
+    [
+        ("shard0_shard1@2x2", ["rep_shard0@2x2", "shard1@2", "plain"]),
+        ("shard1@2", ["shard0_shard1@2x2", "plain"]),
+        ("plain", ["rep_shard0@2x2"]),
+    ],
+)
+def test_tp_model_and_optimizer(run_distributed, tmp_path, save_layout, load_layouts):
+    ckpt = str(tmp_path / "ckpt")
+    expected_model, expected_optim = run_distributed(_save_tp_model, LAYOUTS[save_layout][0], ckpt, save_layout)[0]
+    assert any(k.endswith(".exp_avg") for k in expected_optim)
+    for layout in load_layouts:
+        ws = LAYOUTS[layout][0]
+        assert run_distributed(_load_tp_model, ws, ckpt, layout, expected_model, expected_optim) == [True] * ws
+
+
+def _check_local_piece_matches_distribute_tensor(rank, world_size):
+    from torch.distributed.tensor import distribute_tensor
+
+    t = reference_tensors()["w"]
+    for layout in ("shard1@4", "rep_shard0@2x2", "shard0_shard1@2x2"):
+        _, shape, placements = LAYOUTS[layout]
+        d = distribute_tensor(t.clone(), mesh(shape), list(placements))
+        assert torch.equal(d.to_local(), local_piece(t, mesh(shape), placements)), layout
+    return True
+
+
+def test_layout_helper_agrees_with_distribute_tensor(run_distributed):
+    assert run_distributed(_check_local_piece_matches_distribute_tensor, 4) == [True] * 4
+
+
+def _same_dim_twice(rank, world_size, ckpt):
+    """(Shard(0), Shard(0)) on a 2x2 mesh: dim 0 split twice, unevenly (7 rows)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    t = torch.arange(35.0).reshape(7, 5)
+    m = mesh((2, 2))
+    Checkpointer().save(ckpt, {"t": distribute_tensor(t.clone(), m, [Shard(0), Shard(0)])})
+    for placements in ([Shard(1), Shard(0)], [Shard(0), Shard(0)]):
+        target = distribute_tensor(torch.zeros(7, 5), m, placements)
+        Checkpointer().load(ckpt, {"t": target})
+        assert torch.equal(target.full_tensor(), t), placements
+    return True
+
+
+def test_dim_sharded_twice(run_distributed, tmp_path):
+    assert run_distributed(_same_dim_twice, 4, str(tmp_path / "ckpt")) == [True] * 4
+
+
+# FSDP2 composed with tensor parallelism, and FSDP2 sharding on dim 1.
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 10)
+        self.down = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _build_mlp(layout, seed):
+    """``tp+fsdp``: 2x2 (dp, tp) mesh, Colwise/Rowwise TP then FSDP2 over dp (4 ranks);
+    ``fsdp-shard1``: FSDP2 with Shard(1) placements (2 ranks); ``fsdp``: FSDP2 (3 ranks); ``plain``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(seed)
+    model = MLP()
+    if layout == "tp+fsdp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        m = mesh((2, 2), ("dp", "tp"))
+        parallelize_module(model, m["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=m["dp"])
+    elif layout == "fsdp-shard1":
+        fully_shard(model, mesh=mesh((2,)), shard_placement_fn=lambda p: Shard(1) if p.ndim > 1 else None)
+    elif layout == "fsdp":
+        fully_shard(model, mesh=mesh((3,)))
+    return model
+
+
+MLP_WS = {"tp+fsdp": 4, "fsdp-shard1": 2, "fsdp": 3, "plain": 1}
+
+
+def _save_mlp(rank, world_size, ckpt, layout):
+    from dist_helpers import model_full_state
+
+    model = _build_mlp(layout, 0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    save_model_and_optim_state(ckpt, model, optim)
+    return model_full_state(model), optim_full_state(model, optim)
+
+
+def _load_mlp(rank, world_size, ckpt, layout, expected_model, expected_optim):
+    from dist_helpers import model_full_state
+
+    model = _build_mlp(layout, 1)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.1)
+    load_model_and_optim_state(ckpt, model, optim)
+    assert_same(expected_model, model_full_state(model), f"model on rank {rank}")
+    assert_same(expected_optim, optim_full_state(model, optim), f"optimizer on rank {rank}")
+    return True
+
+
+@pytest.mark.parametrize(
+    "save_layout,load_layouts",
+    [("tp+fsdp", ["tp+fsdp", "fsdp", "plain"]), ("fsdp", ["tp+fsdp"]), ("fsdp-shard1", ["fsdp", "plain", "fsdp-shard1"])],
+)
+def test_fsdp_composed_layouts(run_distributed, tmp_path, save_layout, load_layouts):
+    """API.md: FSDP2 on "any mesh incl. 2-D HSDP / TP+FSDP" (TP+FSDP uses _StridedShard placements)."""
+    ckpt = str(tmp_path / "ckpt")
+    expected_model, expected_optim = run_distributed(_save_mlp, MLP_WS[save_layout], ckpt, save_layout)[0]
+    for layout in load_layouts:
+        ws = MLP_WS[layout]
+        assert run_distributed(_load_mlp, ws, ckpt, layout, expected_model, expected_optim) == [True] * ws
