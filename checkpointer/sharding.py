@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .format.dtypes import code_from_dtype
 from .planning.plan import Piece
@@ -95,7 +95,11 @@ def describe(value: Any) -> LocalTensor:
         coord = value.device_mesh.get_coordinate()
         if coord is None:
             return LocalTensor(local, shape, code_from_dtype(value.dtype), True, Piece(flat=()))
-        sizes, offsets = dtensor_box(shape, value.placements, [value.device_mesh.size(i) for i in range(value.device_mesh.ndim)], coord)
+        if all(type(p) is Shard or isinstance(p, Replicate) for p in value.placements):
+            mesh_sizes = [value.device_mesh.size(i) for i in range(value.device_mesh.ndim)]
+            sizes, offsets = dtensor_box(shape, value.placements, mesh_sizes, coord)
+        else:
+            sizes, offsets = _torch_box(value)
         if tuple(local.shape) != sizes:
             raise ValueError(f"DTensor local shape {tuple(local.shape)} is not the expected {sizes} for {value.placements}")
         return LocalTensor(local, shape, code_from_dtype(value.dtype), True, Piece(local_shape=sizes, global_offset=offsets))
@@ -131,6 +135,18 @@ def dtensor_box(
             sizes[d] = end - start
         elif not isinstance(placement, Replicate):
             raise TypeError(f"placement {placement} is not supported in checkpoints (use Shard or Replicate)")
+    return tuple(sizes), tuple(offsets)
+
+
+def _torch_box(value: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Placements beyond Shard/Replicate (FSDP2 over tensor parallelism uses ``_StridedShard``):
+    ask torch, which defines them. Its answer is checked against the local shape by the caller."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in value.placements:
+        if isinstance(placement, Partial):
+            raise TypeError(f"placement {placement} holds partial sums, not values: reduce it before saving")
+    sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     return tuple(sizes), tuple(offsets)
 
 

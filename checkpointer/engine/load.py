@@ -72,7 +72,7 @@ class LocalLoad:
 
 def plan_local_loads(storage: Storage, metadata: StorageMetadata, state_dict: Mapping[str, Any]) -> list[LocalLoad]:
     """Check every key against the metadata and plan its reads (keys sharing memory load once)."""
-    described, _ = describe_state_dict(state_dict)
+    described, _ = describe_state_dict(state_dict, action="load")
     out = []
     for key, lt in described.items():
         meta = _meta_for(metadata, key, storage)

@@ -50,7 +50,9 @@ class SavePlanCache:
     metadata: StorageMetadata
 
 
-def describe_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, LocalTensor], dict[str, str]]:
+def describe_state_dict(
+    state_dict: Mapping[str, Any], *, action: str = "save"
+) -> tuple[dict[str, LocalTensor], dict[str, str]]:
     """Describe every value; a value sharing memory with an earlier key becomes an alias of it."""
     described: dict[str, LocalTensor] = {}
     aliases: dict[str, str] = {}
@@ -61,7 +63,7 @@ def describe_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, LocalT
         try:
             lt = describe(value)
         except (TypeError, ValueError) as ex:
-            raise CheckpointError(f"cannot save {key!r}: {ex}") from ex
+            raise CheckpointError(f"cannot {action} {key!r}: {ex}") from ex
         data = lt.data
         if data.numel() > 0:
             ident = (data.device, data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.dtype, lt.shape, lt.piece)
