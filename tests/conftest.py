@@ -1,4 +1,4 @@
-"""Fixtures of the multi-process tests: ``run_distributed`` and a shared checkpoint directory.
+"""Fixtures shared by every suite: ``run_distributed`` over one set of session-wide worker pools.
 
 ``run_distributed(fn, world_size, *args, timeout=120, init_pg=True)`` runs the module-level
 function ``fn(rank, world_size, *args)`` on every rank of a session-wide pool of that world
@@ -15,8 +15,8 @@ import sys
 import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(os.path.dirname(_HERE))
-for _p in (_ROOT, _HERE):
+_ROOT = os.path.dirname(_HERE)
+for _p in (_ROOT, os.path.join(_HERE, "dist")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
