@@ -286,7 +286,10 @@ def _torch_load(storage: Storage, name: str, where: str, *, mmap: bool, restrict
         source = io.BytesIO(storage.read(name))  # a pickle is read whole anyway; no mmap remotely
         mmap = False
     try:
-        return torch.load(source, map_location="cpu", weights_only=restrict, mmap=mmap)
+        if restrict:
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        # restrict=False is the caller's explicit choice to trust this file (API.md, lazy_load).
+        return torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
     except (OSError, MemoryError):
         raise
     except Exception as ex:  # noqa: BLE001 - any failure to unpickle is a bad file

@@ -1,0 +1,300 @@
+"""The ``checkpointer`` command: inspect, verify, unshard and convert checkpoints.
+
+Every command prints a progress bar on a terminal for long work (nothing when the output is a
+file or pipe, or with ``--quiet``) and, on failure, one line ``checkpointer: error: ...`` with
+exit status 1. ``verify`` exits 1 with one line per problem. Usage errors exit 2.
+Under ``torchrun``, ``unshard`` (and ``convert --to hf`` of a checkpoint) divide the output
+shards among the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from .errors import CheckpointError, CorruptCheckpointError
+from .progress import Progress, format_bytes
+
+__all__ = ["main", "build_parser"]
+
+PROG = "checkpointer"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect, verify, unshard and convert checkpoints (local paths, file://, s3://, gs://).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary line")
+
+    p = sub.add_parser("inspect", help="list every tensor: shape, dtype, sharding, bytes, files")
+    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or one holding model/ and optim/")
+    p.add_argument("--json", action="store_true", help="print the same information as JSON")
+
+    p = sub.add_parser("verify", parents=[quiet], help="read every byte; check structure and checksums")
+    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or one holding model/ and optim/")
+
+    p = sub.add_parser(
+        "unshard", parents=[quiet], help="write the model as safetensors: one file, or HF-style shards + index"
+    )
+    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or one holding model/")
+    p.add_argument("out", metavar="OUT", help="a .safetensors file, or a directory for shards and model.safetensors.index.json")
+    _export_options(p)
+    p.add_argument("--keys", metavar="REGEX", help="only tensors whose name matches REGEX (re.search)")
+
+    p = sub.add_parser("convert", parents=[quiet], help="between checkpointer, torch DCP and Hugging Face formats")
+    p.add_argument("src", metavar="SRC", help="the source; its format is detected")
+    p.add_argument("dst", metavar="DST", help="where to write")
+    p.add_argument("--to", required=True, choices=("checkpointer", "dcp", "hf"), help="the format to write")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="allow reading a torch DCP source: its .metadata is a Python pickle, which can run "
+        "arbitrary code when read, so pass this only for checkpoints you trust",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
+    _export_options(p)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("checkpointer")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _export_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", metavar="DTYPE", help="cast floating-point tensors: bf16, fp16, fp32 (hf output)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="most bytes per output shard (default 5GB)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (``python -m checkpointer`` exits with it)."""
+    args = build_parser().parse_args(argv)
+    joined = False
+    try:
+        joined = _init_distributed_from_env()
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except (CheckpointError, OSError, ValueError, TypeError, KeyError) as ex:
+        _error(_one_line(ex))
+        return 1
+    finally:
+        if joined:
+            import torch.distributed as td
+
+            td.destroy_process_group()
+
+
+def _one_line(ex: BaseException) -> str:
+    text = " ".join(str(ex).split())
+    if isinstance(ex, KeyError):
+        text = f"no such key {text}"
+    if isinstance(ex, OSError) and not isinstance(ex, FileExistsError) and ex.filename and str(ex.filename) not in text:
+        text = f"{text}: {ex.filename}"
+    return text or type(ex).__name__
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+
+
+def _init_distributed_from_env() -> bool:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1), join its process group (gloo: this is CPU work).
+
+    Returns whether this call created the group (and so should destroy it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        return False
+    import torch.distributed as td
+
+    if td.is_initialized():
+        return False
+    td.init_process_group("gloo")
+    return True
+
+
+def _rank() -> int:
+    from . import dist
+
+    return dist.get_rank()
+
+
+def _progress(args: argparse.Namespace, desc: str, unit: str) -> Callable[[int, int], Progress] | None:
+    if getattr(args, "quiet", False) or _rank() != 0:
+        return None
+    return lambda total_bytes, total_items: Progress(desc, total_bytes=total_bytes, total_items=total_items, unit=unit)
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    if not getattr(args, "quiet", False) and _rank() == 0:
+        print(text, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+# ---------------------------------------------------------------------------------------------
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .engine.summary import describe_parts
+
+    parts = describe_parts(args.dir)
+    if args.json:
+        doc: Any = parts[0][1] if len(parts) == 1 and parts[0][0] == "" else {name: info for name, info in parts}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render_table(parts))
+    return 0
+
+
+def render_table(parts: list[tuple[str, dict[str, Any]]]) -> str:
+    """The human-readable form of :func:`~checkpointer.engine.summary.describe_parts`."""
+    blocks = []
+    for name, info in parts:
+        head = f"{info['path']}" + (f" ({name})" if name else "")
+        version = info["format_version"] if info["format_version"] is not None else "unknown (written by OLMo-core?)"
+        world = info["world_size"] if info["world_size"] is not None else "unknown"
+        rows = [("KEY", "SHAPE", "DTYPE", "SHARDING", "BYTES", "FILES")]
+        for t in info["tensors"]:
+            kind = "sharded" if t["is_sharded"] else "whole"
+            pieces = f"{kind}, {t['pieces']} piece{'s' if t['pieces'] != 1 else ''}"
+            rows.append((t["key"], str(t["shape"]), t["dtype"], pieces, format_bytes(t["bytes"]), _files_label(t["files"])))
+        for alias, target in sorted(info["aliases"].items()):
+            rows.append((alias, "", "", f"tied to {target}", "-", ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        tied = f" (+{info['num_aliases']} tied)" if info["num_aliases"] else ""
+        nfiles = len(info["files"])
+        lines.append(
+            f"total: {info['num_tensors']} tensors{tied}, {format_bytes(info['total_bytes'])} "
+            f"({info['total_bytes']} bytes) in {nfiles} file{'s' if nfiles != 1 else ''}; "
+            f"format version {version}, saved with world size {world}"
+        )
+        blocks.append("\n".join([f"checkpoint: {head}", *lines]))
+    return "\n\n".join(blocks)
+
+
+def _files_label(files: list[str]) -> str:
+    """``rank_0.safetensors, rank_1..., rank_2...`` -> ``rank_[0-2]``."""
+    from .format.layout import is_rank_filename
+
+    ranks = sorted(int(f[len("rank_") : -len(".safetensors")]) for f in files if is_rank_filename(f))
+    others = sorted(f for f in files if not is_rank_filename(f))
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    label = [] if not ranks else [f"rank_{text}" if len(ranks) == 1 else f"rank_[{text}]"]
+    return ", ".join(label + others)
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+# ---------------------------------------------------------------------------------------------
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .engine.locate import checkpoint_parts
+    from .engine.verify import verify_checkpoint
+    from .storage.base import open_storage
+
+    problems: list[str] = []
+    checked = []
+    try:
+        parts = checkpoint_parts(open_storage(args.dir))
+    except CorruptCheckpointError as ex:
+        parts, problems = [], [_one_line(ex)]
+    for name, storage in parts:
+        found = verify_checkpoint(storage, make_progress=_progress(args, f"verify {name or 'checkpoint'}", "chunks"))
+        problems.extend(found)
+        checked.append(storage.url)
+    for line in problems:
+        print(line, flush=True)
+    if problems:
+        _error(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found in {args.dir}")
+        return 1
+    _say(args, f"ok: {', '.join(checked)}: every tensor complete, every byte read, checksums match")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# unshard, convert
+# ---------------------------------------------------------------------------------------------
+
+
+def _cmd_unshard(args: argparse.Namespace) -> int:
+    from .engine.export import export_checkpoint
+
+    files = export_checkpoint(
+        args.dir,
+        args.out,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        keys=args.keys,
+        make_progress=_progress(args, "unshard", "tensors"),
+    )
+    _say(args, _wrote(files, args.out))
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .interop.convert import convert
+
+    def note(text: str) -> None:
+        print(f"{PROG}: note: {text}", file=sys.stderr, flush=True)
+
+    try:
+        files = convert(
+            args.src,
+            args.dst,
+            to=args.to,
+            allow_pickle=args.allow_pickle,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+            save_overwrite=args.overwrite,
+            make_progress=_progress(args, f"convert to {args.to}", "tensors"),
+            notes=note,
+        )
+    except FileExistsError as ex:
+        raise FileExistsError(f"{ex}; on the command line: --overwrite") from ex
+    _say(args, _wrote(files, args.dst))
+    return 0
+
+
+def _wrote(files: list[str], out: str) -> str:
+    size = 0
+    for f in files:
+        try:
+            size += os.path.getsize(f)
+        except OSError:
+            pass
+    who = "" if _world() == 1 else "rank 0 "
+    return f"{who}wrote {len(files)} file{'s' if len(files) != 1 else ''} ({format_bytes(size)}) to {out}"
+
+
+def _world() -> int:
+    from . import dist
+
+    return dist.get_world_size()
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "inspect": _cmd_inspect,
+    "verify": _cmd_verify,
+    "unshard": _cmd_unshard,
+    "convert": _cmd_convert,
+}

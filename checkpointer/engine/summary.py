@@ -1,0 +1,60 @@
+"""What a checkpoint holds, as plain data: every tensor's shape, dtype, pieces, bytes and files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..format.dtypes import itemsize
+from ..format.metadata import StorageMetadata
+from ..storage.base import Storage, open_storage
+from .load import read_metadata
+from .locate import checkpoint_parts
+
+__all__ = ["describe_metadata", "describe_parts"]
+
+
+def describe_metadata(url: str, metadata: StorageMetadata) -> dict[str, Any]:
+    """A JSON-ready description of one checkpoint directory's metadata.
+
+    Tensors keep the metadata's order; ``pieces`` is the number of files holding part of a
+    tensor, ``bytes`` its full size. Tied names (aliases) are listed apart and hold no bytes.
+    """
+    tensors = []
+    total = 0
+    for key, meta in metadata.tensors.items():
+        nbytes = meta.numel * itemsize(meta.dtype)
+        total += nbytes
+        tensors.append(
+            {
+                "key": key,
+                "shape": list(meta.shape),
+                "dtype": meta.dtype,
+                "is_sharded": meta.is_sharded,
+                "pieces": len(meta.shard_spec_per_file),
+                "files": list(meta.shard_spec_per_file),
+                "numel": meta.numel,
+                "bytes": nbytes,
+                "checksummed": all(s.checksums is not None for s in meta.shard_spec_per_file.values()),
+            }
+        )
+    return {
+        "path": url,
+        "format_version": metadata.format_version,
+        "world_size": metadata.world_size,
+        "checksum_algorithm": metadata.checksum_algorithm,
+        "num_tensors": len(tensors),
+        "num_aliases": len(metadata.aliases or {}),
+        "total_bytes": total,
+        "files": metadata.files(),
+        "tensors": tensors,
+        "aliases": dict(metadata.aliases or {}),
+    }
+
+
+def describe_parts(dir: str | Storage) -> list[tuple[str, dict[str, Any]]]:
+    """``[(part, description)]``: one entry ``("", ...)`` for a checkpoint directory, or
+    ``("model", ...)`` and ``("optim", ...)`` for the top-level directory of a model save."""
+    out = []
+    for name, storage in checkpoint_parts(open_storage(dir)):
+        out.append((name, describe_metadata(storage.url, read_metadata(storage, no_dist=True))))
+    return out

@@ -1,0 +1,179 @@
+"""torch.distributed.checkpoint (DCP) directories: read them tensor by tensor, write them streaming.
+
+DCP keeps its index, ``.metadata``, as a Python pickle, and unpickling runs whatever code the
+file names. So reading a DCP directory needs an explicit ``allow_pickle=True`` (the command
+line's ``--allow-pickle``), and the one call that unpickles, DCP's own
+``FileSystemReader.read_metadata``, sits alone in :func:`_read_trusted_dcp_metadata`.
+Nothing else in this library unpickles. The tensor data itself DCP reads with
+``torch.load(weights_only=True)``.
+
+Writing uses ``torch.distributed.checkpoint.save`` with a planner that fetches each tensor
+only when DCP asks for its bytes, one file per tensor, so one tensor is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..errors import CheckpointError
+from ..format.dtypes import code_from_dtype, dtype_from_code
+
+__all__ = ["DCPTensors", "read_dcp_metadata", "write_dcp", "is_dcp", "DCP_METADATA", "local_path"]
+
+DCP_METADATA = ".metadata"
+PICKLE_WARNING = (
+    "{where} is a Python pickle, and unpickling can run arbitrary code: pass --allow-pickle "
+    "(allow_pickle=True) only for a DCP checkpoint you trust"
+)
+
+
+def is_dcp(names: set[str]) -> bool:
+    return DCP_METADATA in names
+
+
+def local_path(url: str) -> str:
+    """DCP directories are local: a path or ``file://`` URL."""
+    url = str(url)
+    if url.startswith("file://"):
+        return url[len("file://") :]
+    if "://" in url:
+        raise CheckpointError(f"{url}: torch DCP directories are read and written on local disk only")
+    return url
+
+
+def read_dcp_metadata(path: str, *, allow_pickle: bool = False) -> Any:
+    """The ``Metadata`` of a DCP directory; refuses unless ``allow_pickle`` (it is a pickle)."""
+    path = local_path(path)
+    where = os.path.join(path, DCP_METADATA)
+    if not allow_pickle:
+        raise CheckpointError(PICKLE_WARNING.format(where=where))
+    if not os.path.isfile(where):
+        raise CheckpointError(f"{where} is missing: {path} is not a complete torch DCP checkpoint")
+    return _read_trusted_dcp_metadata(path)
+
+
+def _read_trusted_dcp_metadata(path: str) -> Any:
+    """The only place the library unpickles: DCP's reader, after the caller allowed it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path).read_metadata()
+
+
+class DCPTensors:
+    """The tensors of a DCP directory, each loaded whole (from however many ranks' chunks) on demand.
+
+    Entries that are not tensors (pickled Python objects) are not read; :attr:`skipped` names them.
+    """
+
+    def __init__(self, path: str, *, allow_pickle: bool = False):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = local_path(path)
+        self.metadata = read_dcp_metadata(self.path, allow_pickle=allow_pickle)
+        self._entries: list[tuple[str, tuple[int, ...], str]] = []
+        self.skipped: list[str] = []
+        for fqn, meta in self.metadata.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                self.skipped.append(fqn)
+                continue
+            try:
+                code = code_from_dtype(meta.properties.dtype)
+            except TypeError as ex:
+                raise CheckpointError(f"{self.path}: tensor {fqn!r}: {ex}") from ex
+            self._entries.append((fqn, tuple(meta.size), code))
+        self._reader = _reader_with_metadata(self.path, self.metadata)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        return {}
+
+    def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return list(self._entries)
+
+    def fetch(self, key: str) -> torch.Tensor:
+        from torch.distributed.checkpoint import load
+
+        meta = self.metadata.state_dict_metadata[key]
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with _single_process():
+            load({key: out}, storage_reader=self._reader, no_dist=True)
+        return out
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """DCP warns that it assumes one process when asked for exactly that (``no_dist=True``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _reader_with_metadata(path: str, metadata: Any) -> Any:
+    """A DCP reader that hands back the metadata already read instead of unpickling it again."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self) -> Any:  # noqa: D102 - DCP's interface
+            return metadata
+
+    return _Reader(path)
+
+
+def write_dcp(
+    dst: str,
+    entries: Sequence[tuple[str, Sequence[int], str]],
+    fetch: Callable[[str], torch.Tensor],
+    *,
+    save_overwrite: bool = False,
+    make_progress: Callable[[int, int], Any] | None = None,
+) -> list[str]:
+    """Write ``entries`` (``(key, shape, dtype_code)``, fetched by key) as a DCP directory.
+
+    Raises:
+        FileExistsError: ``dst`` already holds a DCP checkpoint and ``save_overwrite`` is False.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    path = local_path(dst)
+    if os.path.exists(os.path.join(path, DCP_METADATA)) and not save_overwrite:
+        raise FileExistsError(f"{os.path.join(path, DCP_METADATA)} exists: a DCP checkpoint is already there (pass save_overwrite=True to replace it)")
+    if not entries:
+        raise CheckpointError("nothing to write: the source holds no tensor")
+    shapes = {key: (tuple(shape), dtype_from_code(code)) for key, shape, code in entries}
+    total = sum(torch.Size(s).numel() * d.itemsize for s, d in shapes.values())
+    bar = make_progress(total, len(entries)) if make_progress else None
+
+    class _FetchingPlanner(DefaultSavePlanner):
+        """Plans from meta tensors; DCP's writer asks for each tensor's data when it writes it."""
+
+        def resolve_data(self, write_item: Any) -> Any:  # noqa: D102 - DCP's interface
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            key = write_item.index.fqn
+            data = fetch(key)
+            shape, dtype = shapes[key]
+            if tuple(data.shape) != shape or data.dtype != dtype:
+                raise CheckpointError(f"tensor {key!r} came back as {list(data.shape)} {data.dtype}, expected {list(shape)} {dtype}")
+            if bar is not None:
+                bar.advance(data.numel() * data.element_size(), 1)
+            return data
+
+    state = {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in shapes.items()}
+    os.makedirs(path, exist_ok=True)
+    before = set(os.listdir(path))
+    try:
+        # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done.
+        writer = FileSystemWriter(path, single_file_per_rank=False, thread_count=1)
+        with _single_process():
+            save(state, storage_writer=writer, planner=_FetchingPlanner(), no_dist=True)
+    finally:
+        if bar is not None:
+            bar.close()
+    return sorted(os.path.join(path, n) for n in set(os.listdir(path)) - before | {DCP_METADATA})

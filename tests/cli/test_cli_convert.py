@@ -1,0 +1,182 @@
+"""``checkpointer convert SRC DST --to {checkpointer,dcp,hf}`` in each direction; DCP needs --allow-pickle."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from cli_helpers import assert_same_tensors, cli, without
+from safetensors.torch import load_file
+
+from checkpointer import Checkpointer
+
+TIED = ["head.weight"]
+
+
+def load_dcp(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP directory, whole (test code may unpickle its own files)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(path).read_metadata()
+    out = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(out, checkpoint_id=path, no_dist=True)
+    return out
+
+
+def unshard(path: str) -> dict[str, torch.Tensor]:
+    return Checkpointer().unshard(path, no_dist=True)
+
+
+@pytest.fixture(scope="module")
+def dcp1(ckpts, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("dcp1") / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(dict(ckpts.ws1_full), checkpoint_id=path, no_dist=True)
+    return path
+
+
+def test_dcp_source_needs_allow_pickle(dcp1, capsys, tmp_path):
+    code, out, err = cli(capsys, "convert", dcp1, str(tmp_path / "ours"), "--to", "checkpointer")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"checkpointer: error: {dcp1}/.metadata is a Python pickle, and unpickling can run arbitrary code: "
+        "pass --allow-pickle (allow_pickle=True) only for a DCP checkpoint you trust\n"
+    )
+    assert not (tmp_path / "ours").exists()
+
+
+def test_hostile_dcp_metadata_is_never_run_without_allow_pickle(capsys, tmp_path):
+    marker = tmp_path / "pwned"
+    src = tmp_path / "evil"
+    src.mkdir()
+    (src / ".metadata").write_bytes(f"cos\nsystem\n(S'touch {marker}'\ntR.".encode())
+    for to in ("checkpointer", "hf", "dcp"):
+        code, _, err = cli(capsys, "convert", str(src), str(tmp_path / f"out-{to}"), "--to", to)
+        assert code == 1 and "--allow-pickle" in err
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_dcp_to_ours_to_dcp_round_trip(ckpts, dcp1, capsys, tmp_path, ws):
+    src = dcp1 if ws == 1 else ckpts.dcp3
+    full = ckpts.ws1_full if ws == 1 else ckpts.ws3_full
+    ours, back = str(tmp_path / "ours"), str(tmp_path / "back")
+    code, out, err = cli(capsys, "convert", src, ours, "--to", "checkpointer", "--allow-pickle")
+    assert (code, err) == (0, "")
+    assert out == f"wrote 2 files ({_size(ours)}) to {ours}\n"
+    assert_same_tensors(unshard(ours), full)  # DCP holds the tied name too
+    assert cli(capsys, "verify", ours, "-q") == (0, "", "")
+    assert cli(capsys, "convert", ours, back, "--to", "dcp")[0] == 0
+    assert_same_tensors(load_dcp(back), load_dcp(src))
+
+
+def _size(path: str) -> str:
+    from checkpointer.progress import format_bytes
+
+    return format_bytes(sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)))
+
+
+def test_ours_to_dcp_to_ours_keeps_tied_names(ckpts, capsys, tmp_path):
+    mid, back = str(tmp_path / "dcp"), str(tmp_path / "back")
+    assert cli(capsys, "convert", ckpts.ws3, mid, "--to", "dcp", "-q") == (0, "", "")
+    assert_same_tensors(load_dcp(mid), ckpts.ws3_full)
+    assert cli(capsys, "convert", mid, back, "--to", "checkpointer", "--allow-pickle", "-q") == (0, "", "")
+    assert_same_tensors(unshard(back), ckpts.ws3_full)
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_ours_to_hf_to_ours(ckpts, capsys, tmp_path, ws):
+    src = ckpts.ws1 if ws == 1 else ckpts.ws3
+    full = ckpts.ws1_full if ws == 1 else ckpts.ws3_full
+    hf, back = str(tmp_path / "hf"), str(tmp_path / "back")
+    assert cli(capsys, "convert", src, hf, "--to", "hf", "--max-shard-size", "256B", "-q")[0] == 0
+    assert len(os.listdir(hf)) > 3
+    assert cli(capsys, "convert", hf, back, "--to", "checkpointer", "-q")[0] == 0
+    assert_same_tensors(unshard(back), without(full, TIED))
+    one = str(tmp_path / "one.safetensors")
+    assert cli(capsys, "convert", back, one, "--to", "hf", "-q")[0] == 0
+    assert_same_tensors(load_file(one), without(full, TIED))
+
+
+def test_hf_dcp_both_ways(ckpts, capsys, tmp_path):
+    hf, mid, again = str(tmp_path / "model.safetensors"), str(tmp_path / "dcp"), str(tmp_path / "hf")
+    assert cli(capsys, "convert", ckpts.dcp3, hf, "--to", "hf", "--allow-pickle", "--dtype", "bf16", "-q")[0] == 0
+    want = {k: v.to(torch.bfloat16) for k, v in ckpts.ws3_full.items()}
+    assert_same_tensors(load_file(hf), want)
+    assert cli(capsys, "convert", hf, mid, "--to", "dcp", "-q")[0] == 0
+    assert_same_tensors(load_dcp(mid), want)
+    assert cli(capsys, "convert", mid, again, "--to", "hf", "--allow-pickle", "-q")[0] == 0
+    assert_same_tensors(load_file(os.path.join(again, "model-00001-of-00001.safetensors")), want)
+
+
+def test_non_tensor_dcp_entries_are_named(capsys, tmp_path):
+    src = str(tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0), "note": {"lr": 0.1}}, checkpoint_id=src, no_dist=True)
+    code, _, err = cli(capsys, "convert", src, str(tmp_path / "ours"), "--to", "checkpointer", "--allow-pickle")
+    assert code == 0
+    assert err == f"checkpointer: note: 1 non-tensor entries of {src} were not converted: 'note.lr'\n"
+    assert_same_tensors(unshard(str(tmp_path / "ours")), {"w": torch.arange(4.0)})
+
+
+def test_convert_refuses_to_overwrite(ckpts, capsys, tmp_path):
+    dst = str(tmp_path / "ours")
+    assert cli(capsys, "convert", ckpts.flat3, dst, "--to", "checkpointer", "-q")[0] == 0
+    code, _, err = cli(capsys, "convert", ckpts.flat3, dst, "--to", "checkpointer")
+    assert code == 1
+    assert err == (
+        f"checkpointer: error: {dst}/metadata.json exists: a checkpoint is already saved there "
+        "(pass save_overwrite=True to replace it); on the command line: --overwrite\n"
+    )
+    assert cli(capsys, "convert", ckpts.flat3, dst, "--to", "checkpointer", "--overwrite", "-q")[0] == 0
+    assert_same_tensors(unshard(dst), ckpts.flat3_full)
+
+
+def test_convert_unknown_source(capsys, tmp_path):
+    (tmp_path / "readme.txt").write_text("hi")
+    code, _, err = cli(capsys, "convert", str(tmp_path), str(tmp_path / "x"), "--to", "hf")
+    assert code == 1
+    assert err.startswith(f"checkpointer: error: cannot tell the format of {tmp_path}: expected metadata.json")
+    code, _, err = cli(capsys, "convert", str(tmp_path), str(tmp_path / "x"), "--to", "safetensors")
+    assert code == 2 and "invalid choice: 'safetensors'" in err
+
+
+def test_only_the_dcp_reader_unpickles(monkeypatch, tmp_path):
+    """No pickle.load(s) in the package; DCP's metadata reader is called from one function only,
+    and only once the caller allowed it."""
+    root = pathlib.Path(__file__).resolve().parents[2] / "checkpointer"
+    loads, dcp_reads = [], []
+    for path in sorted(root.rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bpickle\.loads?\(", line):
+                loads.append(f"{path.relative_to(root)}:{number}")
+            if re.search(r"FileSystemReader\(.*\)\.read_metadata\(", line):
+                dcp_reads.append(f"{path.relative_to(root)}: {line.strip()}")
+    assert loads == []
+    assert dcp_reads == ["interop/dcp.py: return FileSystemReader(path).read_metadata()"]
+
+    from checkpointer.errors import CheckpointError
+    from checkpointer.interop import dcp as dcp_module
+
+    def refuse(path):
+        raise AssertionError("unpickled without allow_pickle")
+
+    monkeypatch.setattr(dcp_module, "_read_trusted_dcp_metadata", refuse)
+    (tmp_path / ".metadata").write_bytes(b"not read")
+    with pytest.raises(CheckpointError, match="allow-pickle"):
+        dcp_module.read_dcp_metadata(str(tmp_path))
+    with pytest.raises(AssertionError, match="unpickled without"):
+        dcp_module.read_dcp_metadata(str(tmp_path), allow_pickle=True)

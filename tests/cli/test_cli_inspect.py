@@ -1,0 +1,109 @@
+"""``checkpointer inspect DIR [--json]`` on checkpoints of world size 1 and 3."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from cli_helpers import cli
+
+RANKS3 = ["rank_0.safetensors", "rank_1.safetensors", "rank_2.safetensors"]
+CODES = {"torch.float32": "F32", "torch.int32": "I32", "torch.int64": "I64"}
+
+
+def expected_rows(full, *, world_size, sharded_keys):
+    rows = {}
+    for key, t in full.items():
+        if key == "head.weight":  # tied to embed.weight: saved once
+            continue
+        pieces = world_size if key in sharded_keys else 1
+        rows[key] = {
+            "shape": list(t.shape),
+            "dtype": CODES[str(t.dtype)],
+            "is_sharded": key in sharded_keys,
+            "pieces": pieces,
+            "numel": t.numel(),
+            "bytes": t.numel() * t.element_size(),
+        }
+    return rows
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_inspect_json_model(ckpts, capsys, ws):
+    path, full = (os.path.join(ckpts.ws1, "model"), ckpts.ws1_full) if ws == 1 else (os.path.join(ckpts.ws3, "model"), ckpts.ws3_full)
+    code, out, err = cli(capsys, "inspect", path, "--json")
+    assert (code, err) == (0, "")
+    info = json.loads(out)
+    sharded = {"embed.weight", "up.weight", "up.bias", "down.weight", "down.bias"} if ws == 3 else set()
+    want = expected_rows(full, world_size=ws, sharded_keys=sharded)
+    got = {t["key"]: {k: t[k] for k in ("shape", "dtype", "is_sharded", "pieces", "numel", "bytes")} for t in info["tensors"]}
+    assert got == want
+    for t in info["tensors"]:
+        assert len(t["files"]) == t["pieces"]
+        assert set(t["files"]) <= set(RANKS3[:ws])
+        assert t["checksummed"] is True
+        if t["pieces"] == ws:
+            assert sorted(t["files"]) == RANKS3[:ws]
+    assert info["aliases"] == {"head.weight": "embed.weight"}
+    assert info["num_tensors"] == len(want)
+    assert info["num_aliases"] == 1
+    assert info["total_bytes"] == sum(r["bytes"] for r in want.values())
+    assert info["format_version"] == 1
+    assert info["world_size"] == ws
+    assert info["files"] == RANKS3[:ws]
+    assert info["path"] == os.path.abspath(path)
+
+
+def test_inspect_table_top_level_covers_model_and_optim(ckpts, capsys):
+    code, out, err = cli(capsys, "inspect", ckpts.ws3)
+    assert (code, err) == (0, "")
+    blocks = out.strip().split("\n\n")
+    assert len(blocks) == 2
+    model, optim = blocks
+    assert model.splitlines()[0] == f"checkpoint: {os.path.join(ckpts.ws3, 'model')} (model)"
+    assert optim.splitlines()[0] == f"checkpoint: {os.path.join(ckpts.ws3, 'optim')} (optim)"
+    rows = {line.split()[0]: line.split() for line in model.splitlines()[2:-1]}
+    assert rows["up.weight"][:6] == ["up.weight", "[13,", "6]", "F32", "sharded,", "3"]
+    assert rows["up.weight"][-1] == "rank_[0-2]"
+    assert rows["scale"][1:7] == ["[6]", "F32", "whole,", "1", "piece", "24"]
+    assert " ".join(rows["head.weight"]) == "head.weight tied to embed.weight -"
+    total = model.splitlines()[-1]
+    nbytes = sum(t.numel() * 4 for k, t in ckpts.ws3_full.items() if k != "head.weight")
+    assert total == (
+        f"total: 6 tensors (+1 tied), {nbytes} B ({nbytes} bytes) in 3 files; format version 1, saved with world size 3"
+    )
+    assert "state.up.weight.__exp_avg" in optim
+    assert optim.splitlines()[-1].endswith("format version 1, saved with world size 3")
+
+
+def test_inspect_json_top_level_has_both_parts(ckpts, capsys):
+    code, out, _ = cli(capsys, "inspect", ckpts.ws1, "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert sorted(info) == ["model", "optim"]
+    keys = {t["key"] for t in info["optim"]["tensors"]}
+    assert {"num_param_groups", "param_group0", "state_keys", "state.embed.weight.__exp_avg"} <= keys
+    assert info["model"]["world_size"] == info["optim"]["world_size"] == 1
+
+
+def test_inspect_flat_sharded_pieces(ckpts, capsys):
+    code, out, _ = cli(capsys, "inspect", ckpts.flat3, "--json")
+    assert code == 0
+    info = json.loads(out)
+    got = {t["key"]: (t["shape"], t["dtype"], t["pieces"], t["bytes"], t["is_sharded"]) for t in info["tensors"]}
+    assert got == {"b": ([20], "I32", 3, 80, True), "w": ([5, 8], "F32", 3, 160, True)}
+    assert info["aliases"] == {} and info["num_aliases"] == 0
+
+
+def test_inspect_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    code, out, err = cli(capsys, "inspect", str(tmp_path))
+    assert code == 1 and out == ""
+    assert err == (
+        f"checkpointer: error: {tmp_path} is not a checkpoint: it holds no metadata.json (missing, or its save "
+        "never finished) and no model/ or optim/ sub-directory\n"
+    )
+    code, out, err = cli(capsys, "inspect", str(tmp_path / "nowhere"))
+    assert (code, out) == (1, "")
+    assert err == f"checkpointer: error: {tmp_path / 'nowhere'} does not exist or is empty: no checkpoint there\n"

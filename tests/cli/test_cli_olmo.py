@@ -1,0 +1,108 @@
+"""OLMo-core interop: checkpoints written by ai2-olmo-core 0.1.0's ``olmo_core.distributed.checkpoint``
+load here, and ours load there, at world sizes 1 and 3.
+
+That release needs one shim on current torch (``Shard._local_shard_size_on_dim`` was renamed);
+:func:`cli_workers.patch_olmo_for_torch` adds it. The module is skipped only when it cannot import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from cli_helpers import assert_same_tensors, cli
+from cli_workers import build, full_state, olmo_load_ws3, olmo_save_ws3, patch_olmo_for_torch
+from safetensors.torch import load_file
+
+from checkpointer import (
+    load_model_and_optim_state,
+    save_model_and_optim_state,
+    unshard_model_state,
+    unshard_optim_state,
+)
+
+try:
+    from olmo_core.distributed import checkpoint as olmo
+    from olmo_core.version import VERSION as OLMO_VERSION
+except Exception as ex:  # noqa: BLE001 - any import failure is the reason to skip
+    pytest.skip(f"ai2-olmo-core 0.1.0 cannot be imported: {type(ex).__name__}: {ex}", allow_module_level=True)
+
+pytestmark = pytest.mark.skipif(
+    OLMO_VERSION != "0.1.0",
+    reason="these tests pin ai2-olmo-core 0.1.0, the release whose layout this library keeps",
+)
+
+
+@pytest.fixture(autouse=True)
+def _olmo_shim():
+    patch_olmo_for_torch()
+
+
+def assert_same_optim(got: dict, want: dict) -> None:
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for pid, state in want["state"].items():
+        assert_same_tensors(got["state"][pid], state)
+
+
+def test_olmo_ws1_checkpoint_loads_here(tmp_path, capsys):
+    dir = str(tmp_path / "olmo")
+    model, optim = build(3, tied=False)
+    olmo.save_model_and_optim_state(dir, model, optim)
+    fresh, fresh_optim = build(4, tied=False)
+    load_model_and_optim_state(dir, fresh, fresh_optim)
+    assert_same_tensors(full_state(fresh), full_state(model))
+    assert_same_optim(fresh_optim.state_dict(), optim.state_dict())
+    assert_same_tensors(unshard_model_state(dir, no_dist=True), olmo.unshard_model_state(dir, no_dist=True))
+    assert cli(capsys, "verify", dir, "-q") == (0, "", "")
+    code, out, _ = cli(capsys, "inspect", os.path.join(dir, "model"), "--json")
+    info = json.loads(out)
+    assert (code, info["format_version"], info["world_size"], info["num_tensors"]) == (0, None, None, 7)
+    assert cli(capsys, "unshard", dir, str(tmp_path / "m.safetensors"), "-q")[0] == 0
+    assert_same_tensors(load_file(str(tmp_path / "m.safetensors")), full_state(model))
+
+
+def test_olmo_ws3_checkpoint_loads_here(tmp_path, capsys, run_distributed):
+    dir = str(tmp_path / "olmo3")
+    full = run_distributed(olmo_save_ws3, 3, dir, timeout=300)[0]
+    assert_same_tensors(unshard_model_state(dir, no_dist=True), full)
+    assert_same_optim(unshard_optim_state(dir, no_dist=True), olmo.unshard_optim_state(dir, no_dist=True))
+    model, optim = build(5, tied=False)
+    load_model_and_optim_state(dir, model, optim)
+    assert_same_tensors(full_state(model), full)
+    assert cli(capsys, "verify", dir, "-q") == (0, "", "")
+    code, out, _ = cli(capsys, "inspect", os.path.join(dir, "model"), "--json")
+    pieces = {t["key"]: t["pieces"] for t in json.loads(out)["tensors"]}
+    assert code == 0 and pieces["up.weight"] == 3 and pieces["scale"] == 1
+
+
+def test_our_ws1_checkpoint_loads_in_olmo(tmp_path):
+    dir = str(tmp_path / "ours")
+    model, optim = build(6, tied=False)
+    save_model_and_optim_state(dir, model, optim)
+    fresh, fresh_optim = build(7, tied=False)
+    olmo.load_model_and_optim_state(dir, fresh, fresh_optim)
+    assert_same_tensors(full_state(fresh), full_state(model))
+    assert_same_optim(fresh_optim.state_dict(), optim.state_dict())
+    assert_same_tensors(olmo.unshard_model_state(dir, no_dist=True), full_state(model))
+
+
+def test_our_ws3_checkpoint_loads_in_olmo(ckpts, run_distributed):
+    assert_same_tensors(olmo.unshard_model_state(ckpts.untied3, no_dist=True), ckpts.untied3_full)
+    assert_same_optim(olmo.unshard_optim_state(ckpts.untied3, no_dist=True), unshard_optim_state(ckpts.untied3, no_dist=True))
+    model, optim = build(8, tied=False)
+    olmo.load_model_and_optim_state(ckpts.untied3, model, optim)
+    assert_same_tensors(full_state(model), ckpts.untied3_full)
+    full = run_distributed(olmo_load_ws3, 3, ckpts.untied3, timeout=300)
+    for rank_full in full:
+        assert_same_tensors(rank_full, ckpts.untied3_full)
+
+
+def test_shim_matches_torch_chunking():
+    from torch.distributed.tensor.placement_types import Shard
+
+    got = [Shard._local_shard_size_on_dim(11, 3, r, return_offset=True) for r in range(3)]
+    assert got == [(4, 0), (4, 4), (3, 8)]
+    assert [len(c) for c in torch.arange(11).chunk(3)] == [4, 4, 3]

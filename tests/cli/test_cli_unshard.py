@@ -1,0 +1,164 @@
+"""``checkpointer unshard DIR OUT`` and ``export_safetensors``: equal to ``unshard_model_state``, streamed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import weakref
+
+import pytest
+import torch
+from cli_helpers import assert_same_tensors, cli, without
+from cli_workers import export_ws
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import checkpointer
+from checkpointer import export_safetensors, unshard_model_state
+from checkpointer.engine import export as export_module
+
+TIED = ["head.weight"]
+
+
+def top_dir(ckpts, ws: int) -> str:
+    return ckpts.ws1 if ws == 1 else ckpts.ws3
+
+
+def read_dir(out: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        part = load_file(os.path.join(out, name))
+        assert {k for k, v in index["weight_map"].items() if v == name} == set(part)
+        tensors.update(part)
+    return index, tensors
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_unshard_one_file_equals_unshard_model_state(ckpts, capsys, tmp_path, ws):
+    out = str(tmp_path / "model.safetensors")
+    code, stdout, err = cli(capsys, "unshard", top_dir(ckpts, ws), out)
+    assert (code, err) == (0, "")
+    assert stdout.startswith("wrote 1 file (") and stdout.endswith(f") to {out}\n")
+    want = unshard_model_state(top_dir(ckpts, ws), no_dist=True)
+    assert_same_tensors(load_file(out), without(want, TIED))
+    assert_same_tensors(without(want, []), ckpts.ws1_full if ws == 1 else ckpts.ws3_full)
+    with safe_open(out, "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_unshard_to_hf_shards(ckpts, capsys, tmp_path, ws):
+    out = str(tmp_path / "hf")
+    code, _, err = cli(capsys, "unshard", os.path.join(top_dir(ckpts, ws), "model"), out, "--max-shard-size", "300B")
+    assert (code, err) == (0, "")
+    index, got = read_dir(out)
+    want = without(unshard_model_state(top_dir(ckpts, ws), no_dist=True), TIED)
+    assert_same_tensors(got, want)
+    files = sorted(os.listdir(out))
+    n = len(files) - 1
+    assert n >= 3
+    assert files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)] + ["model.safetensors.index.json"]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
+    for name in files[:-1]:
+        part = load_file(os.path.join(out, name))
+        nbytes = sum(t.numel() * t.element_size() for t in part.values())
+        assert nbytes <= 300 or len(part) == 1
+    if hasattr(checkpointer, "lazy_load"):
+        assert_same_tensors(dict(checkpointer.lazy_load(out)), want)
+
+
+def test_unshard_dtype_and_keys(ckpts, capsys, tmp_path):
+    out = str(tmp_path / "bf16.safetensors")
+    code, _, _ = cli(capsys, "unshard", ckpts.ws3, out, "--dtype", "bf16", "--keys", r"^(up|down)\.|scale")
+    assert code == 0
+    want = {k: v.to(torch.bfloat16) for k, v in ckpts.ws3_full.items() if k.startswith(("up.", "down.")) or k == "scale"}
+    assert_same_tensors(load_file(out), want)
+    # Only the tied name matches: its data is written under that name.
+    out = str(tmp_path / "head.safetensors")
+    assert cli(capsys, "unshard", ckpts.ws1, out, "--keys", "^head")[0] == 0
+    assert_same_tensors(load_file(out), {"head.weight": ckpts.ws1_full["embed.weight"]})
+
+
+def test_unshard_optimizer_ints_keep_their_dtype(ckpts, tmp_path):
+    out = str(tmp_path / "optim.safetensors")
+    export_safetensors(os.path.join(ckpts.ws1, "optim"), out, dtype=torch.float16)
+    got = load_file(out)
+    assert got["num_param_groups"].dtype == torch.int64
+    assert got["state_keys"].dtype == torch.uint8
+    assert got["state.up.weight.__exp_avg"].dtype == torch.float16
+
+
+def test_unshard_errors(ckpts, capsys, tmp_path):
+    code, out, err = cli(capsys, "unshard", ckpts.ws1, str(tmp_path / "x.safetensors"), "--keys", "^nothing$")
+    assert (code, out) == (1, "")
+    assert err == f"checkpointer: error: no tensor of {os.path.join(ckpts.ws1, 'model')} matches --keys '^nothing$'\n"
+    code, _, err = cli(capsys, "unshard", ckpts.ws1, str(tmp_path / "d"), "--max-shard-size", "lots")
+    assert code == 1 and err.startswith("checkpointer: error: cannot read 'lots' as a size")
+    code, _, err = cli(capsys, "unshard", ckpts.ws1, str(tmp_path / "d"), "--dtype", "int3")
+    assert code == 1 and err == "checkpointer: error: unknown dtype 'int3': use bf16, fp16, fp32 or fp64\n"
+    code, _, err = cli(capsys, "unshard", ckpts.ws1, str(tmp_path / "d"), "--keys", "(")
+    assert code == 1 and err.startswith("checkpointer: error: --keys '(' is not a valid regular expression: ")
+    assert not os.path.exists(tmp_path / "d")
+
+
+def test_export_streams_one_tensor_at_a_time(ckpts, tmp_path, monkeypatch):
+    alive: list[weakref.ref] = []
+    most = [0]
+    fetch = export_module.CheckpointTensors.fetch
+
+    def tracking_fetch(self, key):
+        live = sum(1 for r in alive if r() is not None)
+        most[0] = max(most[0], live)
+        t = fetch(self, key)
+        alive.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(export_module.CheckpointTensors, "fetch", tracking_fetch)
+    export_safetensors(ckpts.ws3, str(tmp_path / "out"), max_shard_size="100B", dtype="bf16")
+    assert len(alive) == 6
+    assert most[0] == 0  # each tensor was released before the next one was read
+    assert all(r() is None for r in alive)
+
+
+def test_export_in_three_processes_equals_one(ckpts, tmp_path, run_distributed):
+    alone = str(tmp_path / "alone")
+    files = export_safetensors(ckpts.ws3, alone, max_shard_size="200B")
+    together = str(tmp_path / "together")
+    per_rank = run_distributed(export_ws, 3, ckpts.ws3, together, "200B", timeout=300)
+    written = [sorted(os.path.basename(f) for f in files) for files in per_rank]
+    assert all(written), written  # every rank wrote a share
+    assert sorted(sum(written, [])) == sorted(os.listdir(together))
+    assert sorted(os.path.basename(f) for f in files) == sorted(os.listdir(alone))
+    assert "model.safetensors.index.json" in written[0]
+
+    def digest(d):
+        return {n: hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest() for n in os.listdir(d)}
+
+    assert digest(together) == digest(alone)
+
+
+def test_export_replaces_an_earlier_export(ckpts, tmp_path):
+    out = str(tmp_path / "out")
+    export_safetensors(ckpts.ws1, out, max_shard_size="100B")
+    many = len(os.listdir(out))
+    export_safetensors(ckpts.ws1, out)
+    assert sorted(os.listdir(out)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert many > 3
+    _, got = read_dir(out)
+    assert_same_tensors(got, without(ckpts.ws1_full, TIED))
+
+
+def test_parse_size_and_dtype():
+    assert export_module.parse_size("5GB") == 5 * 10**9
+    assert export_module.parse_size("2GiB") == 2 * 2**30
+    assert export_module.parse_size("500mb") == 500 * 10**6
+    assert export_module.parse_size("1.5KB") == 1500
+    assert export_module.parse_size(123) == 123
+    for bad in ("", "GB", "-1", "0", "5XB"):
+        with pytest.raises(ValueError):
+            export_module.parse_size(bad)
+    assert [export_module.parse_dtype(x) for x in ("bf16", "float16", torch.float32, "F64", None)] == [
+        "BF16", "F16", "F32", "F64", None,
+    ]

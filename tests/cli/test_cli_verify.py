@@ -1,0 +1,202 @@
+"""``checkpointer verify DIR``: sound checkpoints pass; each kind of damage is one line naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from cli_helpers import cli
+from safetensors.torch import save_file
+
+from checkpointer.checksums import CHUNK_BYTES, chunk_crcs
+from checkpointer.engine.rankfile import HeaderCache
+from checkpointer.engine.verify import verify_checkpoint
+from checkpointer.format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from checkpointer.storage.local import LocalStorage
+
+
+def copy(src: str, tmp_path) -> str:
+    dst = str(tmp_path / "copy")
+    shutil.copytree(src, dst)
+    return dst
+
+
+def byte_offset(dir: str, file: str, key: str) -> int:
+    return HeaderCache(LocalStorage(dir)).get(file).entries[key].start
+
+
+def problems_of(capsys, dir: str) -> tuple[int, list[str], str]:
+    code, out, err = cli(capsys, "verify", dir)
+    return code, out.splitlines(), err
+
+
+@pytest.mark.parametrize("which", ["ws1", "ws3", "flat3"])
+def test_sound_checkpoints_pass(ckpts, capsys, which):
+    path = getattr(ckpts, which)
+    code, out, err = cli(capsys, "verify", path)
+    assert (code, err) == (0, "")
+    assert out.startswith("ok: ") and out.count("\n") == 1
+    if which != "flat3":  # top-level directories: both parts are checked
+        assert os.path.join(path, "model") in out and os.path.join(path, "optim") in out
+    assert verify_checkpoint(os.path.join(path, "model") if which != "flat3" else path) == []
+
+
+def test_quiet_prints_nothing_when_sound(ckpts, capsys):
+    assert cli(capsys, "verify", ckpts.flat3, "--quiet") == (0, "", "")
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_flipped_byte(ckpts, capsys, tmp_path, ws):
+    dir = copy(os.path.join(ckpts.ws1 if ws == 1 else ckpts.ws3, "model"), tmp_path)
+    file = f"rank_{ws - 1}.safetensors"
+    meta = json.loads(open(os.path.join(dir, "metadata.json")).read())
+    key = next(k for k, t in sorted(meta["tensors"].items()) if file in t["shard_spec_per_file"])
+    pos = byte_offset(dir, file, key) + 5
+    with open(os.path.join(dir, file), "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+    code, lines, err = problems_of(capsys, dir)
+    assert code == 1
+    assert lines == [f"{os.path.join(dir, file)}: checksum mismatch in tensor {key!r}, chunk 0 (file bytes [{pos - 5}, "
+                     f"{pos - 5 + _piece_bytes(meta, key, file)}))"]
+    assert err == f"checkpointer: error: 1 problem found in {dir}\n"
+
+
+def _piece_bytes(meta, key, file):
+    spec = meta["tensors"][key]["shard_spec_per_file"][file]
+    if spec["flattened_offsets"] is not None:
+        numel = sum(e - s for s, e in spec["flattened_offsets"])
+    else:
+        numel = 1
+        for d in spec["local_shape"]:
+            numel *= d
+    return numel * 4
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_truncated_file(ckpts, capsys, tmp_path, ws):
+    dir = copy(os.path.join(ckpts.ws1 if ws == 1 else ckpts.ws3, "optim"), tmp_path)
+    file = f"rank_{ws - 1}.safetensors"
+    path = os.path.join(dir, file)
+    os.truncate(path, os.path.getsize(path) - 3)
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert len(lines) == 1
+    assert lines[0].startswith(f"{path}: ") and "does not fit" in lines[0] and "file" in lines[0]
+
+
+def test_missing_file(ckpts, capsys, tmp_path):
+    dir = copy(os.path.join(ckpts.ws3, "model"), tmp_path)
+    os.remove(os.path.join(dir, "rank_1.safetensors"))
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert lines == [f"{os.path.join(dir, 'rank_1.safetensors')}: rank file listed in metadata.json is missing"]
+
+
+def test_missing_metadata(ckpts, capsys, tmp_path):
+    dir = copy(ckpts.flat3, tmp_path)
+    os.remove(os.path.join(dir, "metadata.json"))
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert len(lines) == 1 and "metadata.json is missing" in lines[0]
+
+
+def test_unlisted_rank_file(ckpts, capsys, tmp_path):
+    dir = copy(ckpts.flat3, tmp_path)
+    shutil.copy(os.path.join(dir, "rank_0.safetensors"), os.path.join(dir, "rank_7.safetensors"))
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert lines == [f"{os.path.join(dir, 'rank_7.safetensors')}: rank file is not listed in metadata.json"]
+
+
+def test_header_disagrees_with_metadata(ckpts, capsys, tmp_path):
+    dir = copy(ckpts.flat3, tmp_path)
+    path = os.path.join(dir, "metadata.json")
+    meta = json.loads(open(path).read())
+    meta["tensors"]["b"]["dtype"] = "F32"  # the files hold I32 (same item size)
+    open(path, "w").write(json.dumps(meta))
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert lines == [
+        f"{os.path.join(dir, f'rank_{r}.safetensors')}: tensor 'b' is I32 x {n} in the file but F32 x {n} in metadata.json"
+        for r, n in ((0, 8), (1, 6), (2, 6))
+    ]
+
+
+def handmade(tmp_path, pieces: dict[str, tuple[int, int]], *, checksums: bool = True) -> str:
+    """A 10-element tensor ``w`` whose files hold the given flattened ranges (consistent headers)."""
+    dir = tmp_path / "handmade"
+    dir.mkdir()
+    full = torch.arange(10, dtype=torch.float32)
+    specs = {}
+    for name, (s, e) in pieces.items():
+        piece = full[s:e].clone()
+        save_file({"w": piece}, str(dir / name))
+        crcs = tuple(chunk_crcs(memoryview(piece.numpy().tobytes()))) if checksums else None
+        specs[name] = TensorShardSpec(flattened_offsets=((s, e),), checksums=crcs)
+    meta = StorageMetadata(
+        tensors={"w": TensorStorageMetadata(shape=(10,), is_sharded=True, dtype="F32", shard_spec_per_file=specs)},
+        format_version=1,
+        world_size=len(pieces),
+        checksum_algorithm="crc32c",
+        checksum_chunk_bytes=CHUNK_BYTES,
+    )
+    (dir / "metadata.json").write_bytes(meta.to_json_bytes())
+    return str(dir)
+
+
+def test_handmade_sound(tmp_path, capsys):
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 6), "rank_1.safetensors": (6, 10)})
+    assert verify_checkpoint(dir) == []
+    assert cli(capsys, "verify", dir, "-q") == (0, "", "")
+
+
+def test_overlapping_pieces(tmp_path, capsys):
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 6), "rank_1.safetensors": (4, 10)})
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert lines == ["tensor 'w': elements [4, 6) are in more than one piece (rank_0.safetensors and rank_1.safetensors)"]
+
+
+def test_elements_in_no_file(tmp_path, capsys):
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 4), "rank_1.safetensors": (6, 9)})
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert lines == ["tensor 'w': elements [4, 6) of 10 are in no file", "tensor 'w': elements [9, 10) of 10 are in no file"]
+
+
+def test_trailing_bytes_make_an_invalid_safetensors_file(tmp_path, capsys):
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 10)})
+    path = os.path.join(dir, "rank_0.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "ab") as f:
+        f.write(b"junk")
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert lines == [f"{path}: bytes [{size}, {size + 4}) after the last tensor belong to no tensor"]
+
+
+def test_top_level_reports_each_part(ckpts, capsys, tmp_path):
+    dir = copy(ckpts.ws1, tmp_path)
+    os.remove(os.path.join(dir, "optim", "metadata.json"))
+    code, lines, _ = problems_of(capsys, dir)
+    assert code == 1
+    assert len(lines) == 1 and os.path.join(dir, "optim", "metadata.json") in lines[0]
+
+
+def test_wrong_checksum_count_and_unknown_algorithm(tmp_path, capsys):
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 10)})
+    path = os.path.join(dir, "metadata.json")
+    meta = json.loads(open(path).read())
+    meta["tensors"]["w"]["shard_spec_per_file"]["rank_0.safetensors"]["checksums"] = [1, 2]
+    open(path, "w").write(json.dumps(meta))
+    rank0 = os.path.join(dir, "rank_0.safetensors")
+    assert problems_of(capsys, dir)[1] == [f"{rank0}: tensor 'w' has 2 checksums, expected 1 for 40 bytes"]
+    meta["checksum_algorithm"] = "md5"
+    open(path, "w").write(json.dumps(meta))
+    assert problems_of(capsys, dir)[1] == [f"{path}: unknown checksum algorithm 'md5' (expected 'crc32c'); checksums not checked"]
