@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet matplotlib ai2-olmo-core==0.1.0 torch==2.13.0
 	$(PY) benchmarks/compare.py
+	$(PY) benchmarks/plan_scale.py
+
+fuzz: $(STAMP)
+	CHECKPOINTER_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/reliability -k fuzz
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache .hypothesis

@@ -92,9 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if joined:
-            import torch.distributed as td
+            from . import dist
 
-            td.destroy_process_group()
+            dist.leave_group()
 
 
 def _one_line(ex: BaseException) -> str:
@@ -111,17 +111,10 @@ def _error(message: str) -> None:
 
 
 def _init_distributed_from_env() -> bool:
-    """Under ``torchrun`` (``WORLD_SIZE`` > 1), join its process group (gloo: this is CPU work).
+    """Under ``torchrun``, join its process group; returns whether this call created it."""
+    from . import dist
 
-    Returns whether this call created the group (and so should destroy it)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
-        return False
-    import torch.distributed as td
-
-    if td.is_initialized():
-        return False
-    td.init_process_group("gloo")
-    return True
+    return dist.join_from_env()
 
 
 def _rank() -> int:

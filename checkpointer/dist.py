@@ -35,6 +35,8 @@ __all__ = [
     "share_from",
     "share_tensor",
     "new_cpu_group",
+    "join_from_env",
+    "leave_group",
 ]
 
 TIMEOUT_ENV = "CHECKPOINTER_TIMEOUT_S"
@@ -245,3 +247,17 @@ def new_cpu_group() -> Any:
     if not is_distributed():
         return None
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds()))
+
+
+def join_from_env() -> bool:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1), join its process group with gloo (the command
+    line's work is on the CPU). Returns whether this call created the group."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ or is_distributed():
+        return False
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_seconds()))
+    return True
+
+
+def leave_group() -> None:
+    if is_distributed():
+        dist.destroy_process_group()
