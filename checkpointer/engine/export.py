@@ -21,12 +21,14 @@ Tied parameters (``metadata.aliases``) are written once, under the saved name, a
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import math
 import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -36,10 +38,10 @@ from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, items
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
 from ..planning.plan import build_load_plan
-from ..storage.base import Storage, open_storage
+from ..storage.base import Storage, Writer, open_storage
 from .load import read_metadata
 from .locate import model_checkpoint
-from .rankfile import HeaderCache, ReadJob, execute_reads
+from .rankfile import HeaderCache, ReadJob, execute_reads, verify_reads
 
 __all__ = [
     "export_safetensors",
@@ -69,6 +71,7 @@ _DTYPE_NAMES = {
 }  # fmt: skip
 
 Fetch = Callable[[str], torch.Tensor]
+_STREAM_BLOCK = 32 << 20
 """Returns the full tensor saved under a key."""
 
 
@@ -281,6 +284,75 @@ class CheckpointTensors:
         return full
 
 
+    def fetch_streaming(self, key: str) -> tuple[torch.Tensor, Iterator[int]]:
+        """Like :meth:`fetch`, reading in blocks on a thread: returns the tensor at once and an
+        iterator of how many of its bytes are ready, so the caller writes while the rest is read.
+        Checksums are checked before the iterator ends (it raises on a mismatch)."""
+        key = (self.metadata.aliases or {}).get(key, key)
+        meta = self.metadata.tensors[key]
+        dtype = dtype_from_code(meta.dtype)
+        full = self._staging.take(meta.shape, dtype) if self._staging else torch.empty(meta.shape, dtype=dtype)
+        if not meta.numel:
+            return full, iter(())
+        flat, size, specs = full.view(-1), itemsize(meta.dtype), meta.shard_spec_per_file
+        numels = {f: s.local_numel for f, s in specs.items()}
+        crcs = {f: s.checksums for f, s in specs.items()}
+        step = max(1, _STREAM_BLOCK // size)
+        ready: queue.Queue[int | BaseException | None] = queue.Queue()
+
+        def produce() -> None:
+            try:
+                for start in range(0, meta.numel, step):
+                    end = min(start + step, meta.numel)
+                    job = ReadJob(build_load_plan(key, meta, [(start, end)]), flat[start:end], numels, crcs)
+                    execute_reads(self.storage, [job], headers=self.headers, num_threads=self.num_threads)
+                    ready.put(end * size)
+                if self.verify_chunk:
+                    whole = ReadJob(build_load_plan(key, meta, [(0, meta.numel)]), flat, numels, crcs)
+                    verify_reads(self.storage, [whole], headers=self.headers, chunk_bytes=self.verify_chunk)
+                ready.put(None)
+            except BaseException as ex:  # noqa: BLE001 - raised by the consumer
+                ready.put(ex)
+
+        def progress() -> Iterator[int]:
+            worker = threading.Thread(target=produce, name="checkpointer-export-read", daemon=True)
+            worker.start()
+            try:
+                while (item := ready.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                worker.join()
+
+        return full, progress()
+
+
+def _write_tensor(writer: Writer, t: ExportTensor, fetch: Fetch, staging: Staging) -> None:
+    """Write one tensor; from this library's checkpoints, while the rest of it is still being read."""
+    source = getattr(fetch, "__self__", None)
+    target = dtype_from_code(t.dtype)
+    if isinstance(source, CheckpointTensors) and source.metadata.tensors[
+        (source.metadata.aliases or {}).get(t.source, t.source)
+    ].dtype == t.dtype:
+        data, ready = source.fetch_streaming(t.source)
+        if tuple(data.shape) != t.shape:
+            raise ValueError(f"tensor {t.source!r} came back as {list(data.shape)}, expected {list(t.shape)}")
+        view = memoryview_of(data.view(-1))
+        written = 0
+        for upto in ready:
+            writer.write([view[written:upto]])
+            written = upto
+        return
+    data = fetch(t.source)
+    if tuple(data.shape) != t.shape:
+        raise ValueError(f"tensor {t.source!r} came back as {list(data.shape)}, expected {list(t.shape)}")
+    if data.dtype != target:
+        data = staging.take(t.shape, target).copy_(data)
+    data = data.detach().cpu().contiguous().view(-1)
+    writer.write([memoryview_of(data)])
+
+
 def split_output(out: str) -> tuple[str, str]:
     """``(parent directory URL, file name)`` of an output file path or URL."""
     out = str(out)
@@ -295,15 +367,7 @@ def _write_shard(storage: Storage, name: str, shard: OutputShard, fetch: Fetch, 
     with storage.open_writer(name) as writer:
         writer.write([memoryview(shaped_header(shard.tensors, user_metadata={"format": "pt"}))])
         for t in shard.tensors:
-            data = fetch(t.source)
-            if tuple(data.shape) != t.shape:
-                raise ValueError(f"tensor {t.source!r} came back as {list(data.shape)}, expected {list(t.shape)}")
-            target = dtype_from_code(t.dtype)
-            if data.dtype != target:
-                data = staging.take(t.shape, target).copy_(data)
-            data = data.detach().cpu().contiguous().view(-1)
-            writer.write([memoryview_of(data)])
-            del data
+            _write_tensor(writer, t, fetch, staging)
             if bar is not None:
                 bar.advance(t.nbytes, 1)
         writer.commit()
