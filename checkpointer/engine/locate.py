@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from ..errors import IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename
 from ..storage.base import Storage
@@ -21,7 +23,10 @@ def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:
     """
     if storage.exists(METADATA_FILENAME):
         return [("", storage)]
-    names = set(storage.list())
+    try:
+        names = set(storage.list())
+    except io.UnsupportedOperation:  # read-only storage (http): look for the parts by name
+        names = {name for name in PARTS if storage.child(name).exists(METADATA_FILENAME)}
     parts = [(name, storage.child(name)) for name in PARTS if name in names]
     if not names:
         raise IncompleteCheckpointError(f"{storage.url} does not exist or is empty: no checkpoint there")

@@ -15,6 +15,8 @@ The checks, each problem reported as one line naming the file and the tensor:
 
 from __future__ import annotations
 
+import io
+
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -114,7 +116,11 @@ def _read_headers(storage: Storage, metadata: StorageMetadata, problems: list[st
             problems.append(f"{where}: bytes [{pos}, {size}) after the last tensor belong to no tensor")
         for key in sorted(set(header.entries) - placed[name]):
             problems.append(f"{where}: holds tensor {key!r}, which metadata.json does not place in this file")
-    for name in storage.list():
+    try:
+        names = storage.list()
+    except io.UnsupportedOperation:
+        names = []  # read-only storage (http): stray files cannot be looked for
+    for name in names:
         if is_rank_filename(name) and name not in placed:
             problems.append(f"{storage.join(name)}: rank file is not listed in metadata.json")
     return good

@@ -13,6 +13,8 @@ smaller than one part is a single PUT. Nothing is visible before ``commit``.
 
 from __future__ import annotations
 
+import functools
+import os
 import binascii
 import hashlib
 import logging
@@ -108,6 +110,27 @@ class _ViewReader:
         return self._pos
 
 
+# The environment settings a client is built from: a client is shared while they are unchanged.
+_CLIENT_SETTINGS = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION",
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_client(settings: tuple, max_concurrency: int, timeouts: tuple[float, float]) -> Any:
+    """One boto3 client per set of settings (clients are thread-safe; building one costs ~0.3 s)."""
+    boto3, botocore = _boto()
+    config = botocore.config.Config(
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        max_pool_connections=2 * max_concurrency + 4,
+        connect_timeout=timeouts[0],
+        read_timeout=timeouts[1],
+        tcp_keepalive=True,
+    )
+    return boto3.session.Session().client("s3", config=config)
+
+
 class S3Storage(Storage):
     """Files under ``s3://bucket/prefix``.
 
@@ -121,7 +144,7 @@ class S3Storage(Storage):
         connect_timeout, read_timeout: per-request socket timeouts, in seconds.
     """
 
-    def __init__(self, url: str, *, client: Any = None, part_size: int = 64 * MiB, max_concurrency: int = 8,
+    def __init__(self, url: str, *, client: Any = None, part_size: int = 16 * MiB, max_concurrency: int = 8,
                  retry: RetryPolicy | None = None, connect_timeout: float = 10.0, read_timeout: float = 60.0):
         self.bucket, self.prefix = bucket_url(url, ("s3",))
         if self.prefix:
@@ -136,15 +159,8 @@ class S3Storage(Storage):
         self._client = client if client is not None else self._make_client()
 
     def _make_client(self) -> Any:
-        boto3, botocore = _boto()
-        config = botocore.config.Config(
-            retries={"total_max_attempts": 1, "mode": "standard"},
-            max_pool_connections=2 * self.max_concurrency + 4,
-            connect_timeout=self._timeouts[0],
-            read_timeout=self._timeouts[1],
-            tcp_keepalive=True,
-        )
-        return boto3.session.Session().client("s3", config=config)
+        settings = tuple(os.environ.get(name) for name in _CLIENT_SETTINGS)
+        return _shared_client(settings, self.max_concurrency, self._timeouts)
 
     def _key(self, name: str) -> str:
         name = check_name(name)

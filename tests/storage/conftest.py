@@ -64,7 +64,7 @@ def moto_endpoint(loopback_env, tmp_path_factory) -> Iterator[str]:
     """``moto_server`` on a free loopback port, with the test bucket created."""
     port = free_port()
     proc = subprocess.Popen([_tool("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=tmp_path_factory.mktemp("moto"))
     try:
         wait_listening(port, proc, "moto_server")
@@ -83,7 +83,7 @@ def gcs_endpoint(loopback_env, tmp_path_factory) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen([_tool("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
                              "--in-memory", "--default-bucket", GCS_BUCKET, "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=tmp_path_factory.mktemp("gcs"))
     try:
         wait_listening(port, proc, "gcp-storage-emulator")

@@ -1,0 +1,76 @@
+"""Faults between the ranks and the store, injected by loopback proxies (503s, dropped connections).
+
+Within the retry budget a save and a load succeed; beyond it (``CHECKPOINTER_IO_RETRIES``)
+they fail cleanly: every rank raises, quickly, the failing rank an ``OSError`` naming the
+URL, and a save that failed leaves no ``metadata.json`` (an incomplete checkpoint).
+"""
+
+from __future__ import annotations
+
+import pytest
+from remote_workers import caught, flat_full, flat_state, load_flat, save_flat
+
+from checkpointer import Checkpointer, IncompleteCheckpointError, latest_checkpoint
+
+FAST_S = 30.0  # "cleanly": far below the library's 300 s timeout and the harness's
+
+
+def check_all_raised(results, failing_rank: int, url: str) -> None:
+    """Every rank raised within seconds; the failing one an OSError naming ``url``, the others naming it."""
+    __tracebackhide__ = True
+    for rank, r in enumerate(results):
+        assert r is not None, f"rank {rank} raised nothing"
+        assert r["seconds"] < FAST_S, f"rank {rank} took {r['seconds']:.1f}s to raise"
+        if rank == failing_rank:
+            assert "OSError" in r["mro"], f"rank {rank} raised {r['type']}:\n{r['traceback']}"
+            assert url in r["msg"] and "attempts" in r["msg"], r["msg"]
+        else:
+            assert f"rank {failing_rank}" in r["msg"], f"rank {rank}: {r['msg']!r}"
+            assert "CheckpointError" in r["mro"] or "OSError" in r["mro"], r["traceback"]
+
+
+def test_transient_faults_within_the_budget(backend, run_distributed, proxies):
+    """The first requests answer 503 (during the save) or drop the connection (during the load)."""
+    url = backend.url("ckpt")
+    proxy = proxies(backend.endpoint)
+    env = backend.env(proxy.url)
+    slow_down = proxy.fail(4, "503")
+    run_distributed(save_flat, 2, env, url)
+    assert slow_down.fired == 4
+    assert backend.names(url) == ["metadata.json", "rank_0.safetensors", "rank_1.safetensors"]
+    dropped = proxy.fail(4, "drop", method="GET")
+    run_distributed(load_flat, 3, env, url)
+    assert dropped.fired == 4
+    assert [e.status for e in proxy.exchanges].count(None) == 4  # four went unanswered
+
+
+def test_beyond_the_budget_every_rank_fails_cleanly(backend, run_distributed, proxies, monkeypatch):
+    url = backend.url("ckpt")
+    # Rank 1's store is down for good; the other ranks' is fine.
+    down = proxies(backend.endpoint)
+    down.fail(10**6, "503")
+    envs = [backend.env(CHECKPOINTER_IO_RETRIES="2") for _ in range(3)]
+    envs[1] = backend.env(down.url, CHECKPOINTER_IO_RETRIES="2")
+    results = run_distributed(caught, 3, envs, "save_flat", url)
+    check_all_raised(results, 1, f"{url}/rank_1.safetensors")
+    assert len(down.exchanges) == 3  # the first attempt and two retries
+
+    # Nothing was committed: the prefix holds no metadata.json, so it is not a checkpoint.
+    assert "metadata.json" not in backend.names(url)
+    with pytest.raises(IncompleteCheckpointError, match="metadata.json"):
+        Checkpointer().load(url, flat_state(flat_full(), 1))
+    assert latest_checkpoint(url.rsplit("/", 1)[0]) is None
+
+    # A load whose rank 2 cannot reach the store: every rank raises.
+    run_distributed(save_flat, 2, backend.env(), url, "small", 0, True)
+    assert backend.names(url) == ["metadata.json", "rank_0.safetensors", "rank_1.safetensors"]  # rank_2 removed
+    envs = [backend.env(CHECKPOINTER_IO_RETRIES="2") for _ in range(3)]
+    dropping = proxies(backend.endpoint)
+    dropping.fail(10**6, "drop")
+    envs[2] = backend.env(dropping.url, CHECKPOINTER_IO_RETRIES="2")
+    results = run_distributed(caught, 3, envs, "load_flat", url)
+    check_all_raised(results, 2, url)
+
+    # And the same with every rank's requests dropped (rank 0 reads metadata.json first).
+    results = run_distributed(caught, 3, backend.env(dropping.url, CHECKPOINTER_IO_RETRIES="2"), "load_flat", url)
+    check_all_raised(results, 0, f"{url}/metadata.json")
