@@ -9,9 +9,10 @@ the state that exists, and a load allocates whatever state the checkpoint has.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -217,12 +218,23 @@ def _load_optim(
     metadata = checkpointer.get_metadata(dir)
     error: BaseException | None = None
     try:
-        to_fill, torch_state = _plan_optim_load(dir, metadata, model, optim, model_state)
+        with _malformed(dir):
+            to_fill, torch_state = _plan_optim_load(dir, metadata, model, optim, model_state)
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "load optimizer")
     checkpointer.load(dir, to_fill, metadata=metadata, strategy=strategy)
-    optim.load_state_dict(torch_state)
+    with _malformed(dir):
+        optim.load_state_dict(torch_state)
+
+
+@contextlib.contextmanager
+def _malformed(where: str) -> Iterator[None]:
+    """Optimizer records that decode but do not have the expected form are corrupt checkpoints."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as ex:
+        raise CorruptCheckpointError(f"{where}: malformed optimizer checkpoint ({type(ex).__name__}: {ex})") from ex
 
 
 def _plan_optim_load(
@@ -324,10 +336,17 @@ def unshard_optim_state(
     flat = Checkpointer().unshard(where, device=device, rank0_only=rank0_only, no_dist=no_dist)
     if not flat:
         return {}
+    with _malformed(where):
+        return _unflatten_optim(flat, where)
+
+
+def _unflatten_optim(flat: dict[str, torch.Tensor], where: str) -> dict[str, Any]:
     state_keys = decode_builtins(_tensor_bytes(flat["state_keys"]), where=f"{where}: state_keys")
     groups, state = [], {}
     for i in range(int(flat["num_param_groups"].item())):
         group = decode_builtins(_tensor_bytes(flat[f"param_group{i}"]), where=f"{where}: param_group{i}")
+        if not isinstance(group, dict) or not isinstance(group.get("_param_names", []), list):
+            raise CorruptCheckpointError(f"{where}: param_group{i} is not a param group dict with a _param_names list")
         names = group.pop("_param_names", [])
         for name, pid in zip(names, group["params"]):
             entry = {k: flat[f"state.{name}.__{k}"] for k in state_keys if f"state.{name}.__{k}" in flat}
@@ -359,5 +378,8 @@ def latest_checkpoint(run_dir: str) -> str | None:
 
 
 def _is_dir(storage) -> bool:
-    return bool(storage.list())
+    try:
+        return bool(storage.list())
+    except OSError:
+        return False
 

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import dist
-from ..errors import CheckpointMismatchError, IncompleteCheckpointError
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, parse_metadata
 from ..planning.plan import TensorLoadPlan, build_load_plan, piece_ranges
@@ -39,6 +39,12 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
         raise IncompleteCheckpointError(
             f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint"
         ) from None
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as ex:
+        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a readable file ({ex})") from ex
+    except OSError as ex:
+        if not storage.is_local():
+            raise
+        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a regular file ({ex})") from ex
     if size > MAX_METADATA_BYTES:
         raise IncompleteCheckpointError(f"{storage.join(METADATA_FILENAME)} is {size} bytes, over the 1 GiB limit")
     return storage.read(METADATA_FILENAME)

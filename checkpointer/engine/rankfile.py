@@ -100,6 +100,12 @@ class HeaderCache:
             size = self.storage.size(name)
         except FileNotFoundError as ex:
             raise CorruptCheckpointError(f"{where}: rank file listed in metadata.json is missing") from ex
+        except (PermissionError, IsADirectoryError, NotADirectoryError, ValueError) as ex:
+            raise CorruptCheckpointError(f"{where}: not a readable file inside the checkpoint ({ex})") from ex
+        except OSError as ex:
+            if not self.storage.is_local():
+                raise
+            raise CorruptCheckpointError(f"{where}: not a regular file ({ex})") from ex
         prefix = self.storage.read(name, 0, min(size, _SPECULATIVE_HEADER))
         n = header_length(prefix, where=where, file_size=size)
         if PREFIX_BYTES + n <= len(prefix):

@@ -263,6 +263,7 @@ def write_and_commit(
                 files.append(storage.join(METADATA_FILENAME))
             except BaseException as ex:  # noqa: BLE001 - reported to every rank
                 commit_error = ex
+                _release_lock(storage)
         else:
             _release_lock(storage)
     dist.agree(error or commit_error, "save", group=group)

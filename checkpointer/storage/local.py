@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from typing import Sequence
 
@@ -44,15 +45,28 @@ class LocalStorage(Storage):
         os.makedirs(self.root, exist_ok=True)
 
     def size(self, name: str) -> int:
-        return os.stat(self._path(name)).st_size
+        return self._regular(self._path(name)).st_size
+
+    @staticmethod
+    def _regular(path: str) -> os.stat_result:
+        """Stat a path that must be a regular file: a FIFO would block a reader, a directory fail it."""
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise IsADirectoryError(f"{path} is not a regular file") if stat.S_ISDIR(st.st_mode) else OSError(
+                f"{path} is not a regular file"
+            )
+        return st
 
     def exists(self, name: str) -> bool:
-        return os.path.exists(self._path(name))
+        try:
+            return os.path.exists(self._path(name))
+        except PermissionError:
+            return False  # a symlink leading out of the root: nothing of this checkpoint is there
 
     def list(self) -> list[str]:
         try:
             return sorted(os.listdir(self.root))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
     def delete(self, name: str) -> None:
@@ -62,7 +76,9 @@ class LocalStorage(Storage):
             pass
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
-        with open(self._path(name), "rb") as f:
+        path = self._path(name)
+        self._regular(path)
+        with open(path, "rb") as f:
             f.seek(start)
             return f.read(-1 if end is None else max(0, end - start))
 

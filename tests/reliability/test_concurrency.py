@@ -1,0 +1,125 @@
+"""Two jobs saving to one directory at once: one wins, the other gets FileExistsError, and the
+directory never holds an interleaved mix of both.
+
+Each job is a separate single-process "job" (a forked process, no process group in common),
+started together from a gate; they save different data (and different keys) to one path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from unittest import mock
+
+import pytest
+import rel_helpers
+import torch
+
+import checkpointer
+from checkpointer import Checkpointer
+
+
+def job_state(job: int) -> dict[str, torch.Tensor]:
+    """Different values for each job, and a key only that job has."""
+    state = {k: (v + 10 * (job + 1)).to(v.dtype) for k, v in rel_helpers.flat_full().items()}
+    state[f"only_in_job{job}"] = torch.full((64, 33), float(job))
+    return state
+
+
+def _save_job(path: str, job: int, slow: float) -> str:
+    """Save job ``job``'s state; with ``slow``, every write of this job takes that long."""
+    from checkpointer.storage import local
+
+    real = local.LocalWriter.write
+
+    def write(self, buffers):
+        time.sleep(slow)
+        return real(self, buffers)
+
+    with mock.patch.object(local.LocalWriter, "write", write):
+        Checkpointer().save(path, job_state(job))
+    return "saved"
+
+
+def _save_model_job(top: str, job: int, slow: float) -> str:
+    from dist_helpers import build_model, build_optim, train
+
+    from checkpointer.storage import local
+
+    model = build_model(1, seed=job)
+    optim = build_optim(model, "adamw")
+    train(model, optim, range(job + 1))
+    real = local.LocalWriter.write
+
+    def write(self, buffers):
+        time.sleep(slow)
+        return real(self, buffers)
+
+    with mock.patch.object(local.LocalWriter, "write", write):
+        checkpointer.save_model_and_optim_state(top, model, optim)
+    return "saved"
+
+
+def race(fn, path: str, slow: tuple[float, float], delay: float) -> list[rel_helpers.ForkResult]:
+    """Start two jobs from one gate (the second ``delay`` seconds later); both results."""
+    gate_a, gate_b = rel_helpers.new_gate(), rel_helpers.new_gate()
+    a = rel_helpers.start_forked(fn, path, 0, slow[0], gate=gate_a)
+    b = rel_helpers.start_forked(fn, path, 1, slow[1], gate=gate_b)
+    time.sleep(0.3)  # both children are waiting at their gates
+    gate_a.set()
+    if delay:
+        time.sleep(delay)
+    gate_b.set()
+    return [rel_helpers.finish_forked(*a, timeout=120), rel_helpers.finish_forked(*b, timeout=120)]
+
+
+def winner_of(results: list[rel_helpers.ForkResult]) -> int:
+    __tracebackhide__ = True
+    ok = [i for i, r in enumerate(results) if r.value == "saved"]
+    refused = [i for i, r in enumerate(results) if r.error_type == "FileExistsError"]
+    assert len(ok) == 1 and len(refused) == 1, f"expected one winner and one FileExistsError: {results}"
+    assert all(r.exitcode == 0 for r in results), results
+    return ok[0]
+
+
+ROUNDS = [
+    ("together", (0.0, 0.0), 0.0),
+    ("together_again", (0.0, 0.0), 0.0),
+    ("second_arrives_mid_write", (0.2, 0.0), 0.25),
+    ("first_is_slow", (0.2, 0.2), 0.0),
+    ("second_arrives_after", (0.0, 0.0), 3.0),
+]
+
+
+@pytest.mark.parametrize("name,slow,delay", ROUNDS, ids=[r[0] for r in ROUNDS])
+def test_two_jobs_saving_to_one_directory(tmp_path, name, slow, delay):
+    path = str(tmp_path / "ckpt")
+    results = race(_save_job, path, slow, delay)
+    winner = winner_of(results)
+    expected = job_state(winner)
+    assert Checkpointer().get_metadata(path).tensors.keys() == expected.keys(), "metadata of the loser is in there"
+    got = rel_helpers.load_part(path, expected, verify=True)  # checksums: no byte of the loser
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert Checkpointer().unshard(path).keys() == expected.keys()
+    leftovers = [n for n in os.listdir(path) if n.startswith(".")]
+    assert not leftovers, f"left behind: {leftovers}"
+
+
+def test_two_jobs_saving_model_and_optimizer_to_one_directory(tmp_path):
+    """save_model_and_optim_state writes two directories: the winner of model/ must win optim/ too."""
+    from dist_helpers import build_model, model_full_state
+
+    top = str(tmp_path / "step1")
+    results = race(_save_model_job, top, (0.05, 0.05), 0.0)
+    winner = winner_of(results)
+    want = build_model(1, seed=winner)
+    from dist_helpers import build_optim, train
+
+    train(want, build_optim(want, "adamw"), range(winner + 1))
+    expected = model_full_state(want)
+    got = rel_helpers.load_model_top(top)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    steps = {
+        int(s["step"].item()) for s in checkpointer.unshard_optim_state(top)["state"].values() if "step" in s
+    }
+    assert steps == {winner + 1}, f"optimizer state of another job: steps {steps}"

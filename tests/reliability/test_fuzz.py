@@ -1,0 +1,263 @@
+"""A hypothesis fuzzer: mutated metadata.json files and safetensors headers must keep the rule.
+
+The rule (issue 6): every loader returns or raises a CheckpointError; no other exception,
+no hang, no allocation beyond what the files justify, no read outside the checkpoint (see
+``rel_helpers.guard``). Each example mutates one file of a copy of the template (structure:
+values replaced by edge cases, entries dropped, duplicated, swapped, numbers nudged; text:
+truncation, flipped bytes, duplicate keys, deep nesting; the header's 8-byte length), runs
+the loaders of that part, then puts the file back.
+
+``CHECKPOINTER_FUZZ_EXAMPLES`` (default 300) is the number of examples over both fuzzers;
+``make fuzz`` runs 20000. Hits of bugs already known (each has its own strict-xfail test)
+are counted, not failed; the count of examples run and of known-bug hits is printed at the
+end of the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import pytest
+import rel_helpers
+from hostile import split_rank_file, write_rank_file
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+EXAMPLES = int(os.environ.get("CHECKPOINTER_FUZZ_EXAMPLES", "300"))
+FUZZ_HANG_S = 20.0
+
+# Loaders per example: all of rel_helpers.part_loaders but latest_checkpoint and unshard_model_state
+# (the same paths as get_metadata and unshard).
+FUZZ_LOADERS = {"load", "load_verify", "unshard", "get_metadata", "lazy_load", "load_model_and_optim_state", "unshard_optim_state"}
+
+STATS = rel_helpers.FUZZ_STATS
+KNOWN_HITS = rel_helpers.FUZZ_KNOWN_HITS
+
+# Violations that strict-xfail tests already track: (bug, exception type, file and function of
+# the innermost frame of the library in the traceback).
+KNOWN_BUGS = [
+    ("lazy_load allocates a claimed shape (BUG_LAZY_ALLOC)", "RuntimeError", "lazy_sources.py", "read_box"),
+    ("optimizer state allocated from metadata (BUG_LAZY_ALLOC)", "RuntimeError", "api.py", "_allocate_state"),
+    ("num_param_groups trusted (BUG_OPTIM_COUNT)", "KeyError", "api.py", "unshard_optim_state"),
+    ("num_param_groups trusted (BUG_OPTIM_COUNT)", "RuntimeError", "api.py", "unshard_optim_state"),
+    ("num_param_groups trusted (BUG_OPTIM_COUNT)", "RuntimeError", "api.py", "_plan_optim_load"),
+    ("decoded optimizer values unchecked (BUG_OPTIM_GROUP, BUG_STATE_KEYS)", "TypeError", "api.py", "unshard_optim_state"),
+    ("decoded optimizer values unchecked (BUG_STATE_KEYS)", "TypeError", "api.py", "_plan_optim_load"),
+    ("state_keys without 'step' reach AdamW (BUG_STATE_KEYS)", "KeyError", "api.py", "_load_optim"),
+]
+_FRAME = re.compile(r'File "([^"]*)", line \d+, in (\S+)')
+
+
+def known_bug(outcome: rel_helpers.Outcome) -> str | None:
+    err = outcome.error
+    if err is None or isinstance(err, rel_helpers.Hang):
+        return None
+    ours = [(os.path.basename(f), fn) for f, fn in _FRAME.findall(outcome.traceback) if f"{os.sep}checkpointer{os.sep}" in f]
+    if not ours:
+        return None
+    where = ours[-1]
+    for bug, type_name, file, function in KNOWN_BUGS:
+        if type(err).__name__ == type_name and where == (file, function):
+            return bug
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Mutations
+# --------------------------------------------------------------------------------------
+
+NAMES = [
+    "rank_0.safetensors", "rank_1.safetensors", "rank_2.safetensors", "rank_3.safetensors", "metadata.json",
+    "../rank_0.safetensors", "/etc/passwd", "", ".", "..", "a/b", "rank_0.safetensors\x00", "\u00e9",
+]
+DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "F128", "U16", "f32"]
+INTS = [0, 1, -1, 2, 3, 7, 8, 13, 63, 64, 255, 256, 2**16, 2**24 + 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, -(2**63), 10**30]
+
+json_scalars = st.one_of(
+    st.sampled_from(INTS),
+    st.integers(min_value=-(2**65), max_value=2**65),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(NAMES + DTYPES),
+    st.text(max_size=12),
+    st.booleans(),
+    st.none(),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(NAMES + ["shape", "dtype", "x"]), inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+def _paths(node: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every position in a JSON tree (the root excluded) as a tuple of keys/indices."""
+    out = []
+    if isinstance(node, dict):
+        items = list(node.items())
+    elif isinstance(node, list):
+        items = list(enumerate(node))
+    else:
+        return out
+    for k, v in items:
+        out.append(prefix + (k,))
+        out.extend(_paths(v, prefix + (k,)))
+    return out
+
+
+def _parent(root: Any, path: tuple) -> Any:
+    node = root
+    for k in path[:-1]:
+        node = node[k]
+    return node
+
+
+def mutate_tree(data: st.DataObject, root: Any) -> Any:
+    """One structural mutation of a JSON tree, in place (returns the root, maybe replaced)."""
+    paths = _paths(root)
+    if not paths:
+        return data.draw(json_values)
+    path = data.draw(st.sampled_from(paths))
+    parent, key = _parent(root, path), path[-1]
+    op = data.draw(st.sampled_from(["replace", "replace", "nudge", "delete", "duplicate", "swap", "wrap"]))
+    value = parent[key]
+    if op == "replace":
+        parent[key] = data.draw(json_values)
+    elif op == "nudge" and isinstance(value, int) and not isinstance(value, bool):
+        parent[key] = data.draw(st.sampled_from([value + 1, value - 1, value * 2, -value, value + 2**32, value * 2**31, 0]))
+    elif op == "nudge" and isinstance(value, list) and value:
+        parent[key] = value + [value[-1]] if data.draw(st.booleans()) else value[:-1]
+    elif op == "delete":
+        del parent[key]
+    elif op == "duplicate" and isinstance(parent, dict):
+        parent[data.draw(st.sampled_from(NAMES + ["shape", "dtype", "tensors"]))] = json.loads(json.dumps(value))
+    elif op == "duplicate" and isinstance(parent, list):
+        parent.insert(key, json.loads(json.dumps(value)))
+    elif op == "swap":
+        siblings = list(parent.keys()) if isinstance(parent, dict) else list(range(len(parent)))
+        other = data.draw(st.sampled_from(siblings))
+        parent[key], parent[other] = parent[other], parent[key]
+    else:  # wrap
+        parent[key] = data.draw(st.sampled_from([[value], {"x": value}, [value, value]]))
+    return root
+
+
+def mutate_text(data: st.DataObject, text: bytes) -> bytes:
+    """A text-level mutation of serialized JSON."""
+    op = data.draw(st.sampled_from(["truncate", "flip", "insert", "duplicate_key", "nest", "none"]))
+    n = len(text)
+    if op == "truncate" and n:
+        return text[: data.draw(st.integers(0, n - 1))]
+    if op == "flip" and n:
+        i = data.draw(st.integers(0, n - 1))
+        return text[:i] + bytes([data.draw(st.integers(0, 255))]) + text[i + 1 :]
+    if op == "insert":
+        i = data.draw(st.integers(0, n))
+        return text[:i] + data.draw(st.sampled_from([b",", b"}", b"]", b'"', b"\\", b"\x00", b"\xff", b"1e999", b"NaN", b"-"])) + text[i:]
+    if op == "duplicate_key":
+        keys = re.findall(rb'"[^"\\]{1,40}":', text)
+        if keys:
+            k = data.draw(st.sampled_from(keys))
+            i = text.index(k)
+            return text[:i] + k + b"0," + text[i:]
+    if op == "nest":
+        depth = data.draw(st.sampled_from([50, 990, 5000, 100_000]))
+        if text.startswith(b"{"):
+            return b'{"deep": ' + b"[" * depth + b"]" * depth + b", " + text[1:]
+    return text
+
+
+# --------------------------------------------------------------------------------------
+# Fixtures and the check
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fuzz_copy(template, tmp_path_factory):
+    """One copy of the template for all examples; each example restores the file it changed."""
+    base = tmp_path_factory.mktemp("fuzz")
+    top = base / "run" / "step10"
+    shutil.copytree(template.root, top)
+    return rel_helpers.Copy(str(top), template.expected), str(base)
+
+
+def run_and_check(copy: rel_helpers.Copy, part: str, watched: str, what: str) -> None:
+    calls = {k: v for k, v in rel_helpers.part_loaders(copy, part).items() if k in FUZZ_LOADERS}
+    outcomes = rel_helpers.run_loaders(calls, copy.top, (watched,), hang_s=FUZZ_HANG_S)
+    for out in outcomes.values():
+        bug = known_bug(out)
+        if bug is not None:
+            KNOWN_HITS[bug] = KNOWN_HITS.get(bug, 0) + 1
+            out.error = None  # tracked by its own strict-xfail test
+    problems = rel_helpers.rule_violations(outcomes)
+    assert not problems, f"{what}\n" + "\n\n".join(problems)
+
+
+def _count(name: str) -> None:
+    STATS[name] = STATS.get(name, 0) + 1
+
+
+def fuzz_settings(n: int):
+    return settings(
+        max_examples=max(1, n),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+        print_blob=True,
+    )
+
+
+@fuzz_settings(EXAMPLES - EXAMPLES // 2)
+@given(data=st.data())
+def test_fuzz_metadata_json(fuzz_copy, data):
+    copy, watched = fuzz_copy
+    part = data.draw(st.sampled_from(["model", "optim", "flat"]), label="part")
+    path = os.path.join(copy.part(part), "metadata.json")
+    with open(path, "rb") as f:
+        original = f.read()
+    tree = json.loads(original)
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        tree = mutate_tree(data, tree)
+    text = json.dumps(tree).encode()
+    if data.draw(st.integers(0, 3), label="text mutation") == 0:
+        text = mutate_text(data, text)
+    rel_helpers.rewrite(path, text)
+    _count("metadata.json")
+    try:
+        run_and_check(copy, part, watched, f"{part}/metadata.json mutated to:\n{text[:3000]!r}")
+    finally:
+        rel_helpers.rewrite(path, original)
+
+
+@fuzz_settings(EXAMPLES // 2)
+@given(data=st.data())
+def test_fuzz_safetensors_header(fuzz_copy, data):
+    copy, watched = fuzz_copy
+    part = data.draw(st.sampled_from(["model", "optim", "flat"]), label="part")
+    name = data.draw(st.sampled_from(["rank_0.safetensors", "rank_1.safetensors", "rank_2.safetensors"]), label="file")
+    path = os.path.join(copy.part(part), name)
+    with open(path, "rb") as f:
+        original = f.read()
+    header, body = split_rank_file(path)
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        header = mutate_tree(data, header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if data.draw(st.integers(0, 3), label="text mutation") == 0:
+        text = mutate_text(data, text)
+    length = None
+    if data.draw(st.integers(0, 4), label="length lie") == 0:
+        length = data.draw(st.one_of(st.sampled_from([0, 1, 7, len(text) - 1, len(text) + 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1)))
+        length = max(0, min(length, 2**64 - 1))
+    cut = data.draw(st.sampled_from([None, None, None, "short", "long"]), label="data area")
+    if cut == "short" and body:
+        body = body[: data.draw(st.integers(0, len(body) - 1))]
+    elif cut == "long":
+        body = body + b"\x00" * data.draw(st.integers(1, 4096))
+    write_rank_file(path, text, body, length=length)
+    _count("safetensors header")
+    try:
+        run_and_check(copy, part, watched, f"{part}/{name} header mutated to (length {length}):\n{text[:3000]!r}")
+    finally:
+        rel_helpers.rewrite(path, original)

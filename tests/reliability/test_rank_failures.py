@@ -1,0 +1,221 @@
+"""No hangs: an error on any rank during a save or a load makes every other rank raise, within
+a bounded time, with the failing rank and its error in the message. World size 3.
+
+A rank that raises runs on the session's harness pool (``tests/dist/harness.py``), which
+survives it. A rank that dies (``os._exit`` mid-write or mid-read) runs in a gloo group of
+forked processes of its own (``rel_helpers.run_group``), so no pool has to be restarted.
+``CHECKPOINTER_TIMEOUT_S`` is 20 s in the workers.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+from unittest import mock
+
+import pytest
+
+# The harness's workers import this module by file: make its helpers importable there too.
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import rel_helpers  # noqa: E402
+import torch  # noqa: E402
+from dist_helpers import catch  # noqa: E402
+
+import checkpointer  # noqa: E402
+from checkpointer import Checkpointer  # noqa: E402
+
+TIMEOUT_S = 20.0  # CHECKPOINTER_TIMEOUT_S in the workers
+ALIVE_S = 10.0  # a failing rank that is alive must be reported well before the timeout
+DEAD_S = TIMEOUT_S + 15.0  # a dead rank: within the timeout, plus start-up slack
+
+
+def names_rank(msg: str, rank: int) -> bool:
+    return re.search(rf"rank\D{{0,3}}{rank}\b", msg) is not None
+
+
+def _fail_writes(rank: int) -> mock._patch:
+    def write_rank_file(*args, **kwargs):
+        raise OSError(errno.EIO, f"injected I/O error while writing on rank {rank}")
+
+    return mock.patch("checkpointer.engine.save.write_rank_file", write_rank_file)
+
+
+def _fail_reads(rank: int) -> mock._patch:
+    def read_into(self, name, requests):
+        raise OSError(errno.EIO, f"injected I/O error while reading {name} on rank {rank}")
+
+    return mock.patch("checkpointer.storage.local.LocalStorage.read_into", read_into)
+
+
+def _die_mid_write(self, buffers, _real=None):
+    os._exit(17)
+
+
+def _die_mid_read(self, name, requests):
+    os._exit(17)
+
+
+def _zeros_local(rank: int, world_size: int) -> dict:
+    from dist_helpers import zeros_like_layout
+
+    state = rel_helpers.flat_local(rank, world_size)
+    w = state.pop("flat.w")
+    out = zeros_like_layout(state)
+    out["flat.w"] = type(w)(local=torch.zeros_like(w.local), shape=w.shape, flattened_offsets=w.flattened_offsets)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Tasks, run on every rank
+# --------------------------------------------------------------------------------------
+
+
+def _save_task(rank, world_size, path, failing, how):
+    with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": str(TIMEOUT_S)}):
+        state = rel_helpers.flat_local(rank, world_size)
+        if rank != failing:
+            return catch(Checkpointer().save, path, state)
+        if how == "raise":
+            with _fail_writes(rank):
+                return catch(Checkpointer().save, path, state)
+        with mock.patch("checkpointer.storage.local.LocalWriter.write", _die_mid_write):
+            Checkpointer().save(path, state)
+        return "did not die"
+
+
+def _load_task(rank, world_size, path, failing, how, strategy):
+    with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": str(TIMEOUT_S)}):
+        state = _zeros_local(rank, world_size)
+        if rank != failing:
+            return catch(Checkpointer().load, path, state, strategy=strategy)
+        if how == "raise":
+            with _fail_reads(rank):
+                return catch(Checkpointer().load, path, state, strategy=strategy)
+        with mock.patch("checkpointer.storage.local.LocalStorage.read_into", _die_mid_read):
+            Checkpointer().load(path, state, strategy=strategy)
+        return "did not die"
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------
+
+
+def check_raised_rank(results, failing: int, needle: str) -> None:
+    """The failing rank raised its own error; every other rank a CheckpointError naming it and its error."""
+    __tracebackhide__ = True
+    for rank, r in enumerate(results):
+        assert r is not None, f"rank {rank} raised nothing"
+        assert r["seconds"] < ALIVE_S, f"rank {rank} took {r['seconds']:.1f}s to raise"
+        assert needle in r["msg"], f"rank {rank}: {r['type']}: {r['msg']}"
+        if rank != failing:
+            assert "CheckpointError" in r["mro"], f"rank {rank} raised {r['type']}: {r['msg']}"
+            assert names_rank(r["msg"], failing), f"rank {rank}'s error does not name rank {failing}: {r['msg']}"
+
+
+def check_dead_rank(results: list[rel_helpers.ForkResult], failing: int) -> None:
+    """The failing rank died; every other rank raised a CheckpointError in bounded time."""
+    __tracebackhide__ = True
+    assert results[failing].exitcode == 17, f"rank {failing} did not die: {results[failing]}"
+    for rank, res in enumerate(results):
+        if rank == failing:
+            continue
+        assert res.exitcode == 0 and res.error is None, f"rank {rank}: {res.error}\n{res.traceback}"
+        r = res.value
+        assert r is not None, f"rank {rank} raised nothing although rank {failing} died"
+        assert "CheckpointError" in r["mro"], f"rank {rank} raised {r['type']}: {r['msg']}\n{r['traceback']}"
+        assert r["seconds"] < DEAD_S, f"rank {rank} took {r['seconds']:.1f}s to raise"
+
+
+def check_incomplete(path: str) -> None:
+    __tracebackhide__ = True
+    for call in (
+        lambda: Checkpointer().get_metadata(path),
+        lambda: Checkpointer().unshard(path),
+        lambda: rel_helpers.load_part(path, rel_helpers.flat_full()),
+    ):
+        with pytest.raises(checkpointer.IncompleteCheckpointError):
+            call()
+
+
+@pytest.fixture
+def saved_flat(ckpt):
+    return ckpt.part("flat")
+
+
+# --------------------------------------------------------------------------------------
+# A rank that raises (harness pool)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_save_with_a_rank_that_raises(run_distributed, tmp_path, failing):
+    path = str(tmp_path / "ckpt")
+    results = run_distributed(_save_task, 3, path, failing, "raise", timeout=120)
+    check_raised_rank(results, failing, "injected I/O error")
+    check_incomplete(path)
+
+
+@pytest.mark.parametrize("strategy", ["default", "two_stage"])
+def test_load_with_a_rank_that_raises(run_distributed, saved_flat, strategy):
+    results = run_distributed(_load_task, 3, saved_flat, 2, "raise", strategy, timeout=120)
+    check_raised_rank(results, 2, "injected I/O error")
+
+
+# --------------------------------------------------------------------------------------
+# A rank that exits (a forked group per case, run once and shared by the tests below)
+# --------------------------------------------------------------------------------------
+
+EXIT_CASES = [("save", 0), ("save", 1), ("load", "default"), ("load", "two_stage")]
+
+
+@pytest.fixture(scope="module")
+def exit_runs(tmp_path_factory, template):
+    """Each case of EXIT_CASES, run the first time a test asks for it: (checkpoint path, results)."""
+    cache: dict[tuple, tuple[str, list[rel_helpers.ForkResult]]] = {}
+
+    def run(op, arg):
+        if (op, arg) not in cache:
+            if op == "save":
+                path = str(tmp_path_factory.mktemp("exit") / "ckpt")
+                results = rel_helpers.run_group(_save_task, 3, path, arg, "exit", timeout=DEAD_S + 60)
+            else:
+                path = os.path.join(template.root, "flat")
+                results = rel_helpers.run_group(_load_task, 3, path, 2, "exit", arg, timeout=DEAD_S + 60)
+            cache[(op, arg)] = (path, results)
+        return cache[(op, arg)]
+
+    return run
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_save_with_a_rank_that_exits(exit_runs, failing):
+    path, results = exit_runs("save", failing)
+    check_dead_rank(results, failing)
+    check_incomplete(path)
+
+
+@pytest.mark.parametrize("strategy", ["default", "two_stage"])
+def test_load_with_a_rank_that_exits(exit_runs, strategy):
+    _, results = exit_runs("load", strategy)
+    check_dead_rank(results, 2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="GAP: when a rank dies, the others raise RankFailedError('<phase>: another rank stopped answering "
+    "(died, or exceeded CHECKPOINTER_TIMEOUT_S=...): <gloo: Connection reset by peer [ip]:port>') in bounded "
+    "time, but the message does not say which rank (issue 6 asks for the failing rank in the message); "
+    "dist._wait (checkpointer/dist.py) only has gloo's peer address",
+)
+@pytest.mark.parametrize("case", [("save", 1), ("load", "default")], ids=["save", "load"])
+def test_a_rank_that_exits_is_named_by_the_others(exit_runs, case):
+    _, results = exit_runs(*case)
+    failing = case[1] if case[0] == "save" else 2
+    for rank, res in enumerate(results):
+        if rank != failing:
+            assert names_rank(res.value["msg"], failing), f"rank {rank}: {res.value['msg']}"
