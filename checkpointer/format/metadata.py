@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, model_validator
 
 from ..errors import CorruptCheckpointError
 from .dtypes import DTYPE_CODES
 from .layout import FORMAT_VERSION, check_filename
+from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, SpecParser, box_run_count
 
 __all__ = [
     "TensorShardSpec",
@@ -28,8 +30,6 @@ __all__ = [
 
 MAX_NDIM = 64
 MAX_NUMEL = 2**62
-MAX_RUNS_PER_TENSOR = 1 << 24
-"""A tensor's pieces may split into at most this many contiguous runs (bounds planning work)."""
 
 
 class TensorShardSpec(BaseModel):
@@ -67,7 +67,12 @@ class TensorShardSpec(BaseModel):
 
 
 class TensorStorageMetadata(BaseModel):
-    """Shape, dtype and where the pieces of one tensor are."""
+    """Shape, dtype and where the pieces of one tensor are.
+
+    ``shard_spec_per_file`` is a ``dict`` when built here, and a read-only
+    :class:`~checkpointer.format.specs.ShardSpecs` mapping when read from ``metadata.json``
+    or planned by ``build_save_plan`` (the specs of thousands of files, built on access).
+    """
 
     model_config = ConfigDict(extra="allow")
 
@@ -119,6 +124,10 @@ class TensorStorageMetadata(BaseModel):
                         raise ValueError(f"{name}: box {spec.local_shape} at {spec.global_offset} leaves {self.shape}")
         return self
 
+    @field_serializer("shard_spec_per_file", mode="wrap")
+    def _serialize_specs(self, specs: Mapping[str, TensorShardSpec], handler):
+        return handler(dict(specs))
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -155,23 +164,61 @@ class StorageMetadata(BaseModel):
         """A copy with each file's per-piece checksums filled in."""
         tensors = {}
         for key, meta in self.tensors.items():
-            specs = {
-                name: spec.model_copy(update={"checksums": tuple(crcs_per_file[name][key])})
-                if key in crcs_per_file.get(name, {})
-                else spec
-                for name, spec in meta.shard_spec_per_file.items()
-            }
-            tensors[key] = meta.model_copy(update={"shard_spec_per_file": specs})
+            specs = meta.shard_spec_per_file
+            if isinstance(specs, ShardSpecs):
+                old = specs.checksums or [None] * len(specs)
+                crcs = [crcs_per_file.get(name, _EMPTY).get(key, was) for name, was in zip(specs.layout.names, old)]
+                new: Mapping[str, TensorShardSpec] = specs.with_checksums(crcs)
+            else:
+                new = {
+                    name: spec.model_copy(update={"checksums": tuple(crcs_per_file[name][key])})
+                    if key in crcs_per_file.get(name, {})
+                    else spec
+                    for name, spec in specs.items()
+                }
+            tensors[key] = meta.model_copy(update={"shard_spec_per_file": new})
         return self.model_copy(
             update={"tensors": tensors, "checksum_algorithm": algorithm, "checksum_chunk_bytes": chunk_bytes}
         )
 
     def files(self) -> list[str]:
-        names = {name for t in self.tensors.values() for name in t.shard_spec_per_file}
+        names: set[str] = set()
+        for t in self.tensors.values():
+            specs = t.shard_spec_per_file
+            names.update(specs.layout.names if isinstance(specs, ShardSpecs) else specs)
         return sorted(names)
 
     def to_json_bytes(self) -> bytes:
-        return json.dumps(self.model_dump(exclude_none=False), separators=(",", ":")).encode()
+        doc: dict[str, Any] = {"tensors": {key: _tensor_json(meta) for key, meta in self.tensors.items()}}
+        for name in ("format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes"):
+            doc[name] = getattr(self, name)
+        doc.update(self.__pydantic_extra__ or {})
+        return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()
+
+
+_EMPTY: dict = {}
+
+
+def _tensor_json(meta: TensorStorageMetadata) -> dict[str, Any]:
+    specs = meta.shard_spec_per_file
+    if isinstance(specs, ShardSpecs):
+        specs_json = specs.to_json()
+    else:
+        specs_json = {name: _spec_json(spec) for name, spec in specs.items()}
+    out = {"shape": list(meta.shape), "is_sharded": meta.is_sharded, "dtype": meta.dtype, "shard_spec_per_file": specs_json}
+    out.update(meta.__pydantic_extra__ or {})
+    return out
+
+
+def _spec_json(spec: TensorShardSpec) -> dict[str, Any]:
+    out = {
+        "flattened_offsets": spec.flattened_offsets,
+        "local_shape": spec.local_shape,
+        "global_offset": spec.global_offset,
+        "checksums": spec.checksums,
+    }
+    out.update(spec.__pydantic_extra__ or {})
+    return out
 
 
 def _run_count(spec: TensorShardSpec, shape: tuple[int, ...]) -> int:
@@ -179,12 +226,7 @@ def _run_count(spec: TensorShardSpec, shape: tuple[int, ...]) -> int:
     if spec.flattened_offsets is not None:
         return len(spec.flattened_offsets)
     assert spec.local_shape is not None and spec.global_offset is not None
-    if len(spec.local_shape) != len(shape) or 0 in spec.local_shape:
-        return 0
-    split = len(shape) - 1
-    while split > 0 and spec.local_shape[split] == shape[split] and spec.global_offset[split] == 0:
-        split -= 1
-    return math.prod(spec.local_shape[:split])
+    return box_run_count(spec.local_shape, spec.global_offset, shape)
 
 
 def new_metadata(tensors: dict[str, TensorStorageMetadata], *, world_size: int, aliases: dict[str, str]) -> StorageMetadata:
@@ -194,17 +236,111 @@ def new_metadata(tensors: dict[str, TensorStorageMetadata], *, world_size: int, 
 
 
 def parse_metadata(data: bytes, *, where: str) -> StorageMetadata:
-    """Parse untrusted ``metadata.json`` bytes; any problem is a :class:`CorruptCheckpointError`."""
+    """Parse untrusted ``metadata.json`` bytes; any problem is a :class:`CorruptCheckpointError`.
+
+    Strict: integers must be JSON integers, ``is_sharded`` a JSON boolean, and no object may
+    give a key twice.
+    """
     try:
-        raw: Any = json.loads(data, object_pairs_hook=reject_duplicate_keys)
+        text = (data if isinstance(data, (bytes, bytearray)) else bytes(data)).decode("utf-8")
+        raw: Any = json.loads(text)
     except (ValueError, RecursionError) as ex:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({ex})") from ex
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({_short(ex)})") from ex
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected a JSON object")
+    # Without escapes a string's characters are the file's, so the ``:`` outside strings are
+    # exactly the members written; fewer members parsed means a key was given twice. With
+    # escapes, parse again with a hook that sees every member (slower, exact).
+    exact = "\\" not in text
+    if not exact:
+        try:
+            json.loads(text, object_pairs_hook=reject_duplicate_keys)
+        except (ValueError, RecursionError) as ex:
+            raise CorruptCheckpointError(f"{where}: not valid JSON ({_short(ex)})") from ex
+    parser = SpecParser()
     try:
-        return StorageMetadata.model_validate(raw)
-    except (ValidationError, RecursionError, CorruptCheckpointError) as ex:
+        metadata = _validate(raw, parser)
+    except (ValueError, CorruptCheckpointError, RecursionError) as ex:
         raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {_short(ex)}") from ex
+    if exact and parser.members != text.count(":") - parser.colons:
+        raise CorruptCheckpointError(f"{where}: not valid JSON (an object gives a key twice)")
+    return metadata
+
+
+_TOP_FIELDS = {"tensors", "format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes"}
+_TENSOR_FIELDS = ("shape", "is_sharded", "dtype", "shard_spec_per_file")
+
+
+def _validate(raw: dict[str, Any], parser: SpecParser) -> StorageMetadata:
+    fields: dict[str, Any] = {}
+    for name in ("format_version", "world_size", "checksum_chunk_bytes"):
+        value = raw.get(name)
+        if value is not None and type(value) is not int:
+            raise ValueError(f"{name} must be an integer or null")
+        fields[name] = value
+    if fields["checksum_chunk_bytes"] is not None and fields["checksum_chunk_bytes"] <= 0:
+        raise ValueError("checksum_chunk_bytes must be positive")
+    algorithm = raw.get("checksum_algorithm")
+    if algorithm is not None and type(algorithm) is not str:
+        raise ValueError("checksum_algorithm must be a string or null")
+    fields["checksum_algorithm"] = algorithm
+    parser.count(algorithm)
+    extra = {k: v for k, v in raw.items() if k not in _TOP_FIELDS}
+    parser.members += len(raw) - len(extra)
+    parser.count(extra)
+
+    tensors_raw = raw.get("tensors")
+    if type(tensors_raw) is not dict:
+        raise ValueError("tensors must be an object")
+    parser.members += len(tensors_raw)
+    tensors = {}
+    for key, entry in tensors_raw.items():
+        parser.colons += key.count(":")
+        try:
+            tensors[key] = _tensor(entry, parser)
+        except (ValueError, CorruptCheckpointError) as ex:
+            raise ValueError(f"tensors[{key!r}]: {ex}") from None
+
+    aliases = raw.get("aliases")
+    if aliases is not None:
+        if type(aliases) is not dict or not all(type(v) is str for v in aliases.values()):
+            raise ValueError("aliases must be an object of strings")
+        parser.count(aliases)
+        for alias, target in aliases.items():
+            if target not in tensors or alias in tensors:
+                raise ValueError(f"alias {alias!r} -> {target!r} does not resolve to a saved tensor")
+    return StorageMetadata.model_construct(tensors=tensors, aliases=aliases, **fields, **extra)
+
+
+def _tensor(entry: Any, parser: SpecParser) -> TensorStorageMetadata:
+    if type(entry) is not dict:
+        raise ValueError("must be an object")
+    missing = [name for name in _TENSOR_FIELDS if name not in entry]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    shape = entry["shape"]
+    if type(shape) is not list or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"bad shape {_short_value(shape)}")
+    if math.prod(shape) > MAX_NUMEL:
+        raise ValueError(f"shape {shape} has too many elements")
+    shape = tuple(shape)
+    if type(entry["is_sharded"]) is not bool:
+        raise ValueError("is_sharded must be true or false")
+    dtype = entry["dtype"]
+    if type(dtype) is not str or dtype not in DTYPE_CODES:
+        raise ValueError(f"unknown dtype {_short_value(dtype)}")
+    extra = {k: v for k, v in entry.items() if k not in _TENSOR_FIELDS}
+    parser.members += len(entry) - len(extra)
+    parser.count(extra)
+    specs = parser.parse(shape, entry["shard_spec_per_file"])
+    return TensorStorageMetadata.model_construct(
+        shape=shape, is_sharded=entry["is_sharded"], dtype=dtype, shard_spec_per_file=specs, **extra
+    )
+
+
+def _short_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 100 else text[:100] + "..."
 
 
 def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -217,6 +353,6 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _short(ex: Exception) -> str:
+def _short(ex: BaseException) -> str:
     text = str(ex)
     return text if len(text) < 600 else text[:600] + "..."

@@ -10,15 +10,17 @@ Rank and world size are arguments; nothing here looks them up.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
+from itertools import compress
+from operator import add, attrgetter
 from typing import Sequence
 
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import rank_filename
 from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata, new_metadata
-from .overlap import Range, SourceIndex, box_ranges, merge_adjacent
+from ..format.specs import Layout, ShardSpecs
+from .overlap import Range, SourceIndex, box_ranges, layout_ranges, merge_adjacent
 
 __all__ = [
     "Piece",
@@ -104,6 +106,16 @@ def spec_ranges(spec: TensorShardSpec, shape: Sequence[int]) -> list[Range]:
     return box_ranges(shape, spec.local_shape, spec.global_offset)
 
 
+_KEY = attrgetter("key")
+_PIECE = attrgetter("piece")
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
+_FLAT = attrgetter("flat")
+_LOCAL_SHAPE = attrgetter("local_shape")
+_GLOBAL_OFFSET = attrgetter("global_offset")
+_FORM = attrgetter("flat", "local_shape", "global_offset")
+
+
 def build_save_plan(
     descs_per_rank: Sequence[Sequence[PieceDesc]], *, aliases: dict[str, str] | None = None
 ) -> SavePlan:
@@ -113,59 +125,158 @@ def build_save_plan(
     or when the distinct pieces of a tensor overlap or leave elements out.
     """
     world_size = len(descs_per_rank)
-    by_key: dict[str, dict[Piece, list[int]]] = {}
-    first: dict[str, PieceDesc] = {}
-    for rank, descs in enumerate(descs_per_rank):
-        for d in descs:
-            ref = first.setdefault(d.key, d)
-            if (ref.shape, ref.dtype) != (d.shape, d.dtype):
-                raise ValueError(
-                    f"tensor {d.key!r} is {list(ref.shape)} {ref.dtype} on one rank and "
-                    f"{list(d.shape)} {d.dtype} on rank {rank}"
-                )
-            by_key.setdefault(d.key, {}).setdefault(d.piece, []).append(rank)
-
+    groups = _by_key(descs_per_rank)
     load = [0] * world_size
-    writer: dict[tuple[str, Piece], int] = {}
+    written: dict[str, tuple[list[int], list[Piece]]] = {}
     shared: list[tuple[int, str, Piece, list[int]]] = []
-    for key, holders_by_piece in by_key.items():
-        desc = first[key]
+    for key, (ranks, descs) in groups.items():
+        desc = descs[0]
+        _check_agreement(key, ranks, descs)
         numel = math.prod(desc.shape)
-        pieces = [p for p in holders_by_piece if p.numel > 0] if numel else list(holders_by_piece)[:1]
-        _check_tiling(key, desc.shape, pieces)
         size = itemsize(desc.dtype)
-        for piece in pieces:
-            holders = holders_by_piece[piece]
-            if len(holders) == 1:
-                writer[(key, piece)] = holders[0]
-                load[holders[0]] += piece.numel * size
+        pieces, holders = _distinct(ranks, list(map(_PIECE, descs)))
+        numels = _numels(pieces)
+        if numel:
+            pieces, holders, numels = (list(compress(x, numels)) for x in (pieces, holders, numels))
+        else:
+            pieces, holders, numels = pieces[:1], holders[:1], numels[:1]
+        if not _tiles_by_rows(desc.shape, pieces):
+            _check_tiling(key, desc.shape, pieces)
+        writers: list[int] = []
+        mine: list[Piece] = []
+        for piece, held_by, n in zip(pieces, holders, numels):
+            if type(held_by) is int:
+                writers.append(held_by)
+                mine.append(piece)
+                load[held_by] += n * size
+            elif len(held_by) == 1:
+                writers.append(held_by[0])
+                mine.append(piece)
+                load[held_by[0]] += n * size
             else:
-                shared.append((piece.numel * size, key, piece, holders))
-    # Longest first, each to its least-loaded holder: balanced within one largest piece.
+                shared.append((n * size, key, piece, held_by))
+        written[key] = (writers, mine)
+    # Longest first, each to its least-loaded holder (the lowest rank among equals): balanced
+    # within one largest piece.
     shared.sort(key=lambda item: (-item[0], item[1]))
-    for nbytes, key, piece, holders in shared:
-        rank = min(holders, key=lambda r: (load[r], r))
-        writer[(key, piece)] = rank
+    for nbytes, key, piece, held_by in shared:
+        rank = min(held_by, key=load.__getitem__)
+        written[key][0].append(rank)
+        written[key][1].append(piece)
         load[rank] += nbytes
 
+    names = [rank_filename(r) for r in range(world_size)]
     keys_per_rank: list[list[str]] = [[] for _ in range(world_size)]
-    specs: dict[str, dict[str, TensorShardSpec]] = defaultdict(dict)
-    for (key, piece), rank in writer.items():
-        keys_per_rank[rank].append(key)
-        specs[key][rank_filename(rank)] = piece.to_spec()
+    layouts: dict[tuple, list[Layout]] = {}
     tensors = {}
-    for key in sorted(by_key):
-        desc = first[key]
-        files = dict(sorted(specs[key].items(), key=lambda kv: _rank_of(kv[0])))
+    for key in sorted(groups):
+        desc = groups[key][1][0]
+        writers, mine = written[key]
+        if any(a > b for a, b in zip(writers, writers[1:])):
+            order = sorted(range(len(writers)), key=writers.__getitem__)
+            writers, mine = [writers[i] for i in order], [mine[i] for i in order]
+        for rank in writers:
+            keys_per_rank[rank].append(key)
+        layout = _layout(layouts, desc.shape, list(map(names.__getitem__, writers)), mine)
         tensors[key] = TensorStorageMetadata.model_construct(
-            shape=desc.shape, is_sharded=desc.is_sharded, dtype=desc.dtype, shard_spec_per_file=files
+            shape=desc.shape, is_sharded=desc.is_sharded, dtype=desc.dtype, shard_spec_per_file=ShardSpecs(layout)
         )
     metadata = new_metadata(tensors, world_size=world_size, aliases=dict(aliases or {}))
-    return SavePlan(metadata, tuple(tuple(sorted(keys)) for keys in keys_per_rank))
+    return SavePlan(metadata, tuple(map(tuple, keys_per_rank)))
 
 
-def _rank_of(filename: str) -> int:
-    return int(filename[len("rank_") : -len(".safetensors")])
+def _by_key(descs_per_rank: Sequence[Sequence[PieceDesc]]) -> dict[str, tuple[Sequence[int], Sequence[PieceDesc]]]:
+    """Each key's holders (ascending) and their descriptions, keys in first-seen order."""
+    if descs_per_rank:
+        keys = list(map(_KEY, descs_per_rank[0]))
+        if len(set(keys)) == len(keys) and all(list(map(_KEY, descs)) == keys for descs in descs_per_rank[1:]):
+            ranks = range(len(descs_per_rank))  # the usual case: every rank holds every key, in one order
+            return {key: (ranks, column) for key, column in zip(keys, zip(*descs_per_rank))}
+    groups: dict[str, tuple[list[int], list[PieceDesc]]] = {}
+    for rank, descs in enumerate(descs_per_rank):
+        for d in descs:
+            group = groups.get(d.key)
+            if group is None:
+                groups[d.key] = group = ([], [])
+            group[0].append(rank)
+            group[1].append(d)
+    return groups
+
+
+def _check_agreement(key: str, ranks: Sequence[int], descs: Sequence[PieceDesc]) -> None:
+    if len(set(map(_SHAPE, descs))) == 1 and len(set(map(_DTYPE, descs))) == 1:
+        return
+    ref = descs[0]
+    for rank, d in zip(ranks, descs):
+        if (ref.shape, ref.dtype) != (d.shape, d.dtype):
+            raise ValueError(
+                f"tensor {key!r} is {list(ref.shape)} {ref.dtype} on one rank and "
+                f"{list(d.shape)} {d.dtype} on rank {rank}"
+            )
+
+
+def _distinct(ranks: Sequence[int], pieces: list[Piece]) -> tuple[list[Piece], list]:
+    """The distinct pieces, first-seen order, each with its holder (an int) or holders (a list)."""
+    forms = list(map(_FORM, pieces))
+    count = len(set(forms))
+    if count == len(forms):
+        return pieces, list(ranks)
+    if count == 1:
+        return pieces[:1], [list(ranks)]
+    holders: dict[tuple, list[int]] = {}
+    first: list[Piece] = []
+    for rank, form, piece in zip(ranks, forms, pieces):
+        held_by = holders.get(form)
+        if held_by is None:
+            holders[form] = [rank]
+            first.append(piece)
+        else:
+            held_by.append(rank)
+    return first, list(holders.values())
+
+
+def _numels(pieces: list[Piece]) -> list[int]:
+    if list(map(_FLAT, pieces)).count(None) == len(pieces):
+        shapes = list(map(_LOCAL_SHAPE, pieces))
+        if None not in shapes:
+            return list(map(math.prod, shapes))
+    return [p.numel for p in pieces]
+
+
+def _tiles_by_rows(shape: Sequence[int], pieces: list[Piece]) -> bool:
+    """True when ``pieces`` are boxes of whole rows that tile ``shape`` exactly (FSDP's ``Shard(0)``).
+    False means "not shown": the exact check decides."""
+    n = len(pieces)
+    if not shape or not n or list(map(_FLAT, pieces)).count(None) != n:
+        return False
+    sizes, offsets = list(map(_LOCAL_SHAPE, pieces)), list(map(_GLOBAL_OFFSET, pieces))
+    if None in sizes or None in offsets or set(map(len, sizes)) != {len(shape)} or set(map(len, offsets)) != {len(shape)}:
+        return False
+    size_cols, offset_cols = list(zip(*sizes)), list(zip(*offsets))
+    for d in range(1, len(shape)):
+        if size_cols[d].count(shape[d]) != n or offset_cols[d].count(0) != n:
+            return False
+    rows = sorted(zip(offset_cols[0], map(add, offset_cols[0], size_cols[0])))
+    starts, ends = zip(*rows)
+    return starts[0] == 0 and ends[-1] == shape[0] and starts[1:] == ends[:-1] and min(size_cols[0]) > 0
+
+
+def _layout(layouts: dict[tuple, list[Layout]], shape: tuple[int, ...], names: list[str], pieces: list[Piece]) -> Layout:
+    """The layout of ``pieces`` written to ``names``, shared with an equal one planned before."""
+
+    def column(values: list) -> list | None:
+        return values if values.count(None) != len(values) else None
+
+    flat = column(list(map(_FLAT, pieces)))
+    ls = column(list(map(_LOCAL_SHAPE, pieces)))
+    go = column(list(map(_GLOBAL_OFFSET, pieces)))
+    bucket = layouts.setdefault((shape, len(names), names[0] if names else None), [])
+    for layout in bucket:
+        if layout.same(names, flat, ls, go):
+            return layout
+    layout = Layout(shape, names, flat, ls, go)
+    bucket.append(layout)
+    return layout
 
 
 def _check_tiling(key: str, shape: Sequence[int], pieces: Sequence[Piece]) -> None:
@@ -208,8 +319,18 @@ def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Rang
 
     Raises :class:`CorruptCheckpointError` when some wanted element is in no file.
     """
-    files = list(meta.shard_spec_per_file)
-    index = SourceIndex([spec_ranges(meta.shard_spec_per_file[f], meta.shape) for f in files])
+    specs = meta.shard_spec_per_file
+    if isinstance(specs, ShardSpecs):
+        layout = specs.layout
+        files: Sequence[str] = layout.names
+        index = layout.memo.get("source_index")
+        if index is None:  # equal layouts are shared: planned once per distinct layout
+            index = layout.memo["source_index"] = SourceIndex(
+                [layout_ranges(layout, i) for i in range(len(files))]
+            )
+    else:
+        files = list(specs)
+        index = SourceIndex([spec_ranges(specs[f], meta.shape) for f in files])
     overlaps = index.overlaps(wanted)
     items = tuple(ReadItem(files[o.source], o.src_offset, o.dst_offset, o.numel) for o in overlaps)
     plan = TensorLoadPlan(key, meta.dtype, items)

@@ -1,0 +1,379 @@
+"""One tensor's shard specs, held compactly, and their validation in bulk.
+
+``metadata.json`` lists one shard spec per file per tensor: millions of them when thousands
+of ranks save a large model. A pydantic object per spec is what made planning at that scale
+slow, so a tensor's specs are kept as plain columns (a :class:`Layout`, shared by tensors
+whose pieces sit alike, plus the per-file checksums) and validated a column at a time with
+builtins that loop in C. :class:`ShardSpecs` is the ``shard_spec_per_file`` mapping over
+them: it builds a :class:`~checkpointer.format.metadata.TensorShardSpec` only for the file
+asked about.
+
+Validation here is strict (JSON integers are integers, not booleans, floats or strings) and
+rejects exactly what the pydantic models reject, and more; anything the bulk checks cannot
+vouch for is checked again one spec at a time, which names the file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from itertools import chain
+from operator import add, itemgetter, le
+from typing import Any, Iterator, Sequence
+
+from .layout import check_filename
+
+__all__ = ["Layout", "ShardSpecs", "SpecParser", "MAX_RUNS_PER_TENSOR", "box_run_count"]
+
+MAX_RUNS_PER_TENSOR = 1 << 24
+"""A tensor's pieces may split into at most this many contiguous runs (bounds planning work)."""
+
+FIELDS = ("flattened_offsets", "local_shape", "global_offset", "checksums")
+_FORM = itemgetter("flattened_offsets", "local_shape", "global_offset")
+_CHECKSUMS = itemgetter("checksums")
+_NONE = type(None)
+
+
+class Layout:
+    """Where the pieces of a tensor are: per file, its flattened ranges or its box.
+
+    ``flat[i]``, ``local_shape[i]``, ``global_offset[i]`` are file ``names[i]``'s fields (a
+    column is ``None`` when no file uses it). Immutable once built; tensors with equal layouts
+    share one, and ``memo`` holds what the planner derives from it (its overlap index).
+    """
+
+    __slots__ = ("shape", "names", "flat", "local_shape", "global_offset", "memo", "_index")
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        names: Sequence[str],
+        flat: Sequence[Any] | None,
+        local_shape: Sequence[Any] | None,
+        global_offset: Sequence[Any] | None,
+    ):
+        self.shape = shape
+        self.names = names
+        self.flat = flat
+        self.local_shape = local_shape
+        self.global_offset = global_offset
+        self.memo: dict[str, Any] = {}
+        self._index: dict[str, int] | None = None
+
+    @property
+    def index(self) -> dict[str, int]:
+        """File name -> position."""
+        if self._index is None:
+            self._index = {name: i for i, name in enumerate(self.names)}
+        return self._index
+
+    def form(self, i: int) -> tuple[tuple[tuple[int, int], ...] | None, tuple[int, ...] | None, tuple[int, ...] | None]:
+        """``(flattened_offsets, local_shape, global_offset)`` of file ``i``, as tuples."""
+        flat = self.flat[i] if self.flat is not None else None
+        ls = self.local_shape[i] if self.local_shape is not None else None
+        go = self.global_offset[i] if self.global_offset is not None else None
+        return (
+            None if flat is None else tuple(map(tuple, flat)),
+            None if ls is None else tuple(ls),
+            None if go is None else tuple(go),
+        )
+
+    def local_numel(self, i: int) -> int:
+        flat = self.flat[i] if self.flat is not None else None
+        if flat is not None:
+            return sum(e - s for s, e in flat)
+        return math.prod(self.local_shape[i])  # type: ignore[index]
+
+    def same(self, names: Sequence[str], flat, local_shape, global_offset) -> bool:
+        return self.names == names and self.flat == flat and self.local_shape == local_shape and self.global_offset == global_offset
+
+    def json_forms(self) -> list[dict[str, Any]]:
+        """Each file's spec as a JSON object, without checksums."""
+        n = len(self.names)
+        none = [None] * n
+        cols = (self.flat or none, self.local_shape or none, self.global_offset or none)
+        return [{"flattened_offsets": f, "local_shape": s, "global_offset": o} for f, s, o in zip(*cols)]
+
+
+class ShardSpecs(Mapping):
+    """``shard_spec_per_file`` of a tensor read from (or planned for) ``metadata.json``.
+
+    A read-only mapping of file name -> ``TensorShardSpec``, built on access. ``checksums``
+    is each file's list of CRCs (``None`` where it has none), or ``None`` for no file;
+    ``extras`` maps a file's position to the fields of its spec this release does not know.
+    """
+
+    __slots__ = ("layout", "checksums", "extras")
+
+    def __init__(self, layout: Layout, checksums: Sequence[Any] | None = None, extras: dict[int, dict] | None = None):
+        self.layout = layout
+        self.checksums = checksums
+        self.extras = extras
+
+    def __getitem__(self, name: str):
+        return self.spec(self.layout.index[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layout.index
+
+    def __repr__(self) -> str:
+        return f"ShardSpecs({dict(self.items())!r})"
+
+    def spec(self, i: int):
+        from .metadata import TensorShardSpec  # the models module imports this one
+
+        flat, ls, go = self.layout.form(i)
+        checksums = self.checksums[i] if self.checksums is not None else None
+        extra = (self.extras or {}).get(i, {})
+        return TensorShardSpec.model_construct(
+            flattened_offsets=flat,
+            local_shape=ls,
+            global_offset=go,
+            checksums=None if checksums is None else tuple(checksums),
+            **extra,
+        )
+
+    def local_numel(self, name: str) -> int:
+        return self.layout.local_numel(self.layout.index[name])
+
+    def checksums_of(self, name: str) -> tuple[int, ...] | None:
+        if self.checksums is None:
+            return None
+        crcs = self.checksums[self.layout.index[name]]
+        return None if crcs is None else tuple(crcs)
+
+    def with_checksums(self, checksums: Sequence[Any] | None) -> ShardSpecs:
+        return ShardSpecs(self.layout, checksums, self.extras)
+
+    def to_json(self) -> dict[str, Any]:
+        forms = self.layout.json_forms()
+        checksums = self.checksums if self.checksums is not None else [None] * len(forms)
+        for spec, crcs in zip(forms, checksums):
+            spec["checksums"] = crcs
+        for i, extra in (self.extras or {}).items():
+            forms[i].update(extra)
+        return dict(zip(self.layout.names, forms))
+
+
+def box_run_count(local_shape: Sequence[int], global_offset: Sequence[int], shape: Sequence[int]) -> int:
+    """How many contiguous runs a box has (one per row of its leading, partly covered, dims)."""
+    if len(local_shape) != len(shape) or 0 in local_shape:
+        return 0
+    split = len(shape) - 1
+    while split > 0 and local_shape[split] == shape[split] and global_offset[split] == 0:
+        split -= 1
+    return math.prod(local_shape[:split])
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _all_ints(values: Sequence[Any]) -> bool:
+    return not values or set(map(type, values)) == {int}
+
+
+class SpecParser:
+    """Validates the ``shard_spec_per_file`` objects of one ``metadata.json``.
+
+    Keeps, across the document's tensors, the file names already checked, equal layouts
+    (shared), and the count of object members and of ``:`` inside strings seen (for the
+    duplicate-key check of :func:`~checkpointer.format.metadata.parse_metadata`).
+    """
+
+    def __init__(self) -> None:
+        self._good_names: set[str] = set()
+        self._layouts: dict[tuple, list[Layout]] = {}
+        self.members = 0
+        self.colons = 0
+
+    def parse(self, shape: tuple[int, ...], raw: Any) -> ShardSpecs:
+        """``raw``: the parsed JSON value. Raises ``ValueError`` naming the file at fault."""
+        if type(raw) is not dict:
+            raise ValueError(f"shard_spec_per_file must be an object, not {_kind(raw)}")
+        names = list(raw)
+        if not self._good_names.issuperset(names):
+            for name in names:
+                check_filename(name)
+                self._good_names.add(name)
+        values = list(raw.values())
+        self.members += len(names)
+        columns = self._bulk(shape, values) if values else ([], None, None, None)
+        if columns is None:
+            flat, ls, go, checksums, extras = self._one_by_one(shape, names, values)
+        else:
+            flat, ls, go, checksums = columns
+            extras = None
+        return ShardSpecs(self._layout(shape, names, flat, ls, go), checksums, extras)
+
+    def _layout(self, shape, names, flat, ls, go) -> Layout:
+        bucket = self._layouts.setdefault((shape, len(names), names[0] if names else None), [])
+        for layout in bucket:
+            if layout.same(names, flat, ls, go):
+                return layout
+        layout = Layout(shape, names, flat, ls, go)
+        bucket.append(layout)
+        return layout
+
+    def _bulk(self, shape: tuple[int, ...], values: list[Any]):
+        """The common forms, checked a column at a time: every spec is all boxes or all flattened
+        ranges, with the OLMo fields (and ``checksums``). ``None`` when anything else is there."""
+        n = len(values)
+        if set(map(type, values)) != {dict}:
+            return None
+        sizes = set(map(len, values))
+        try:
+            flat, ls, go = zip(*map(_FORM, values))
+            if sizes == {3}:
+                checksums = None
+            elif sizes == {4}:
+                checksums = list(map(_CHECKSUMS, values))
+            else:
+                return None
+        except KeyError:
+            return None
+        if checksums is not None:
+            kinds = set(map(type, checksums))
+            if not kinds <= {list, _NONE} or not _all_ints(list(chain.from_iterable(c for c in checksums if c))):
+                return None
+            if kinds == {_NONE}:
+                checksums = None
+        if flat.count(None) == n:
+            if not self._boxes_fit(shape, ls, go):
+                return None
+            columns = None, ls, go, checksums
+        elif ls.count(None) == n and go.count(None) == n:
+            if not self._ranges_fit(math.prod(shape), flat):
+                return None
+            columns = flat, None, None, checksums
+        else:
+            return None
+        self.members += n * next(iter(sizes))
+        return columns
+
+    def count(self, value: Any) -> None:
+        """Add the members of the objects in a JSON value, and the ``:`` in its strings."""
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            kind = type(v)
+            if kind is dict:
+                self.members += len(v)
+                for k, x in v.items():
+                    self.colons += k.count(":")
+                    stack.append(x)
+            elif kind is list:
+                stack.extend(v)
+            elif kind is str:
+                self.colons += v.count(":")
+
+    @staticmethod
+    def _boxes_fit(shape: tuple[int, ...], ls: Sequence[Any], go: Sequence[Any]) -> bool:
+        ndim, n = len(shape), len(ls)
+        if ndim == 0 or set(map(type, ls)) != {list} or set(map(type, go)) != {list}:
+            return False
+        if set(map(len, ls)) != {ndim} or set(map(len, go)) != {ndim}:
+            return False
+        all_full = True
+        for d, (sizes, offsets) in enumerate(zip(zip(*ls), zip(*go))):
+            if not _all_ints(sizes) or not _all_ints(offsets) or min(sizes) < 0 or min(offsets) < 0:
+                return False
+            if max(map(add, sizes, offsets)) > shape[d]:
+                return False
+            if d and (sizes.count(shape[d]) != n or offsets.count(0) != n):
+                all_full = False
+        if all_full:  # every box is one run (or empty)
+            runs = n
+        else:
+            runs = sum(box_run_count(s, o, shape) for s, o in zip(ls, go))
+        return runs <= MAX_RUNS_PER_TENSOR
+
+    @staticmethod
+    def _ranges_fit(numel: int, flat: Sequence[Any]) -> bool:
+        if set(map(type, flat)) != {list}:
+            return False
+        pairs = list(chain.from_iterable(flat))
+        if len(pairs) > MAX_RUNS_PER_TENSOR:
+            return False
+        if not pairs:
+            return True
+        if set(map(type, pairs)) != {list} or set(map(len, pairs)) != {2}:
+            return False
+        starts, ends = zip(*pairs)
+        return (
+            _all_ints(starts) and _all_ints(ends) and min(starts) >= 0 and max(ends) <= numel and all(map(le, starts, ends))
+        )
+
+    def _one_by_one(self, shape: tuple[int, ...], names: list[str], values: list[Any]):
+        """Every spec on its own: any mix of forms and unknown fields; the error names the file."""
+        numel, ndim = math.prod(shape), len(shape)
+        flat: list[Any] = []
+        ls: list[Any] = []
+        go: list[Any] = []
+        checksums: list[Any] = []
+        extras: dict[int, dict] = {}
+        runs = 0
+        for i, (name, spec) in enumerate(zip(names, values)):
+            try:
+                if type(spec) is not dict:
+                    raise ValueError(f"must be an object, not {_kind(spec)}")
+                f = spec.get("flattened_offsets")
+                s = spec.get("local_shape")
+                o = spec.get("global_offset")
+                c = spec.get("checksums")
+                extra = {k: v for k, v in spec.items() if k not in FIELDS}
+                self.members += len(spec) - len(extra)
+                if extra:
+                    self.count(extra)
+                    extras[i] = extra
+                for field, value in (("local_shape", s), ("global_offset", o)):
+                    if value is not None and (type(value) is not list or not all(map(_is_int, value))):
+                        raise ValueError(f"{field} must be a list of integers or null")
+                if c is not None and (type(c) is not list or not all(map(_is_int, c))):
+                    raise ValueError("checksums must be a list of integers or null")
+                if f is not None:
+                    if type(f) is not list:
+                        raise ValueError("flattened_offsets must be a list of [start, end] pairs or null")
+                    for pair in f:
+                        if type(pair) is not list or len(pair) != 2 or not all(map(_is_int, pair)):
+                            raise ValueError("flattened_offsets must be a list of [start, end] pairs of integers")
+                        if not 0 <= pair[0] <= pair[1]:
+                            raise ValueError(f"bad flattened range [{pair[0]}, {pair[1]})")
+                        if pair[1] > numel:
+                            raise ValueError(f"flattened offsets past the tensor's {numel} elements")
+                    runs += len(f)
+                elif s is not None and o is not None:
+                    if len(s) != len(o):
+                        raise ValueError("local_shape and global_offset differ in length")
+                    if min(s, default=0) < 0 or min(o, default=0) < 0:
+                        raise ValueError("negative local_shape or global_offset")
+                    if len(s) != ndim:
+                        raise ValueError(f"local_shape {s} does not match shape {list(shape)}")
+                    if any(off + size > full for size, off, full in zip(s, o, shape)):
+                        raise ValueError(f"box {s} at {o} leaves {list(shape)}")
+                    runs += box_run_count(s, o, shape)
+                else:
+                    raise ValueError("a shard spec needs flattened_offsets, or local_shape and global_offset")
+                if runs > MAX_RUNS_PER_TENSOR:
+                    raise ValueError(f"the pieces split into more than {MAX_RUNS_PER_TENSOR} runs")
+            except ValueError as ex:
+                raise ValueError(f"shard_spec_per_file[{name!r}]: {ex}") from None
+            flat.append(f)
+            ls.append(s)
+            go.append(o)
+            checksums.append(c)
+        def column(values: list[Any]) -> tuple[Any, ...] | None:
+            return tuple(values) if values.count(None) != len(values) else None
+
+        return column(flat), column(ls), column(go), column(checksums), extras or None
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", _NONE: "null"}.get(type(value), type(value).__name__)  # fmt: skip
