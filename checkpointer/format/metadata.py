@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, m
 from ..errors import CorruptCheckpointError
 from .dtypes import DTYPE_CODES
 from .layout import FORMAT_VERSION, check_filename
-from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, SpecParser, box_run_count
+from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, SpecParser, box_run_count, gc_paused
 
 __all__ = [
     "TensorShardSpec",
@@ -162,6 +162,10 @@ class StorageMetadata(BaseModel):
 
     def with_checksums(self, crcs_per_file: dict[str, dict[str, list[int]]], *, algorithm: str, chunk_bytes: int) -> StorageMetadata:
         """A copy with each file's per-piece checksums filled in."""
+        with gc_paused():
+            return self._with_checksums(crcs_per_file, algorithm, chunk_bytes)
+
+    def _with_checksums(self, crcs_per_file: dict[str, dict[str, list[int]]], algorithm: str, chunk_bytes: int) -> StorageMetadata:
         tensors = {}
         for key, meta in self.tensors.items():
             specs = meta.shard_spec_per_file
@@ -189,6 +193,10 @@ class StorageMetadata(BaseModel):
         return sorted(names)
 
     def to_json_bytes(self) -> bytes:
+        with gc_paused():
+            return self._to_json_bytes()
+
+    def _to_json_bytes(self) -> bytes:
         doc: dict[str, Any] = {"tensors": {key: _tensor_json(meta) for key, meta in self.tensors.items()}}
         for name in ("format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes"):
             doc[name] = getattr(self, name)
@@ -230,8 +238,17 @@ def _run_count(spec: TensorShardSpec, shape: tuple[int, ...]) -> int:
 
 
 def new_metadata(tensors: dict[str, TensorStorageMetadata], *, world_size: int, aliases: dict[str, str]) -> StorageMetadata:
-    return StorageMetadata(
-        tensors=tensors, format_version=FORMAT_VERSION, world_size=world_size, aliases=aliases or None
+    """The metadata of a new checkpoint, from tensors already validated (not validated again)."""
+    for alias, target in (aliases or {}).items():
+        if target not in tensors or alias in tensors:
+            raise ValueError(f"alias {alias!r} -> {target!r} does not resolve to a saved tensor")
+    return StorageMetadata.model_construct(
+        tensors=tensors,
+        format_version=FORMAT_VERSION,
+        world_size=world_size,
+        aliases=aliases or None,
+        checksum_algorithm=None,
+        checksum_chunk_bytes=None,
     )
 
 
@@ -241,6 +258,11 @@ def parse_metadata(data: bytes, *, where: str) -> StorageMetadata:
     Strict: integers must be JSON integers, ``is_sharded`` a JSON boolean, and no object may
     give a key twice.
     """
+    with gc_paused():
+        return _parse(data, where)
+
+
+def _parse(data: bytes, where: str) -> StorageMetadata:
     try:
         text = (data if isinstance(data, (bytes, bytearray)) else bytes(data)).decode("utf-8")
         raw: Any = json.loads(text)

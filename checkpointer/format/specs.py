@@ -15,15 +15,17 @@ vouch for is checked again one spec at a time, which names the file.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Mapping
+from contextlib import contextmanager
 from itertools import chain
 from operator import add, itemgetter, le
 from typing import Any, Iterator, Sequence
 
 from .layout import check_filename
 
-__all__ = ["Layout", "ShardSpecs", "SpecParser", "MAX_RUNS_PER_TENSOR", "box_run_count"]
+__all__ = ["Layout", "ShardSpecs", "SpecParser", "MAX_RUNS_PER_TENSOR", "box_run_count", "gc_paused"]
 
 MAX_RUNS_PER_TENSOR = 1 << 24
 """A tensor's pieces may split into at most this many contiguous runs (bounds planning work)."""
@@ -32,6 +34,23 @@ FIELDS = ("flattened_offsets", "local_shape", "global_offset", "checksums")
 _FORM = itemgetter("flattened_offsets", "local_shape", "global_offset")
 _CHECKSUMS = itemgetter("checksums")
 _NONE = type(None)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold off the cyclic garbage collector while building millions of small acyclic objects.
+
+    Each collection walks every container alive, so a bulk build with it on costs time
+    quadratic-ish in the objects made (twice the time of ``json.loads`` on a large metadata.json).
+    Nothing built inside is a cycle; reference counting frees it all the same.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class Layout:

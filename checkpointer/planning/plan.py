@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import compress
-from operator import add, attrgetter
+from operator import add, attrgetter, lt
 from typing import Sequence
 
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import rank_filename
 from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata, new_metadata
-from ..format.specs import Layout, ShardSpecs
+from ..format.specs import Layout, ShardSpecs, gc_paused
 from .overlap import Range, SourceIndex, box_ranges, layout_ranges, merge_adjacent
 
 __all__ = [
@@ -124,46 +124,37 @@ def build_save_plan(
     Raises ``ValueError`` naming the key when ranks disagree on a tensor's shape or dtype,
     or when the distinct pieces of a tensor overlap or leave elements out.
     """
+    with gc_paused():
+        return _build_save_plan(descs_per_rank, aliases)
+
+
+def _build_save_plan(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dict[str, str] | None) -> SavePlan:
     world_size = len(descs_per_rank)
     groups = _by_key(descs_per_rank)
-    load = [0] * world_size
-    written: dict[str, tuple[list[int], list[Piece]]] = {}
+    # key -> the ranks writing its pieces, the pieces, their element counts, its item size
+    written: dict[str, tuple[list[int], list[Piece], list[int], int]] = {}
     shared: list[tuple[int, str, Piece, list[int]]] = []
     for key, (ranks, descs) in groups.items():
         desc = descs[0]
         _check_agreement(key, ranks, descs)
-        numel = math.prod(desc.shape)
         size = itemsize(desc.dtype)
-        pieces, holders = _distinct(ranks, list(map(_PIECE, descs)))
-        numels = _numels(pieces)
-        if numel:
-            pieces, holders, numels = (list(compress(x, numels)) for x in (pieces, holders, numels))
-        else:
-            pieces, holders, numels = pieces[:1], holders[:1], numels[:1]
-        if not _tiles_by_rows(desc.shape, pieces):
-            _check_tiling(key, desc.shape, pieces)
-        writers: list[int] = []
-        mine: list[Piece] = []
-        for piece, held_by, n in zip(pieces, holders, numels):
-            if type(held_by) is int:
-                writers.append(held_by)
-                mine.append(piece)
-                load[held_by] += n * size
-            elif len(held_by) == 1:
-                writers.append(held_by[0])
-                mine.append(piece)
-                load[held_by[0]] += n * size
-            else:
-                shared.append((n * size, key, piece, held_by))
-        written[key] = (writers, mine)
-    # Longest first, each to its least-loaded holder (the lowest rank among equals): balanced
-    # within one largest piece.
-    shared.sort(key=lambda item: (-item[0], item[1]))
-    for nbytes, key, piece, held_by in shared:
-        rank = min(held_by, key=load.__getitem__)
-        written[key][0].append(rank)
-        written[key][1].append(piece)
-        load[rank] += nbytes
+        writers, mine, numels, held = _split(key, desc.shape, ranks, list(map(_PIECE, descs)))
+        written[key] = (writers, mine, numels, size)
+        shared.extend((n * size, key, piece, holders) for n, piece, holders in held)
+    if shared:
+        # Longest first, each to its least-loaded holder (the lowest rank among equals):
+        # balanced within one largest piece.
+        load = [0] * world_size
+        for writers, _, numels, size in written.values():
+            for rank, n in zip(writers, numels):
+                load[rank] += n * size
+        shared.sort(key=lambda item: (-item[0], item[1]))
+        for nbytes, key, piece, holders in shared:
+            rank = min(holders, key=load.__getitem__)
+            written[key][0].append(rank)
+            written[key][1].append(piece)
+            load[rank] += nbytes
+    unsorted = {key for _, key, _, _ in shared}
 
     names = [rank_filename(r) for r in range(world_size)]
     keys_per_rank: list[list[str]] = [[] for _ in range(world_size)]
@@ -171,18 +162,72 @@ def build_save_plan(
     tensors = {}
     for key in sorted(groups):
         desc = groups[key][1][0]
-        writers, mine = written[key]
-        if any(a > b for a, b in zip(writers, writers[1:])):
+        writers, mine, _, _ = written[key]
+        if key in unsorted:
             order = sorted(range(len(writers)), key=writers.__getitem__)
             writers, mine = [writers[i] for i in order], [mine[i] for i in order]
-        for rank in writers:
-            keys_per_rank[rank].append(key)
+        for keys in map(keys_per_rank.__getitem__, writers):
+            keys.append(key)
         layout = _layout(layouts, desc.shape, list(map(names.__getitem__, writers)), mine)
         tensors[key] = TensorStorageMetadata.model_construct(
             shape=desc.shape, is_sharded=desc.is_sharded, dtype=desc.dtype, shard_spec_per_file=ShardSpecs(layout)
         )
     metadata = new_metadata(tensors, world_size=world_size, aliases=dict(aliases or {}))
     return SavePlan(metadata, tuple(map(tuple, keys_per_rank)))
+
+
+def _split(
+    key: str, shape: tuple[int, ...], ranks: Sequence[int], pieces: list[Piece]
+) -> tuple[list[int], list[Piece], list[int], list[tuple[int, Piece, list[int]]]]:
+    """One tensor's distinct pieces to write, checked to tile it: those held by one rank (that
+    rank, the piece, its element count, each in rank order), and those held by several (element
+    count, piece, holders)."""
+    numel, n = math.prod(shape), len(pieces)
+    flat = list(map(_FLAT, pieces))
+    if numel and flat.count(None) == n:  # boxes: FSDP2 / DTensor
+        sizes, offsets = list(map(_LOCAL_SHAPE, pieces)), list(map(_GLOBAL_OFFSET, pieces))
+        if None not in sizes and None not in offsets:
+            numels = list(map(math.prod, sizes))
+            keep = numels if 0 in numels else None
+            if keep is not None:
+                ranks, pieces, sizes, offsets = (list(compress(x, keep)) for x in (ranks, pieces, sizes, offsets))
+                numels = list(filter(None, numels))
+            if _tiles_by_rows(shape, sizes, offsets):  # then no two pieces are equal: one holder each
+                return list(ranks), list(pieces), numels, []
+    elif numel and flat.count(None) == 0 and set(map(len, flat)) == {1}:  # one range each: flat-sharded
+        bounds = [f[0] for f in flat]
+        numels = [end - start for start, end in bounds]
+        keep = numels if 0 in numels else None
+        if keep is not None:
+            ranks, pieces, bounds = (list(compress(x, keep)) for x in (ranks, pieces, bounds))
+            numels = list(filter(None, numels))
+        if bounds and _tiles_by_bounds(numel, bounds):
+            return list(ranks), list(pieces), numels, []
+    distinct, holders = _distinct(ranks, pieces)
+    counts = [p.numel for p in distinct]
+    if numel:
+        distinct, holders, counts = (list(compress(x, counts)) for x in (distinct, holders, counts))
+    else:
+        distinct, holders, counts = distinct[:1], holders[:1], counts[:1]
+    _check_tiling(key, shape, distinct)
+    writers: list[int] = []
+    mine: list[Piece] = []
+    numels = []
+    held: list[tuple[int, Piece, list[int]]] = []
+    for piece, by, count in zip(distinct, holders, counts):
+        if len(by) == 1:
+            writers.append(by[0])
+            mine.append(piece)
+            numels.append(count)
+        else:
+            held.append((count, piece, by))
+    return writers, mine, numels, held
+
+
+def _tiles_by_bounds(numel: int, bounds: list[tuple[int, int]]) -> bool:
+    """True when the ``[start, end)`` ranges tile ``[0, numel)`` exactly (False: not shown)."""
+    starts, ends = zip(*sorted(bounds))
+    return starts[0] == 0 and ends[-1] == numel and starts[1:] == ends[:-1] and all(map(lt, starts, ends))
 
 
 def _by_key(descs_per_rank: Sequence[Sequence[PieceDesc]]) -> dict[str, tuple[Sequence[int], Sequence[PieceDesc]]]:
@@ -215,50 +260,36 @@ def _check_agreement(key: str, ranks: Sequence[int], descs: Sequence[PieceDesc])
             )
 
 
-def _distinct(ranks: Sequence[int], pieces: list[Piece]) -> tuple[list[Piece], list]:
-    """The distinct pieces, first-seen order, each with its holder (an int) or holders (a list)."""
+def _distinct(ranks: Sequence[int], pieces: list[Piece]) -> tuple[list[Piece], list[list[int]]]:
+    """The distinct pieces, first-seen order, each with its holders (ascending)."""
     forms = list(map(_FORM, pieces))
-    count = len(set(forms))
-    if count == len(forms):
-        return pieces, list(ranks)
-    if count == 1:
+    if not forms or forms.count(forms[0]) == len(forms):  # replicated (or none)
         return pieces[:1], [list(ranks)]
     holders: dict[tuple, list[int]] = {}
     first: list[Piece] = []
     for rank, form, piece in zip(ranks, forms, pieces):
-        held_by = holders.get(form)
-        if held_by is None:
+        by = holders.get(form)
+        if by is None:
             holders[form] = [rank]
             first.append(piece)
         else:
-            held_by.append(rank)
+            by.append(rank)
     return first, list(holders.values())
 
 
-def _numels(pieces: list[Piece]) -> list[int]:
-    if list(map(_FLAT, pieces)).count(None) == len(pieces):
-        shapes = list(map(_LOCAL_SHAPE, pieces))
-        if None not in shapes:
-            return list(map(math.prod, shapes))
-    return [p.numel for p in pieces]
-
-
-def _tiles_by_rows(shape: Sequence[int], pieces: list[Piece]) -> bool:
-    """True when ``pieces`` are boxes of whole rows that tile ``shape`` exactly (FSDP's ``Shard(0)``).
-    False means "not shown": the exact check decides."""
-    n = len(pieces)
-    if not shape or not n or list(map(_FLAT, pieces)).count(None) != n:
-        return False
-    sizes, offsets = list(map(_LOCAL_SHAPE, pieces)), list(map(_GLOBAL_OFFSET, pieces))
-    if None in sizes or None in offsets or set(map(len, sizes)) != {len(shape)} or set(map(len, offsets)) != {len(shape)}:
+def _tiles_by_rows(shape: Sequence[int], sizes: list, offsets: list) -> bool:
+    """True when the boxes (``sizes`` at ``offsets``) are whole rows that tile ``shape`` exactly
+    (FSDP's ``Shard(0)``). False means "not shown": the exact check decides."""
+    n = len(sizes)
+    if not shape or not n or set(map(len, sizes)) != {len(shape)} or set(map(len, offsets)) != {len(shape)}:
         return False
     size_cols, offset_cols = list(zip(*sizes)), list(zip(*offsets))
     for d in range(1, len(shape)):
         if size_cols[d].count(shape[d]) != n or offset_cols[d].count(0) != n:
             return False
-    rows = sorted(zip(offset_cols[0], map(add, offset_cols[0], size_cols[0])))
-    starts, ends = zip(*rows)
-    return starts[0] == 0 and ends[-1] == shape[0] and starts[1:] == ends[:-1] and min(size_cols[0]) > 0
+    if min(size_cols[0]) <= 0:
+        return False
+    return _tiles_by_bounds(shape[0], list(zip(offset_cols[0], map(add, offset_cols[0], size_cols[0]))))
 
 
 def _layout(layouts: dict[tuple, list[Layout]], shape: tuple[int, ...], names: list[str], pieces: list[Piece]) -> Layout:
