@@ -197,25 +197,36 @@ class StorageMetadata(BaseModel):
             return self._to_json_bytes()
 
     def _to_json_bytes(self) -> bytes:
-        doc: dict[str, Any] = {"tensors": {key: _tensor_json(meta) for key, meta in self.tensors.items()}}
-        for name in ("format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes"):
-            doc[name] = getattr(self, name)
-        doc.update(self.__pydantic_extra__ or {})
-        return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()
+        # The JSON of model_dump(), pieced together: a tensor's shard specs come as text.
+        parts = ['{"tensors":{']
+        for key, meta in self.tensors.items():
+            parts += _tensor_json(key, meta)
+            parts.append(",")
+        if self.tensors:
+            parts.pop()
+        rest: dict[str, Any] = {name: getattr(self, name) for name in _TOP_FIELDS if name != "tensors"}
+        rest.update(self.__pydantic_extra__ or {})
+        parts += ["},", _compact(rest)[1:]]
+        return "".join(parts).encode()
 
 
 _EMPTY: dict = {}
 
 
-def _tensor_json(meta: TensorStorageMetadata) -> dict[str, Any]:
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), check_circular=False)
+
+
+def _tensor_json(key: str, meta: TensorStorageMetadata) -> tuple[str, str, str]:
+    """A tensor's ``"key":{...}`` in three pieces of text."""
     specs = meta.shard_spec_per_file
     if isinstance(specs, ShardSpecs):
-        specs_json = specs.to_json()
+        specs_text = specs.json_text()
     else:
-        specs_json = {name: _spec_json(spec) for name, spec in specs.items()}
-    out = {"shape": list(meta.shape), "is_sharded": meta.is_sharded, "dtype": meta.dtype, "shard_spec_per_file": specs_json}
-    out.update(meta.__pydantic_extra__ or {})
-    return out
+        specs_text = _compact({name: _spec_json(spec) for name, spec in specs.items()})
+    head = _compact({"shape": list(meta.shape), "is_sharded": meta.is_sharded, "dtype": meta.dtype})
+    extra = _compact(meta.__pydantic_extra__)[1:-1] if meta.__pydantic_extra__ else ""
+    return f'{json.dumps(key)}:{head[:-1]},"shard_spec_per_file":', specs_text, f',{extra}}}' if extra else "}"
 
 
 def _spec_json(spec: TensorShardSpec) -> dict[str, Any]:
@@ -289,7 +300,7 @@ def _parse(data: bytes, where: str) -> StorageMetadata:
     return metadata
 
 
-_TOP_FIELDS = {"tensors", "format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes"}
+_TOP_FIELDS = ("tensors", "format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes")
 _TENSOR_FIELDS = ("shape", "is_sharded", "dtype", "shard_spec_per_file")
 
 

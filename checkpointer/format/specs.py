@@ -16,6 +16,7 @@ vouch for is checked again one spec at a time, which names the file.
 from __future__ import annotations
 
 import gc
+import json
 import math
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -31,7 +32,9 @@ MAX_RUNS_PER_TENSOR = 1 << 24
 """A tensor's pieces may split into at most this many contiguous runs (bounds planning work)."""
 
 FIELDS = ("flattened_offsets", "local_shape", "global_offset", "checksums")
-_FORM = itemgetter("flattened_offsets", "local_shape", "global_offset")
+_FLAT = itemgetter("flattened_offsets")
+_LOCAL_SHAPE = itemgetter("local_shape")
+_GLOBAL_OFFSET = itemgetter("global_offset")
 _CHECKSUMS = itemgetter("checksums")
 _NONE = type(None)
 
@@ -106,6 +109,16 @@ class Layout:
     def same(self, names: Sequence[str], flat, local_shape, global_offset) -> bool:
         return self.names == names and self.flat == flat and self.local_shape == local_shape and self.global_offset == global_offset
 
+    def json_prefixes(self, then: str = "") -> list[str]:
+        """Each file's ``"name":{...,"checksums":`` as JSON text, followed by ``then``: what comes
+        next is its checksums and ``}``. Made once per layout; tensors that share it share the text."""
+        prefixes = self.memo.get("json_prefixes" + then)
+        if prefixes is None:
+            prefixes = self.memo["json_prefixes" + then] = [
+                f'{json.dumps(name)}:{_compact(form)[:-1]},"checksums":{then}' for name, form in zip(self.names, self.json_forms())
+            ]
+        return prefixes
+
     def json_forms(self) -> list[dict[str, Any]]:
         """Each file's spec as a JSON object, without checksums."""
         n = len(self.names)
@@ -170,6 +183,24 @@ class ShardSpecs(Mapping):
     def with_checksums(self, checksums: Sequence[Any] | None) -> ShardSpecs:
         return ShardSpecs(self.layout, checksums, self.extras)
 
+    def json_text(self) -> str:
+        """``to_json()`` as compact JSON text, pieced together from the layout's cached text."""
+        if self.extras:
+            return _compact(self.to_json())
+        prefixes = self.layout.json_prefixes()
+        if not prefixes:
+            return "{}"
+        if self.checksums is None:
+            return "{" + "null},".join(prefixes) + "null}}"
+        n = len(prefixes)
+        text = _compact(self.checksums)
+        if None not in self.checksums and [] not in self.checksums and text.count("[") == n + 1 and '"' not in text:
+            # "[[1,2],[3]]": n lists of numbers, nothing nested; their texts are between "],["
+            crcs = text[2:-2].split("],[")
+            if len(crcs) == n:
+                return "{" + "]},".join(map(add, self.layout.json_prefixes("["), crcs)) + "]}}"
+        return "{" + "},".join(map(add, prefixes, map(_compact, self.checksums))) + "}}"
+
     def to_json(self) -> dict[str, Any]:
         forms = self.layout.json_forms()
         checksums = self.checksums if self.checksums is not None else [None] * len(forms)
@@ -178,6 +209,10 @@ class ShardSpecs(Mapping):
         for i, extra in (self.extras or {}).items():
             forms[i].update(extra)
         return dict(zip(self.layout.names, forms))
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), check_circular=False)
 
 
 def box_run_count(local_shape: Sequence[int], global_offset: Sequence[int], shape: Sequence[int]) -> int:
@@ -242,36 +277,39 @@ class SpecParser:
 
     def _bulk(self, shape: tuple[int, ...], values: list[Any]):
         """The common forms, checked a column at a time: every spec is all boxes or all flattened
-        ranges, with the OLMo fields (and ``checksums``). ``None`` when anything else is there."""
+        ranges, with the OLMo fields (and ``checksums``). ``None`` when anything else is there.
+
+        Anything of the wrong kind fails a lookup (``TypeError``) or the type checks; the one-by-one
+        check then says what."""
         n = len(values)
-        if set(map(type, values)) != {dict}:
-            return None
-        sizes = set(map(len, values))
         try:
-            flat, ls, go = zip(*map(_FORM, values))
+            sizes = set(map(len, values))
+            flat = list(map(_FLAT, values))
+            ls = list(map(_LOCAL_SHAPE, values))
+            go = list(map(_GLOBAL_OFFSET, values))
             if sizes == {3}:
                 checksums = None
             elif sizes == {4}:
                 checksums = list(map(_CHECKSUMS, values))
             else:
                 return None
-        except KeyError:
-            return None
-        if checksums is not None:
-            kinds = set(map(type, checksums))
-            if not kinds <= {list, _NONE} or not _all_ints(list(chain.from_iterable(c for c in checksums if c))):
+            if checksums is not None:
+                kinds = set(map(type, checksums))
+                if not kinds <= {list, _NONE} or not _all_ints(list(chain.from_iterable(filter(None, checksums)))):
+                    return None
+                if kinds == {_NONE}:
+                    checksums = None
+            if flat.count(None) == n:
+                if not self._boxes_fit(shape, ls, go):
+                    return None
+                columns = None, ls, go, checksums
+            elif ls.count(None) == n and go.count(None) == n:
+                if not self._ranges_fit(math.prod(shape), flat):
+                    return None
+                columns = flat, None, None, checksums
+            else:
                 return None
-            if kinds == {_NONE}:
-                checksums = None
-        if flat.count(None) == n:
-            if not self._boxes_fit(shape, ls, go):
-                return None
-            columns = None, ls, go, checksums
-        elif ls.count(None) == n and go.count(None) == n:
-            if not self._ranges_fit(math.prod(shape), flat):
-                return None
-            columns = flat, None, None, checksums
-        else:
+        except (KeyError, TypeError):
             return None
         self.members += n * next(iter(sizes))
         return columns
@@ -295,14 +333,14 @@ class SpecParser:
     @staticmethod
     def _boxes_fit(shape: tuple[int, ...], ls: Sequence[Any], go: Sequence[Any]) -> bool:
         ndim, n = len(shape), len(ls)
-        if ndim == 0 or set(map(type, ls)) != {list} or set(map(type, go)) != {list}:
+        if ndim == 0 or set(map(len, ls)) != {ndim} or set(map(len, go)) != {ndim}:
             return False
-        if set(map(len, ls)) != {ndim} or set(map(len, go)) != {ndim}:
+        sizes_all, offsets_all = list(chain.from_iterable(ls)), list(chain.from_iterable(go))
+        if not _all_ints(sizes_all) or not _all_ints(offsets_all) or min(sizes_all) < 0 or min(offsets_all) < 0:
             return False
         all_full = True
-        for d, (sizes, offsets) in enumerate(zip(zip(*ls), zip(*go))):
-            if not _all_ints(sizes) or not _all_ints(offsets) or min(sizes) < 0 or min(offsets) < 0:
-                return False
+        for d in range(ndim):
+            sizes, offsets = sizes_all[d::ndim], offsets_all[d::ndim]
             if max(map(add, sizes, offsets)) > shape[d]:
                 return False
             if d and (sizes.count(shape[d]) != n or offsets.count(0) != n):
