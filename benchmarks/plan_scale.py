@@ -7,8 +7,9 @@ Calls the pure planning functions the engine runs, on inputs shaped like a real 
   ``exp_avg_sq`` sharded like their parameter, ``step`` a replicated scalar, plus
   ``num_param_groups``, ``param_group0``, ``state_keys``); parameters are ``Shard(0)``
   boxes with ``torch.chunk`` semantics (ranks past the rows hold empty pieces);
-* ``StorageMetadata.to_json_bytes`` (rank 0 at save) and ``parse_metadata`` (every rank,
-  at save and at load): the size of ``metadata.json`` and the time to read it;
+* ``StorageMetadata.to_json_bytes`` (rank 0 at save) and ``parse_metadata`` (every other
+  rank at save, every rank at load; rank 0 keeps the metadata it planned): the size of
+  ``metadata.json`` and the time to read it;
 * ``build_load_plan`` for every key, for one rank, after a world-size change (1024 -> 768,
   8192 -> 6144) and without one: what each rank does at load. Timed for a few sample ranks
   (first, middle, last); every rank plans in parallel, so the per-rank time is the wall time,
@@ -338,7 +339,8 @@ def render(results, args, params, n_params) -> str:
         f"{3 * len(params) + 3} keys (AdamW exp_avg, exp_avg_sq sharded, step replicated). "
         "Seconds of CPU time of the pure planning functions (single-threaded; the machine is shared, so CPU time "
         "is what a dedicated core takes; wall times are in plan_scale.json). Save plan and metadata dump run on "
-        "rank 0; metadata parse runs on every rank (at save and at load); the load plan runs on every rank in "
+        "rank 0; metadata parse runs on every other rank at save (rank 0 keeps what it planned) and on every "
+        "rank at load; the load plan runs on every rank in "
         f"parallel, for loading at {args.shrink:g} x the world size ('reshard', max over sampled ranks) and at the "
         "same world size ('same'). Where fewer than 80 layers were planned (marked), times, metadata size and "
         "piece counts are scaled by full keys / planned keys: every planning step is a loop over keys.\n",
@@ -363,7 +365,7 @@ def render(results, args, params, n_params) -> str:
             f"{fmt(sum(r['load_plan_reshard_s_per_rank']) / len(r['load_plan_reshard_s_per_rank']) * k * tgt, '.0f')} | "
             f"{r['peak_rss_mib']:.0f} |")
     lines += ["", "Totals per world size (model + optim directories, the full 80-layer model), CPU seconds:", "",
-              "| ranks | save, rank 0: plan + dump + parse + checksums + dump | save, other ranks: parse "
+              "| ranks | save, rank 0: plan + dump + checksums + dump | save, other ranks: parse "
               "| load, every rank: parse + load plan (reshard) | largest metadata.json MB | goal |",
               "|---:|---:|---:|---:|---:|---|"]
     dirs = args.dirs.split(",")
@@ -378,8 +380,8 @@ def render(results, args, params, n_params) -> str:
             lines.append(f"| {world} | incomplete (see above) | | | | |")
             continue
         rs = list(by_dir.values())
-        rank0 = sum((r["save_plan_s"] + r["metadata_json_s"] + r["parse_metadata_s"] + r["with_checksums_s"]
-                     + r["metadata_json_final_s"]) * r["scale"] for r in rs)
+        rank0 = sum((r["save_plan_s"] + r["metadata_json_s"] + r["with_checksums_s"] + r["metadata_json_final_s"])
+                    * r["scale"] for r in rs)
         others = sum(r["parse_metadata_s"] * r["scale"] for r in rs)
         load = sum((r["parse_metadata_final_s"] + max(r["load_plan_reshard_s_per_rank"])) * r["scale"] for r in rs)
         biggest = max(r["metadata_bytes_final"] * r["scale"] for r in rs)

@@ -115,11 +115,10 @@ def checkpoint_tensors(storage: Storage, metadata: StorageMetadata) -> Iterator[
     for alias, target in (metadata.aliases or {}).items():
         aliases.setdefault(target, []).append(alias)
     for key, meta in metadata.tensors.items():
-        specs = meta.shard_spec_per_file
-        numel_per_file = {f: s.local_numel for f, s in specs.items()}
 
-        def read_ranges(ranges: list[Range], flat: torch.Tensor, key: str = key, meta: Any = meta, numel_per_file: dict = numel_per_file) -> None:
+        def read_ranges(ranges: list[Range], flat: torch.Tensor, key: str = key, meta: Any = meta) -> None:
             plan = build_load_plan(key, meta, ranges)
+            numel_per_file = {f: meta.shard_spec_per_file[f].local_numel for f in plan.files}
             execute_reads(storage, [ReadJob(plan, flat, numel_per_file)], headers=headers)
 
         def read(box: Box | None, meta: Any = meta, read_ranges: Any = read_ranges) -> torch.Tensor:

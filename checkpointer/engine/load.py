@@ -92,14 +92,15 @@ def plan_local_loads(storage: Storage, metadata: StorageMetadata, state_dict: Ma
             )
         saved_key = key if key in metadata.tensors else metadata.aliases[key]  # type: ignore[index]
         plan = build_load_plan(saved_key, meta, piece_ranges(lt.piece, lt.shape))
-        specs = meta.shard_spec_per_file
+        # Only the files read: a tensor of a large job has thousands, most not this rank's.
+        specs = [(f, meta.shard_spec_per_file[f]) for f in plan.files]
         out.append(
             LocalLoad(
                 key,
                 lt,
                 plan,
-                {f: spec.local_numel for f, spec in specs.items()},
-                {f: spec.checksums for f, spec in specs.items()},
+                {f: spec.local_numel for f, spec in specs},
+                {f: spec.checksums for f, spec in specs},
             )
         )
     return out

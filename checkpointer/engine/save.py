@@ -134,8 +134,9 @@ def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> 
     gathered = dist.gather_bytes(mine, dst=0)
     replies: list[bytes] | None = None
     metadata_json = b""
+    planned: StorageMetadata | None = None
     if gathered is not None:
-        replies, metadata_json = _plan_on_rank0(gathered)
+        replies, metadata_json, planned = _plan_on_rank0(gathered)
         if metadata_json:
             # Planned: only now retire an old checkpoint here, before any rank writes a file.
             try:
@@ -150,6 +151,8 @@ def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> 
     if error is not None:
         raise error
     metadata_json = dist.broadcast_bytes(metadata_json if rank == 0 else None, src=0)
+    if planned is not None:  # rank 0 holds what it sent: no need to read it back
+        return tuple(reply["keys"]), planned
     return tuple(reply["keys"]), parse_metadata(metadata_json, where="save plan")
 
 
@@ -157,22 +160,23 @@ def _error_json(error: BaseException) -> bytes:
     return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
 
 
-def _plan_on_rank0(gathered: list[bytes]) -> tuple[list[bytes], bytes]:
+def _plan_on_rank0(gathered: list[bytes]) -> tuple[list[bytes], bytes, StorageMetadata | None]:
+    """The replies to scatter, and the metadata (as JSON, and as built; empty and None on failure)."""
     world = len(gathered)
     descs_per_rank, aliases = [], {}
     for r, payload in enumerate(gathered):
         raw = json.loads(payload)
         if "error" in raw:
-            return [json.dumps({"error": f"save failed on rank {r}: {raw['error']}"}).encode()] * world, b""
+            return [json.dumps({"error": f"save failed on rank {r}: {raw['error']}"}).encode()] * world, b"", None
         descs, rank_aliases = _parse_descs(payload)
         descs_per_rank.append(descs)
         aliases.update(rank_aliases)
     try:
         plan = build_save_plan(descs_per_rank, aliases=aliases)
     except (ValueError, CheckpointError) as ex:
-        return [json.dumps({"error": f"cannot save: {ex}"}).encode()] * world, b""
+        return [json.dumps({"error": f"cannot save: {ex}"}).encode()] * world, b"", None
     replies = [json.dumps({"keys": list(keys)}).encode() for keys in plan.keys_per_rank]
-    return replies, plan.metadata.to_json_bytes()
+    return replies, plan.metadata.to_json_bytes(), plan.metadata
 
 
 @dataclass

@@ -111,7 +111,6 @@ def load_two_stage(
     lap("planning")
 
     headers = HeaderCache(storage)
-    numel_of = {(f, k): spec.local_numel for k, m in metadata.tensors.items() for f, spec in m.shard_spec_per_file.items()}
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
 
@@ -122,7 +121,8 @@ def load_two_stage(
             for u in batch:
                 if u.reader == rank:
                     size = sizes[u.key]
-                    start = piece_start(headers, u.file, u.key, metadata.tensors[u.key].dtype, numel_of[(u.file, u.key)])
+                    meta = metadata.tensors[u.key]
+                    start = piece_start(headers, u.file, u.key, meta.dtype, meta.shard_spec_per_file[u.file].local_numel)
                     per_file[u.file].append((start + u.start * size, memoryview_of(bufs[u])))
             for name, reqs in per_file.items():
                 read_file_ranges(storage, name, reqs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import compress
+from itertools import chain, compress
 from operator import add, attrgetter, lt
 from typing import Sequence
 
@@ -134,11 +134,20 @@ def _build_save_plan(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dic
     # key -> the ranks writing its pieces, the pieces, their element counts, its item size
     written: dict[str, tuple[list[int], list[Piece], list[int], int]] = {}
     shared: list[tuple[int, str, Piece, list[int]]] = []
+    names = [rank_filename(r) for r in range(world_size)]
+    seen: dict[tuple, list[tuple]] = {}
+    planned: dict[str, Layout] = {}
     for key, (ranks, descs) in groups.items():
         desc = descs[0]
         _check_agreement(key, ranks, descs)
         size = itemsize(desc.dtype)
-        writers, mine, numels, held = _split(key, desc.shape, ranks, list(map(_PIECE, descs)))
+        pieces = list(map(_PIECE, descs))
+        fast = _split_tiling(desc.shape, ranks, pieces, names, seen)
+        if fast is not None:
+            writers, mine, numels, planned[key] = fast
+            written[key] = (list(writers), mine, numels, size)
+            continue
+        writers, mine, numels, held = _split(key, desc.shape, ranks, pieces)
         written[key] = (writers, mine, numels, size)
         shared.extend((n * size, key, piece, holders) for n, piece, holders in held)
     if shared:
@@ -156,7 +165,6 @@ def _build_save_plan(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dic
             load[rank] += nbytes
     unsorted = {key for _, key, _, _ in shared}
 
-    names = [rank_filename(r) for r in range(world_size)]
     keys_per_rank: list[list[str]] = [[] for _ in range(world_size)]
     layouts: dict[tuple, list[Layout]] = {}
     tensors = {}
@@ -168,12 +176,67 @@ def _build_save_plan(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dic
             writers, mine = [writers[i] for i in order], [mine[i] for i in order]
         for keys in map(keys_per_rank.__getitem__, writers):
             keys.append(key)
-        layout = _layout(layouts, desc.shape, list(map(names.__getitem__, writers)), mine)
+        layout = planned.get(key) or _layout(layouts, desc.shape, list(map(names.__getitem__, writers)), mine)
         tensors[key] = TensorStorageMetadata.model_construct(
             shape=desc.shape, is_sharded=desc.is_sharded, dtype=desc.dtype, shard_spec_per_file=ShardSpecs(layout)
         )
     metadata = new_metadata(tensors, world_size=world_size, aliases=dict(aliases or {}))
     return SavePlan(metadata, tuple(map(tuple, keys_per_rank)))
+
+
+def _split_tiling(
+    shape: tuple[int, ...], ranks: Sequence[int], pieces: list[Piece], names: list[str], seen: dict[tuple, list[tuple]]
+) -> tuple[list[int], list[Piece], list[int], Layout] | None:
+    """The usual cases in bulk: sharded rows (FSDP2's ``Shard(0)``) or one flattened range per
+    rank (flat-sharded), tiling the tensor, so that no two pieces are equal and each has one
+    holder, its writer. Returns the writers, pieces, element counts and layout; or ``None``
+    ("not shown": :func:`_split` decides). ``seen`` remembers answers: the many tensors of one
+    shape usually have equal pieces."""
+    numel, n = math.prod(shape), len(pieces)
+    if not numel or not n:
+        return None
+    flat = list(map(_FLAT, pieces))
+    if flat.count(None) == n:
+        sizes, offsets = list(map(_LOCAL_SHAPE, pieces)), list(map(_GLOBAL_OFFSET, pieces))
+        memo = seen.setdefault(("rows", shape, n), [])
+        for was in memo:
+            if was[0] == ranks and was[1] == sizes and was[2] == offsets:
+                return was[3]
+        answer = _rows(shape, ranks, pieces, sizes, offsets, names) if None not in sizes and None not in offsets else None
+        memo.append((ranks, sizes, offsets, answer))
+        return answer
+    if flat.count(None) == 0:
+        memo = seen.setdefault(("ranges", shape, n), [])
+        for was in memo:
+            if was[0] == ranks and was[1] == flat:
+                return was[3]
+        answer = _ranges(numel, shape, ranks, pieces, flat, names) if set(map(len, flat)) == {1} else None
+        memo.append((ranks, flat, None, answer))
+        return answer
+    return None
+
+
+def _rows(shape, ranks, pieces, sizes, offsets, names) -> tuple[list[int], list[Piece], list[int], Layout] | None:
+    numels = list(map(math.prod, sizes))
+    if 0 in numels:
+        ranks, pieces, sizes, offsets = (list(compress(x, numels)) for x in (ranks, pieces, sizes, offsets))
+        numels = list(filter(None, numels))
+    if not _tiles_by_rows(shape, sizes, offsets):
+        return None
+    ranks = list(ranks)
+    return ranks, list(pieces), numels, Layout(shape, list(map(names.__getitem__, ranks)), None, sizes, offsets)
+
+
+def _ranges(numel, shape, ranks, pieces, flat, names) -> tuple[list[int], list[Piece], list[int], Layout] | None:
+    bounds = [f[0] for f in flat]
+    numels = [end - start for start, end in bounds]
+    if 0 in numels:
+        ranks, pieces, bounds, flat = (list(compress(x, numels)) for x in (ranks, pieces, bounds, flat))
+        numels = list(filter(None, numels))
+    if not bounds or not _tiles_by_bounds(numel, bounds):
+        return None
+    ranks = list(ranks)
+    return ranks, list(pieces), numels, Layout(shape, list(map(names.__getitem__, ranks)), flat, None, None)
 
 
 def _split(
@@ -182,27 +245,7 @@ def _split(
     """One tensor's distinct pieces to write, checked to tile it: those held by one rank (that
     rank, the piece, its element count, each in rank order), and those held by several (element
     count, piece, holders)."""
-    numel, n = math.prod(shape), len(pieces)
-    flat = list(map(_FLAT, pieces))
-    if numel and flat.count(None) == n:  # boxes: FSDP2 / DTensor
-        sizes, offsets = list(map(_LOCAL_SHAPE, pieces)), list(map(_GLOBAL_OFFSET, pieces))
-        if None not in sizes and None not in offsets:
-            numels = list(map(math.prod, sizes))
-            keep = numels if 0 in numels else None
-            if keep is not None:
-                ranks, pieces, sizes, offsets = (list(compress(x, keep)) for x in (ranks, pieces, sizes, offsets))
-                numels = list(filter(None, numels))
-            if _tiles_by_rows(shape, sizes, offsets):  # then no two pieces are equal: one holder each
-                return list(ranks), list(pieces), numels, []
-    elif numel and flat.count(None) == 0 and set(map(len, flat)) == {1}:  # one range each: flat-sharded
-        bounds = [f[0] for f in flat]
-        numels = [end - start for start, end in bounds]
-        keep = numels if 0 in numels else None
-        if keep is not None:
-            ranks, pieces, bounds = (list(compress(x, keep)) for x in (ranks, pieces, bounds))
-            numels = list(filter(None, numels))
-        if bounds and _tiles_by_bounds(numel, bounds):
-            return list(ranks), list(pieces), numels, []
+    numel = math.prod(shape)
     distinct, holders = _distinct(ranks, pieces)
     counts = [p.numel for p in distinct]
     if numel:
@@ -249,7 +292,8 @@ def _by_key(descs_per_rank: Sequence[Sequence[PieceDesc]]) -> dict[str, tuple[Se
 
 
 def _check_agreement(key: str, ranks: Sequence[int], descs: Sequence[PieceDesc]) -> None:
-    if len(set(map(_SHAPE, descs))) == 1 and len(set(map(_DTYPE, descs))) == 1:
+    shapes, dtypes = list(map(_SHAPE, descs)), list(map(_DTYPE, descs))
+    if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
         return
     ref = descs[0]
     for rank, d in zip(ranks, descs):
@@ -280,16 +324,15 @@ def _distinct(ranks: Sequence[int], pieces: list[Piece]) -> tuple[list[Piece], l
 def _tiles_by_rows(shape: Sequence[int], sizes: list, offsets: list) -> bool:
     """True when the boxes (``sizes`` at ``offsets``) are whole rows that tile ``shape`` exactly
     (FSDP's ``Shard(0)``). False means "not shown": the exact check decides."""
-    n = len(sizes)
-    if not shape or not n or set(map(len, sizes)) != {len(shape)} or set(map(len, offsets)) != {len(shape)}:
+    n, ndim = len(sizes), len(shape)
+    if not ndim or not n or set(map(len, sizes)) != {ndim} or set(map(len, offsets)) != {ndim}:
         return False
-    size_cols, offset_cols = list(zip(*sizes)), list(zip(*offsets))
-    for d in range(1, len(shape)):
-        if size_cols[d].count(shape[d]) != n or offset_cols[d].count(0) != n:
+    sizes_all, offsets_all = list(chain.from_iterable(sizes)), list(chain.from_iterable(offsets))
+    for d in range(1, ndim):
+        if sizes_all[d::ndim].count(shape[d]) != n or offsets_all[d::ndim].count(0) != n:
             return False
-    if min(size_cols[0]) <= 0:
-        return False
-    return _tiles_by_bounds(shape[0], list(zip(offset_cols[0], map(add, offset_cols[0], size_cols[0]))))
+    rows, starts = sizes_all[::ndim], offsets_all[::ndim]
+    return min(rows) > 0 and _tiles_by_bounds(shape[0], list(zip(starts, map(add, starts, rows))))
 
 
 def _layout(layouts: dict[tuple, list[Layout]], shape: tuple[int, ...], names: list[str], pieces: list[Piece]) -> Layout:
@@ -343,6 +386,11 @@ class TensorLoadPlan:
     @property
     def numel(self) -> int:
         return sum(item.numel for item in self.items)
+
+    @property
+    def files(self) -> list[str]:
+        """The files read, in order of first read."""
+        return list(dict.fromkeys(item.file for item in self.items))
 
 
 def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Range]) -> TensorLoadPlan:
