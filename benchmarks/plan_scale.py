@@ -33,7 +33,6 @@ import gc
 import io
 import json
 import math
-import os
 import pstats
 import resource
 import subprocess
@@ -215,10 +214,10 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
     out["specs"] = sum(len(m.shard_spec_per_file) for m in plan.metadata.tensors.values())
     out["metadata_bytes"] = len(data)
     out["metadata_bytes_final"] = len(final)
-    del descs, plan, crcs
+    descs = plan = crcs = None  # type: ignore[assignment]
     # Every other rank at save, every rank at load.
     timed_steps([("parse_metadata", lambda: parse_metadata(data, where="metadata.json"))])
-    del data
+    data = None  # type: ignore[assignment]
     timed_steps([("parse_metadata_final", lambda: parse_metadata(final, where="metadata.json"))])
 
     def load_plans(new_world: int, label: str, n: int) -> None:
@@ -226,16 +225,18 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
         ranks = ranks[:1] if n <= 1 else ([ranks[0], ranks[len(ranks) // 2]] if n == 2 else ranks)
         cpu, wall, items = [], [], []
         for r in ranks:
-            metadata = parse_metadata(final, where="metadata.json")  # nothing cached from another rank's planning
-            wanted = wanted_for(directory, params, new_world, r, metadata)
-            if prof:
-                prof.enable()
-            with Clock() as c:
-                reads = sum(len(build_load_plan(key, metadata.tensors[key], rs).items) for key, rs in wanted.items())
-            if prof:
-                prof.disable()
-            cpu.append(c.cpu)
-            wall.append(c.wall)
+            best = None
+            for _ in range(repeat):
+                metadata = None
+                metadata = parse_metadata(final, where="metadata.json")  # nothing cached from another plan
+                wanted = wanted_for(directory, params, new_world, r, metadata)
+                reads, c = clocked(
+                    lambda: sum(len(build_load_plan(key, metadata.tensors[key], rs).items) for key, rs in wanted.items())
+                )
+                if best is None or c.cpu < best.cpu:
+                    best = c
+            cpu.append(best.cpu)
+            wall.append(best.wall)
             items.append(reads)
         out[f"load_plan_{label}_s_per_rank"] = cpu
         out[f"load_plan_{label}_wall_s_per_rank"] = wall
@@ -285,8 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=1800, help="limit per case")
     ap.add_argument("--profile", action="store_true", help="cProfile the planning calls; print the top functions")
     ap.add_argument("--repeat", type=int, default=3,
-                    help="run each save-side step and parse this many times, report the least CPU time (default 3); "
-                         "load plans run once per sampled rank (a rank plans once)")
+                    help="run each step this many times from scratch and report the least CPU time (default 3); "
+                         "each load plan starts from a fresh parse (a rank plans once)")
     ap.add_argument("--out", default=str(HERE / "results"), help="where plan_scale.json/.md go")
     ap.add_argument("--case-world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--case-dir", help=argparse.SUPPRESS)

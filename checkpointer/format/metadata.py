@@ -165,7 +165,9 @@ class StorageMetadata(BaseModel):
         with gc_paused():
             return self._with_checksums(crcs_per_file, algorithm, chunk_bytes)
 
-    def _with_checksums(self, crcs_per_file: dict[str, dict[str, list[int]]], algorithm: str, chunk_bytes: int) -> StorageMetadata:
+    def _with_checksums(
+        self, crcs_per_file: dict[str, dict[str, list[int]]], algorithm: str, chunk_bytes: int
+    ) -> StorageMetadata:
         tensors = {}
         for key, meta in self.tensors.items():
             specs = meta.shard_spec_per_file

@@ -107,7 +107,12 @@ class Layout:
         return math.prod(self.local_shape[i])  # type: ignore[index]
 
     def same(self, names: Sequence[str], flat, local_shape, global_offset) -> bool:
-        return self.names == names and self.flat == flat and self.local_shape == local_shape and self.global_offset == global_offset
+        return (
+            self.names == names
+            and self.flat == flat
+            and self.local_shape == local_shape
+            and self.global_offset == global_offset
+        )
 
     def json_prefixes(self, then: str = "") -> list[str]:
         """Each file's ``"name":{...,"checksums":`` as JSON text, followed by ``then``: what comes
@@ -115,7 +120,8 @@ class Layout:
         prefixes = self.memo.get("json_prefixes" + then)
         if prefixes is None:
             prefixes = self.memo["json_prefixes" + then] = [
-                f'{json.dumps(name)}:{_compact(form)[:-1]},"checksums":{then}' for name, form in zip(self.names, self.json_forms())
+                f'{json.dumps(name)}:{_compact(form)[:-1]},"checksums":{then}'
+                for name, form in zip(self.names, self.json_forms())
             ]
         return prefixes
 
@@ -363,9 +369,9 @@ class SpecParser:
         if set(map(type, pairs)) != {list} or set(map(len, pairs)) != {2}:
             return False
         starts, ends = zip(*pairs)
-        return (
-            _all_ints(starts) and _all_ints(ends) and min(starts) >= 0 and max(ends) <= numel and all(map(le, starts, ends))
-        )
+        if not _all_ints(starts) or not _all_ints(ends):
+            return False
+        return min(starts) >= 0 and max(ends) <= numel and all(map(le, starts, ends))
 
     def _one_by_one(self, shape: tuple[int, ...], names: list[str], values: list[Any]):
         """Every spec on its own: any mix of forms and unknown fields; the error names the file."""

@@ -202,7 +202,9 @@ def _split_tiling(
         for was in memo:
             if was[0] == ranks and was[1] == sizes and was[2] == offsets:
                 return was[3]
-        answer = _rows(shape, ranks, pieces, sizes, offsets, names) if None not in sizes and None not in offsets else None
+        answer = None
+        if None not in sizes and None not in offsets:
+            answer = _rows(shape, ranks, pieces, sizes, offsets, names)
         memo.append((ranks, sizes, offsets, answer))
         return answer
     if flat.count(None) == 0:
@@ -335,7 +337,9 @@ def _tiles_by_rows(shape: Sequence[int], sizes: list, offsets: list) -> bool:
     return min(rows) > 0 and _tiles_by_bounds(shape[0], list(zip(starts, map(add, starts, rows))))
 
 
-def _layout(layouts: dict[tuple, list[Layout]], shape: tuple[int, ...], names: list[str], pieces: list[Piece]) -> Layout:
+def _layout(
+    layouts: dict[tuple, list[Layout]], shape: tuple[int, ...], names: list[str], pieces: list[Piece]
+) -> Layout:
     """The layout of ``pieces`` written to ``names``, shared with an equal one planned before."""
 
     def column(values: list) -> list | None:
