@@ -165,14 +165,24 @@ def execute_reads(
 
     Reads for one file are sorted by offset (adjacent ones become one ``preadv``) and split
     into chunks spread over a small thread pool. With ``verify_chunk_bytes``, every
-    checksummed chunk the reads touched is checked afterwards.
+    checksummed chunk the reads touch is checked: on local storage each whole chunk is hashed
+    block by block right after each block is read, while it is still in the CPU cache;
+    elsewhere, and for chunks the reads cover only in part, after the reads.
     """
     headers = headers or HeaderCache(storage)
+    fused = bool(verify_chunk_bytes) and storage.is_local()
     per_file: dict[str, list[ReadRequest]] = {}
+    hashed: list[tuple] = []
     for job in jobs:
-        for name, reqs in _byte_requests(job, memoryview_of(job.dest), headers).items():
+        dest = memoryview_of(job.dest)
+        if fused and job.checksums_per_file:
+            requests, job_hashed = _verified_requests(storage, job, dest, headers, verify_chunk_bytes)
+            hashed += job_hashed
+        else:
+            requests = _byte_requests(job, dest, headers)
+        for name, reqs in requests.items():
             per_file.setdefault(name, []).extend(reqs)
-    tasks: list[tuple[str, list[ReadRequest]]] = []
+    tasks: list[tuple] = []
     for name, reqs in per_file.items():
         reqs.sort(key=lambda r: r[0])
         chunk: list[ReadRequest] = []
@@ -181,13 +191,68 @@ def execute_reads(
             chunk.append(req)
             chunk_bytes += len(req[1])
             if chunk_bytes >= _SPLIT_BYTES:
-                tasks.append((name, chunk))
+                tasks.append((_read, storage, name, chunk))
                 chunk, chunk_bytes = [], 0
         if chunk:
-            tasks.append((name, chunk))
-    _run(num_threads, [(_read, storage, name, reqs) for name, reqs in tasks])
-    if verify_chunk_bytes:
+            tasks.append((_read, storage, name, chunk))
+    _run(num_threads, hashed + tasks)
+    if verify_chunk_bytes and not fused:
         verify_reads(storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)
+
+
+def _verified_requests(
+    storage: Storage, job: ReadJob, dest: memoryview, headers: HeaderCache, chunk: int
+) -> tuple[dict[str, list[ReadRequest]], list[tuple]]:
+    """Split a job's reads at checksum chunks: ``(plain reads, read-and-hash tasks)``.
+
+    A chunk the read covers whole becomes one read-and-hash task; the covered part of a chunk
+    it touches only in part is a plain read, and that chunk is checked from storage once."""
+    plan = job.plan
+    size = itemsize(plan.dtype)
+    plain: dict[str, list[ReadRequest]] = {}
+    tasks: list[tuple] = []
+    runs: list[list] = []  # [file, key, file offset, dest start, dest end, [(chunk, crc), ...]]
+    rechecked: set[tuple[str, int]] = set()
+    for item in plan.items:
+        numel = job.numel_per_file[item.file]
+        start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
+        a, b = item.src_offset * size, (item.src_offset + item.numel) * size
+        d = item.dst_offset * size - a  # dest index of piece byte 0
+        crcs = job.checksums_per_file.get(item.file) if job.checksums_per_file else None
+        if crcs is None:
+            plain.setdefault(item.file, []).append((start + a, dest[d + a : d + b]))
+            continue
+        piece_bytes = numel * size
+        for c in range(a // chunk, -(-b // chunk)):
+            lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
+            where = (item.file, plan.key, c)
+            if c >= len(crcs):
+                raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {plan.key!r} has too few checksums")
+            if a <= lo and hi <= b:
+                run = runs[-1] if runs else None
+                if run is not None and run[0] == item.file and run[1] == plan.key and run[4] == d + lo and run[4] - run[3] < _SPLIT_BYTES:
+                    run[4] = d + hi  # the previous run of whole chunks goes on: one read for both
+                    run[5].append((c, crcs[c]))
+                else:
+                    runs.append([item.file, plan.key, start + lo, d + lo, d + hi, [(c, crcs[c])]])
+                continue
+            seg_lo, seg_hi = max(lo, a), min(hi, b)
+            plain.setdefault(item.file, []).append((start + seg_lo, dest[d + seg_lo : d + seg_hi]))
+            if (item.file, c) not in rechecked:
+                rechecked.add((item.file, c))
+                tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
+    tasks += [(_read_hashed, storage, f, key, at, dest[lo:hi], chunk, crcs) for f, key, at, lo, hi, crcs in runs]
+    return plain, tasks
+
+
+def _read_hashed(
+    storage: Storage, name: str, key: str, start: int, view: memoryview, chunk: int, expected: list[tuple[int, int]]
+) -> None:
+    """One read of whole checksum chunks, each hashed right after, while in the CPU's last-level cache."""
+    _read(storage, name, [(start, view)])
+    for i, (c, crc) in enumerate(expected):
+        if crc32c(view[i * chunk : (i + 1) * chunk]) != crc:
+            raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
 
 
 def verify_reads(
