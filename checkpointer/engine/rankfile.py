@@ -19,7 +19,7 @@ from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
 from ..storage.base import ReadRequest, Storage, Writer
 
-__all__ = ["write_rank_file", "HeaderCache", "ReadJob", "execute_reads", "io_threads", "piece_start", "read_file_ranges", "verify_reads"]
+__all__ = ["write_rank_file", "staging_bytes", "HeaderCache", "ReadJob", "execute_reads", "io_threads", "piece_start", "read_file_ranges", "verify_reads"]
 
 _SPECULATIVE_HEADER = 1 << 16
 _SPLIT_BYTES = 32 << 20
@@ -44,10 +44,15 @@ def write_rank_file(
     with storage.open_writer(name) as writer:
         pending: list[memoryview] = [memoryview(header)]
         pending_bytes = len(header)
+        staging = _Staging()
         for key, lt in tensors:
             data = lt.data
             if data.device.type != "cpu" or not data.is_contiguous():
-                data = data.detach().to("cpu").contiguous()
+                if pending:
+                    writer.write(pending)
+                    pending, pending_bytes = [], 0
+                result[key] = _write_staged(writer, data.detach(), staging, checksums)
+                continue
             view = memoryview_of(data)
             if len(view) < _WRITE_BLOCK:
                 # Small pieces go out together; each is hashed now, while it is hot.
@@ -66,6 +71,66 @@ def write_rank_file(
             writer.write(pending)
         writer.commit()
     return result
+
+
+def staging_bytes() -> int:
+    """Host memory a save may use to copy tensors that cannot be written from where they are
+    (on a GPU, or not contiguous): ``CHECKPOINTER_STAGING_MIB``, default 256."""
+    return max(1, int(float(os.environ.get("CHECKPOINTER_STAGING_MIB", "256")) * (1 << 20)))
+
+
+class _Staging:
+    """One reusable host buffer of at most :func:`staging_bytes` (pinned when copying from CUDA)."""
+
+    def __init__(self) -> None:
+        self.budget = staging_bytes()
+        self._buf: torch.Tensor | None = None
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        buf = self._buf
+        if buf is None or buf.numel() < nbytes or (pinned and not buf.is_pinned()):
+            self._buf = None
+            size = max(nbytes, min(self.budget, 64 << 20))
+            buf = self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        return buf[:nbytes]
+
+
+def _write_staged(writer: Writer, data: torch.Tensor, staging: _Staging, checksums: bool) -> list[int]:
+    """Write a tensor through the staging buffer, a block of whole rows (dim 0) at a time.
+
+    A block is at most the staging budget, or one row where a row is larger than that."""
+    pinned = data.device.type == "cuda"
+    if data.dim() == 0:
+        data = data.reshape(1)
+    if data.is_contiguous():
+        data = data.reshape(-1)  # a view: blocks of elements
+    rows = data.shape[0]
+    row_bytes = max(1, data[:1].numel() * data.element_size())
+    step = max(1, staging.budget // row_bytes)
+    crcs: list[int] = []
+    crc, in_chunk = 0, 0
+    for start in range(0, rows, step):
+        part = data[start : start + step]
+        nbytes = part.numel() * part.element_size()
+        host = staging.take(nbytes, pinned).view(part.dtype).view(part.shape)
+        host.copy_(part)
+        view = memoryview_of(host)
+        pos = 0
+        while pos < len(view):
+            # Checksums restart every CHUNK_BYTES of the tensor, wherever the block boundaries fall.
+            take = min(len(view) - pos, CHUNK_BYTES - in_chunk, _WRITE_BLOCK)
+            block = view[pos : pos + take]
+            writer.write([block])
+            if checksums:
+                crc = crc32c_extend(crc, block)
+            pos += take
+            in_chunk += take
+            if in_chunk == CHUNK_BYTES:
+                crcs.append(crc)
+                crc, in_chunk = 0, 0
+    if in_chunk:
+        crcs.append(crc)
+    return crcs if checksums else []
 
 
 def _write_hashed(writer: Writer, view: memoryview, checksums: bool) -> list[int]:
