@@ -41,7 +41,7 @@ from ..planning.plan import build_load_plan
 from ..storage.base import Storage, Writer, open_storage
 from .load import read_metadata
 from .locate import model_checkpoint
-from .rankfile import HeaderCache, ReadJob, execute_reads, verify_reads
+from .rankfile import HeaderCache, ReadJob, check_files_hold, execute_reads, verify_reads
 
 __all__ = [
     "export_safetensors",
@@ -269,6 +269,7 @@ class CheckpointTensors:
         key = (self.metadata.aliases or {}).get(key, key)
         meta = self.metadata.tensors[key]
         dtype = dtype_from_code(meta.dtype)
+        check_files_hold(self.headers, key, meta)
         full = self._staging.take(meta.shape, dtype) if self._staging else torch.empty(meta.shape, dtype=dtype)
         if meta.numel:
             specs = meta.shard_spec_per_file
@@ -291,6 +292,7 @@ class CheckpointTensors:
         key = (self.metadata.aliases or {}).get(key, key)
         meta = self.metadata.tensors[key]
         dtype = dtype_from_code(meta.dtype)
+        check_files_hold(self.headers, key, meta)
         full = self._staging.take(meta.shape, dtype) if self._staging else torch.empty(meta.shape, dtype=dtype)
         if not meta.numel:
             return full, iter(())

@@ -14,12 +14,24 @@ from ..buffers import memoryview_of
 from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c, crc32c_extend
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
+from ..format.metadata import TensorStorageMetadata
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
 from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
 from ..storage.base import ReadRequest, Storage, Writer
 
-__all__ = ["write_rank_file", "staging_bytes", "HeaderCache", "ReadJob", "execute_reads", "io_threads", "piece_start", "read_file_ranges", "verify_reads"]
+__all__ = [
+    "write_rank_file",
+    "staging_bytes",
+    "HeaderCache",
+    "ReadJob",
+    "execute_reads",
+    "io_threads",
+    "piece_start",
+    "check_files_hold",
+    "read_file_ranges",
+    "verify_reads",
+]
 
 _SPECULATIVE_HEADER = 1 << 16
 _SPLIT_BYTES = 32 << 20
@@ -204,6 +216,26 @@ def piece_start(headers: HeaderCache, file: str, key: str, dtype: str, numel: in
             f"but {dtype} x {numel} in metadata.json"
         )
     return entry.start
+
+
+def check_files_hold(headers: HeaderCache, key: str, meta: TensorStorageMetadata) -> None:
+    """Check, before allocating ``meta.shape``, that the rank files hold that many elements.
+
+    Each file's piece of ``key`` must match its safetensors header (whose byte ranges were
+    checked against the file's size when it was parsed), and the pieces together must hold
+    at least the tensor's element count; so a buffer of the tensor's shape is never larger
+    than the bytes on disk. Reads only headers (cached); a hole or an overlap between pieces
+    is left to the load plan.
+    """
+    held = 0
+    for name, spec in meta.shard_spec_per_file.items():
+        piece_start(headers, name, key, meta.dtype, spec.local_numel)
+        held += spec.local_numel
+    if held < meta.numel:
+        files = ", ".join(headers.storage.join(name) for name in meta.shard_spec_per_file) or "no file"
+        raise CorruptCheckpointError(
+            f"tensor {key!r}: metadata.json gives it {meta.numel} elements but its files ({files}) hold {held}"
+        )
 
 
 def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache) -> dict[str, list[ReadRequest]]:
