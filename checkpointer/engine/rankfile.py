@@ -29,6 +29,7 @@ __all__ = [
     "io_threads",
     "piece_start",
     "check_files_hold",
+    "check_chunk",
     "read_file_ranges",
     "verify_reads",
 ]
@@ -391,7 +392,7 @@ def _verify_tasks(storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCach
                 if c >= len(crcs):
                     raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {job.plan.key!r} has too few checksums")
                 if a <= lo and hi <= b:
-                    tasks.append((_check, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
+                    tasks.append((check_chunk, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
                 elif where not in reread:
                     reread.add(where)
                     start = piece_start(headers, item.file, job.plan.key, job.plan.dtype, job.numel_per_file[item.file])
@@ -399,14 +400,15 @@ def _verify_tasks(storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCach
     return tasks
 
 
-def _check(storage: Storage, where: tuple[str, str, int], view: memoryview, expected: int) -> None:
+def check_chunk(storage: Storage, where: tuple[str, str, int], view: memoryview, expected: int) -> None:
+    """Raise if the CRC32C of ``view`` is not ``expected``; ``where`` is (file, key, chunk index)."""
     if crc32c(view) != expected:
         name, key, c = where
         raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
 
 
 def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
-    _check(storage, where, memoryview(storage.read(where[0], start, end)), expected)
+    check_chunk(storage, where, memoryview(storage.read(where[0], start, end)), expected)
 
 
 def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:
