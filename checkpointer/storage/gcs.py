@@ -21,12 +21,15 @@ from urllib.parse import quote, urlencode
 from .base import ReadRequest, Storage, check_name
 from .retry import (
     HTTPStatusError,
+    Part,
+    PartReader,
     PartWriter,
     RangeTask,
     RetryPolicy,
     bucket_url,
     call_with_retry,
     fill_range,
+    part_bytes,
     is_transient,
     plan_ranges,
     redact,
@@ -82,9 +85,13 @@ def _transport_errors() -> Iterator[None]:
         raise OSError(f"{type(e).__name__}: {redact(str(e))}") from None
 
 
-def _body(view: memoryview) -> memoryview | bytes:
-    # requests sends an empty memoryview chunked; an empty body must be b"".
-    return view if len(view) else b""
+def _body(part: Part, start: int = 0) -> memoryview | bytes | PartReader:
+    """A request body of ``part`` from byte ``start`` on, without joining its segments."""
+    if part_bytes(part) <= start:
+        return b""  # requests sends an empty memoryview chunked; an empty body must be b""
+    if len(part) == 1:
+        return part[0][start:]
+    return PartReader(part, start)
 
 
 class GCSStorage(Storage):
@@ -248,7 +255,7 @@ class GCSStorage(Storage):
 
     def write(self, name: str, data: bytes) -> None:
         with self.open_writer(name) as writer:
-            writer.write([memoryview(data)])
+            writer.write_stable([memoryview(data)])
             writer.commit()
 
     def open_writer(self, name: str) -> GCSWriter:
@@ -294,8 +301,8 @@ class GCSWriter(PartWriter):
         with resp:
             return None if resp.status_code in (200, 201) else _range_end(resp.headers.get("Range"))
 
-    def _upload(self, number: int, offset: int, part: memoryview, total: int | None) -> None:
-        end = offset + len(part)
+    def _upload(self, number: int, offset: int, part: Part, total: int | None) -> None:
+        end = offset + part_bytes(part)
 
         def attempt(n: int) -> None:
             pos = offset
@@ -314,7 +321,7 @@ class GCSWriter(PartWriter):
                 else:
                     rng = f"bytes */{total}"
                 resp = self._s.request("PUT", self._session_url, ok=(200, 201, 308),
-                                       data=_body(part[pos - offset :]), headers={"Content-Range": rng})
+                                       data=_body(part, pos - offset), headers={"Content-Range": rng})
                 with resp:
                     if resp.status_code in (200, 201):
                         return

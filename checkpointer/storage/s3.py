@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from .base import ReadRequest, Storage, check_name
 from .retry import (
+    Part,
+    PartReader,
     PartWriter,
     RangeTask,
     RetryPolicy,
@@ -79,37 +81,6 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, (urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)) or is_transient(exc)
 
 
-class _ViewReader:
-    """A seekable file over a memoryview, so botocore can send (and resend) it without a copy of the whole."""
-
-    def __init__(self, view: memoryview):
-        self._view = view
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def read(self, n: int | None = -1) -> bytes:
-        stop = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        data = self._view[self._pos : stop].tobytes()
-        self._pos = stop
-        return data
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
-        self._pos = max(0, min(len(self._view), base + pos))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
 # The environment settings a client is built from: a client is shared while they are unchanged.
 _CLIENT_SETTINGS = (
     "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
@@ -157,6 +128,17 @@ class S3Storage(Storage):
         self.retry = retry or RetryPolicy()
         self._timeouts = (connect_timeout, read_timeout)
         self._client = client if client is not None else self._make_client()
+
+    def _checksum_args(self) -> dict[str, str]:
+        """``ChecksumAlgorithm=CRC32`` as boto3's ``upload_file`` sends it, unless the client was told
+        to checksum only when required (``request_checksum_calculation``).
+
+        Declaring the algorithm when the multipart upload is created makes the store check each
+        part's CRC32 and keep a composite checksum. Left undeclared, a store may instead compute
+        a full-object checksum at completion (moto copies the whole object once more for it).
+        """
+        mode = getattr(self._client.meta.config, "request_checksum_calculation", None)
+        return {} if mode == "when_required" else {"ChecksumAlgorithm": "CRC32"}
 
     def _make_client(self) -> Any:
         settings = tuple(os.environ.get(name) for name in _CLIENT_SETTINGS)
@@ -270,7 +252,7 @@ class S3Storage(Storage):
 
     def write(self, name: str, data: bytes) -> None:
         with self.open_writer(name) as writer:
-            writer.write([memoryview(data)])
+            writer.write_stable([memoryview(data)])
             writer.commit()
 
     def open_writer(self, name: str) -> S3Writer:
@@ -280,9 +262,10 @@ class S3Storage(Storage):
 class S3Writer(PartWriter):
     """Streams a file into a multipart upload, ``max_concurrency`` parts in flight at most.
 
-    Memory stays bounded: small buffers are copied into part buffers (at most
-    ``max_concurrency + 1`` exist); a buffer of a part or more is uploaded straight from the
-    caller's memory. A file smaller than one part is a single PUT at commit.
+    Memory stays bounded: buffers given to :meth:`write_stable` (a save's tensors) are sent
+    from the caller's memory, never copied; a buffer of a part or more is too. Other small
+    buffers are copied into part buffers (at most ``max_concurrency + 1`` parts' worth). A
+    file smaller than one part is a single PUT at commit.
     """
 
     def __init__(self, storage: S3Storage, name: str):
@@ -292,17 +275,22 @@ class S3Writer(PartWriter):
         self._name = name
         self._key = storage._key(name)
         self._upload_id: str | None = None
-        self._etags: dict[int, str] = {}
+        self._parts_done: dict[int, dict[str, Any]] = {}
+        self._extra = storage._checksum_args()
 
     def _begin(self) -> None:
         resp = self._s.call("CreateMultipartUpload", self._name, lambda _: self._s._client.create_multipart_upload(
-            Bucket=self._s.bucket, Key=self._key))
+            Bucket=self._s.bucket, Key=self._key, **self._extra))
         self._upload_id = resp["UploadId"]
 
-    def _upload(self, number: int, offset: int, part: memoryview, total: int | None) -> None:
+    def _upload(self, number: int, offset: int, part: Part, total: int | None) -> None:
         resp = self._s.call(f"PUT part {number}", self._name, lambda _: self._s._client.upload_part(
-            Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=_ViewReader(part)))
-        self._etags[number] = resp["ETag"]
+            Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
+            Body=PartReader(part), **self._extra))
+        done = {"ETag": resp["ETag"], "PartNumber": number}
+        if "ChecksumCRC32" in resp and self._extra:
+            done["ChecksumCRC32"] = resp["ChecksumCRC32"]
+        self._parts_done[number] = done
 
     def commit(self) -> None:
         self._check()
@@ -310,7 +298,7 @@ class S3Writer(PartWriter):
             if not self.started:
                 data = self._parts.rest()
                 self._s.call("PUT", self._name, lambda _: self._s._client.put_object(
-                    Bucket=self._s.bucket, Key=self._key, Body=_ViewReader(data)))
+                    Bucket=self._s.bucket, Key=self._key, Body=PartReader(data), **self._extra))
             else:
                 self._finish_parts(last_if_empty=False)
                 self._complete()
@@ -322,7 +310,7 @@ class S3Writer(PartWriter):
 
     def _complete(self) -> None:
         _, botocore = _boto()
-        parts = [{"ETag": self._etags[n], "PartNumber": n} for n in sorted(self._etags)]
+        parts = [self._parts_done[n] for n in sorted(self._parts_done)]
 
         def complete(attempt: int) -> None:
             try:
