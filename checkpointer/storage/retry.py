@@ -390,15 +390,18 @@ class PartWriter(Writer):
     At most ``in_flight`` parts are queued or uploading; :meth:`write` blocks for a slot, so
     at most ``in_flight + 1`` parts' worth of copied bytes exist. Parts borrowed from the
     caller's memory are waited for before :meth:`write` returns; :meth:`write_stable` copies
-    nothing and waits for nothing but a slot. Subclasses say how a part is uploaded.
+    nothing and waits for nothing but a slot. With ``grow_every``, the part size doubles after
+    every that many parts. Subclasses say how a part is uploaded.
     """
 
-    def __init__(self, url: str, part_size: int, *, workers: int, in_flight: int, max_parts: int | None = None):
+    def __init__(self, url: str, part_size: int, *, workers: int, in_flight: int, max_parts: int | None = None,
+                 grow_every: int | None = None):
         self.url = url
         self._parts = PartBuffer(part_size)
         self._workers = workers
         self._slots = threading.Semaphore(in_flight)
         self._max_parts = max_parts
+        self._grow_every = grow_every
         self._futures: list[Future] = []
         self._pool: ThreadPoolExecutor | None = None
         self._offset = 0
@@ -458,6 +461,10 @@ class PartWriter(Writer):
             raise
         fut.add_done_callback(lambda _: self._slots.release())
         self._futures.append(fut)
+        if self._grow_every and number % self._grow_every == 0:
+            # Between parts (none is half full): later parts are twice as big, so that a store's
+            # part-count limit is not what limits the file's size.
+            self._parts.size *= 2
         return fut
 
     def _finish_parts(self, last_if_empty: bool) -> None:

@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part (all but the last)
-MAX_PARTS = 10_000
+MAX_PARTS = 10_000  # parts double in size every quarter of this: 16 MiB parts reach 586 GiB
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
              "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException"}
@@ -270,7 +270,7 @@ class S3Writer(PartWriter):
 
     def __init__(self, storage: S3Storage, name: str):
         super().__init__(storage.join(name), storage.part_size, workers=storage.max_concurrency,
-                         in_flight=storage.max_concurrency, max_parts=MAX_PARTS)
+                         in_flight=storage.max_concurrency, max_parts=MAX_PARTS, grow_every=MAX_PARTS // 4)
         self._s = storage
         self._name = name
         self._key = storage._key(name)

@@ -211,3 +211,33 @@ def test_bucket_url() -> None:
     for bad in ("s3://", "s3:///x", "gs://b/x"):
         with pytest.raises(ValueError):
             bucket_url(bad, ("s3",))
+
+
+def test_part_writer_grows_parts_and_bounds_their_count() -> None:
+    from checkpointer.storage.retry import PartWriter, part_bytes
+
+    class Recording(PartWriter):
+        def __init__(self, **kw):
+            super().__init__("mem://f", 4, workers=2, in_flight=2, **kw)
+            self.sizes: dict[int, int] = {}
+
+        def _upload(self, number, offset, part, total):
+            self.sizes[number] = part_bytes(part)
+
+        def commit(self):
+            self._finish_parts(last_if_empty=False)
+            self._close()
+
+        def abort(self):
+            self._close()
+
+    writer = Recording(grow_every=2)
+    data = bytes(range(36))
+    writer.write_stable([memoryview(data)])
+    writer.commit()
+    # 4, 4, then 8, 8, then 16 (the last 12 bytes: a short last part)
+    assert [writer.sizes[n] for n in sorted(writer.sizes)] == [4, 4, 8, 8, 12]
+    capped = Recording(max_parts=3)
+    with pytest.raises(OSError, match="more than 3 parts: raise part_size"):
+        capped.write([memoryview(data)])
+    capped.abort()
