@@ -32,6 +32,7 @@ from .retry import (
     bucket_url,
     call_with_retry,
     fill_range,
+    holds,
     part_bytes,
     is_transient,
     plan_ranges,
@@ -275,6 +276,32 @@ class GCSStorage(Storage):
         with self.open_writer(name) as writer:
             writer.write_stable([memoryview(data)])
             writer.commit()
+
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        """A one-request upload on condition that no object has the name (``ifGenerationMatch=0``):
+        of two callers, one creates the file and the other gets ``FileExistsError``, also when
+        both start at once.
+
+        gcp-storage-emulator ignores the condition (it has no preconditions at all), so there
+        the check before the upload is all there is: two callers in the same instant may both
+        succeed. ``data`` must not be empty (the emulator fails on an empty one-request upload).
+        """
+        if self.exists(name):
+            raise FileExistsError(self.join(name))
+        query = urlencode({"uploadType": "media", "name": self._key(name), "ifGenerationMatch": "0"})
+
+        def post(attempt: int) -> None:
+            try:
+                self.request("POST", f"{self._upload_url}?{query}", data=data,
+                             headers={"Content-Type": "application/octet-stream"}).close()
+            except HTTPStatusError as e:
+                if e.status != 412:
+                    raise
+                if attempt and holds(self, name, data):
+                    return  # an earlier attempt created it and its answer was lost
+                raise FileExistsError(self.join(name)) from e
+
+        self.call("POST if absent", name, post)
 
     def open_writer(self, name: str) -> GCSWriter:
         if self.parallel_upload:

@@ -30,11 +30,11 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
-from .base import ReadRequest, Writer
+from .base import ReadRequest, Storage, Writer
 
 __all__ = [
     "RetryPolicy", "HTTPStatusError", "RangeTask", "Part", "PartBuffer", "PartReader", "PartWriter", "part_bytes", "bucket_url", "io_retries",
-    "call_with_retry", "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
+    "call_with_retry", "holds", "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
 ]
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,15 @@ def call_with_retry(
                 ) from exc
             log.debug("%s %s: retry %d in %.2fs after %s", op, url, attempt, pause, type(exc).__name__)
             time.sleep(pause)
+
+
+def holds(storage: Storage, name: str, data: bytes) -> bool:
+    """Whether the file ``name`` holds exactly ``data``: after a conditional create whose
+    answer was lost, a retry that finds the file tells ours from someone else's this way."""
+    try:
+        return storage.read(name) == data
+    except OSError:
+        return False
 
 
 @dataclass

@@ -30,6 +30,7 @@ from .retry import (
     bucket_url,
     call_with_retry,
     fill_range,
+    holds,
     is_transient,
     plan_ranges,
     redact,
@@ -47,7 +48,8 @@ MIN_PART = 5 * MiB  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # parts double in size every quarter of this: 16 MiB parts reach 586 GiB
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-             "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException"}
+             "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
+             "ConditionalRequestConflict"}  # 409: a conditional write to the same key in progress; retry
 
 
 def _boto():
@@ -254,6 +256,29 @@ class S3Storage(Storage):
         with self.open_writer(name) as writer:
             writer.write_stable([memoryview(data)])
             writer.commit()
+
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        """A conditional PUT (``If-None-Match: *``): of two callers, one creates the file and the
+        other gets ``FileExistsError``, also when both start at once. A store that ignores the
+        condition (older S3-compatible stores) still gets the check before it."""
+        if self.exists(name):
+            raise FileExistsError(self.join(name))
+        key = self._key(name)
+        _, botocore = _boto()
+
+        def put(attempt: int) -> None:
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*",
+                                        **self._checksum_args())
+            except botocore.exceptions.ClientError as e:
+                code, status = _error_code(e)
+                if code != "PreconditionFailed" and status != 412:
+                    raise
+                if attempt and holds(self, name, data):
+                    return  # an earlier attempt created it and its answer was lost
+                raise FileExistsError(self.join(name)) from e
+
+        self.call("PUT if absent", name, put)
 
     def open_writer(self, name: str) -> S3Writer:
         return S3Writer(self, name)

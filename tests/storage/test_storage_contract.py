@@ -197,6 +197,15 @@ class TestStorageContract:
                 raise RuntimeError("failed mid-save")
         assert not storage.exists("boom")
 
+    def test_create_exclusive(self, storage: Storage) -> None:
+        storage.create_exclusive("lock", b"first")
+        with pytest.raises(FileExistsError, match="lock"):
+            storage.create_exclusive("lock", b"second")
+        assert storage.read("lock") == b"first"
+        storage.delete("lock")
+        storage.create_exclusive("lock", b"third")
+        assert storage.read("lock") == b"third"
+
     def test_writer_replaces(self, storage: Storage) -> None:
         storage.write("r", b"old contents")
         with storage.open_writer("r") as writer:
