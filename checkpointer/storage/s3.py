@@ -7,8 +7,10 @@ botocore's own retries are turned off: every call goes through :func:`call_with_
 ``CHECKPOINTER_IO_RETRIES`` bounds all of them.
 
 Reads are ranged GETs read straight into the caller's buffers (:meth:`S3Storage.read_into`).
-A :class:`S3Writer` streams into a multipart upload, parts uploaded in parallel; a file
-smaller than one part is a single PUT. Nothing is visible before ``commit``.
+A :class:`S3Writer` streams into a multipart upload, parts uploaded in parallel (sent from
+the caller's memory when it writes with ``write_stable``), CRC32 declared as boto3's
+``upload_file`` does; a file smaller than one part is a single PUT. Nothing is visible
+before ``commit``. :meth:`S3Storage.create_exclusive` (the save lock) is a conditional PUT.
 """
 
 from __future__ import annotations
