@@ -17,7 +17,7 @@ from ..format.dtypes import itemsize
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
 from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
-from ..storage.base import ReadRequest, Storage, Writer
+from ..storage.base import ReadRequest, Storage
 
 __all__ = ["write_rank_file", "HeaderCache", "ReadJob", "execute_reads", "io_threads", "piece_start", "read_file_ranges", "verify_reads"]
 

@@ -22,18 +22,15 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, urlencode
 
 from .base import ReadRequest, Storage, check_name
+from .parts import Part, PartReader, PartWriter, part_bytes
 from .retry import (
     HTTPStatusError,
-    Part,
-    PartReader,
-    PartWriter,
     RangeTask,
     RetryPolicy,
     bucket_url,
     call_with_retry,
     fill_range,
     holds,
-    part_bytes,
     is_transient,
     plan_ranges,
     redact,

@@ -27,7 +27,8 @@ import uuid
 from urllib.parse import quote, urlencode
 
 from .gcs import GCSStorage, GCSWriter, _body
-from .retry import Part, run_parallel
+from .parts import Part
+from .retry import run_parallel
 
 __all__ = ["GCSComposeWriter", "MAX_COMPONENTS", "MAX_COMPOSE_SOURCES"]
 

@@ -23,10 +23,8 @@ import logging
 from typing import Any, Callable, Sequence, TypeVar
 
 from .base import ReadRequest, Storage, check_name
+from .parts import Part, PartReader, PartWriter
 from .retry import (
-    Part,
-    PartReader,
-    PartWriter,
     RangeTask,
     RetryPolicy,
     bucket_url,

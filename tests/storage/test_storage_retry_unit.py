@@ -1,4 +1,4 @@
-"""The shared remote-I/O helpers on their own: retry bounds, range planning, redaction."""
+"""The shared remote-I/O helpers on their own: retry bounds, range planning, redaction, upload parts."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import time
 
 import pytest
 
+from checkpointer.storage.parts import PartBuffer, PartReader
 from checkpointer.storage.retry import (
     HTTPStatusError,
-    PartBuffer,
-    PartReader,
     RangeTask,
     RetryPolicy,
     bucket_url,
@@ -214,7 +213,7 @@ def test_bucket_url() -> None:
 
 
 def test_part_writer_grows_parts_and_bounds_their_count() -> None:
-    from checkpointer.storage.retry import PartWriter, part_bytes
+    from checkpointer.storage.parts import PartWriter, part_bytes
 
     class Recording(PartWriter):
         def __init__(self, **kw):
