@@ -6,7 +6,7 @@ import os
 import threading
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -51,6 +51,12 @@ def write_rank_file(
     Returns each key's CRC32C per :data:`~checkpointer.checksums.CHUNK_BYTES` of its piece.
     Each block is checksummed right after it is written, while it is still in the CPU cache:
     on a machine whose memory bandwidth is the limit, that costs almost nothing extra.
+
+    Pieces already in contiguous CPU memory (and the header) stay alive and unchanged until
+    the writer commits, so they go to :meth:`~checkpointer.storage.base.Writer.write_stable`:
+    an object-store writer sends them from tensor memory, with no copy. A piece staged from
+    another device or layout is a temporary, written with ``write`` (the writer copies what
+    it keeps past the call).
     """
     header, _ = build_header([(key, lt.dtype, lt.numel) for key, lt in tensors])
     result: dict[str, list[int]] = {}
@@ -62,8 +68,9 @@ def write_rank_file(
             data = lt.data
             if data.device.type != "cpu" or not data.is_contiguous():
                 if pending:
-                    writer.write(pending)
+                    writer.write_stable(pending)
                     pending, pending_bytes = [], 0
+                # The staging buffer is reused: plain ``write``, which copies what it keeps.
                 result[key] = _write_staged(writer, data.detach(), staging, checksums)
                 continue
             view = memoryview_of(data)
@@ -73,15 +80,15 @@ def write_rank_file(
                 pending.append(view)
                 pending_bytes += len(view)
                 if pending_bytes >= _WRITE_BLOCK:
-                    writer.write(pending)
+                    writer.write_stable(pending)
                     pending, pending_bytes = [], 0
                 continue
             if pending:
-                writer.write(pending)
+                writer.write_stable(pending)
                 pending, pending_bytes = [], 0
-            result[key] = _write_hashed(writer, view, checksums)
+            result[key] = _write_hashed(writer.write_stable, view, checksums)
         if pending:
-            writer.write(pending)
+            writer.write_stable(pending)
         writer.commit()
     return result
 
@@ -146,14 +153,14 @@ def _write_staged(writer: Writer, data: torch.Tensor, staging: _Staging, checksu
     return crcs if checksums else []
 
 
-def _write_hashed(writer: Writer, view: memoryview, checksums: bool) -> list[int]:
+def _write_hashed(write: Callable[[Sequence[memoryview]], None], view: memoryview, checksums: bool) -> list[int]:
     crcs = []
     for chunk_start in range(0, len(view), CHUNK_BYTES):
         chunk = view[chunk_start : chunk_start + CHUNK_BYTES]
         crc = 0
         for block_start in range(0, len(chunk), _WRITE_BLOCK):
             block = chunk[block_start : block_start + _WRITE_BLOCK]
-            writer.write([block])
+            write([block])
             if checksums:
                 crc = crc32c_extend(crc, block)
         crcs.append(crc)
