@@ -16,8 +16,9 @@ order in the next round), medians over ``--rounds`` rounds:
 
 For each: seconds, GB/s of checkpoint payload, peak RSS above the process's baseline per
 rank (VmHWM after ``clear_refs``), and our/DCP ratio. Machine ceilings are measured in the
-same run: buffered and O_DIRECT write+fsync of plain files of the same total bytes, a
-buffered write without fsync (page cache), and ``preadv`` into preallocated tensors.
+same run: buffered, buffered with early writeback (as our saves write) and O_DIRECT
+write+fsync of plain files of the same total bytes, a buffered write without fsync (page
+cache), and ``preadv`` into preallocated tensors.
 
 Every load is checked: the model and optimizer are zeroed before it (untimed) and compared
 with the saved values' sums after it.
@@ -734,17 +735,39 @@ def _fill_buffer(n: int) -> mmap.mmap:
     return buf
 
 
-def _write_streams(paths: list[str], per_file: int, src: mmap.mmap, *, direct: bool, fsync: bool) -> float:
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+def _write_streams(
+    paths: list[str], per_file: int, src: mmap.mmap, *, direct: bool, fsync: bool, writeback: bool = False
+) -> float:
+    """Plain writes of ``per_file`` bytes to each path in parallel. ``writeback``: after every
+    32 MiB, ask the kernel to start writing them out (``sync_file_range(SYNC_FILE_RANGE_WRITE)``)."""
     view = memoryview(src)
+    start_writeback = _sync_file_range() if writeback else None
 
     def one(path: str) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         fd = os.open(path, flags, 0o644)
         try:
-            left = per_file
+            left, done, flushed = per_file, 0, 0
             while left:
-                n = os.write(fd, view[: min(left, len(view))])
+                n = os.write(fd, view[: min(left, len(view), 32 * MiB if start_writeback else len(view))])
                 left -= n
+                done += n
+                if start_writeback is not None and done - flushed >= 32 * MiB:
+                    start_writeback(fd, flushed, done - flushed, 2)
+                    flushed = done
             if fsync:
                 os.fsync(fd)
         finally:
@@ -805,6 +828,12 @@ def measure_ceilings(work: str, total: int, world: int, label: str) -> dict[str,
             per_file = -(-total // streams // align) * align
             paths = [f"{d}/s{streams}_{i}.bin" for i in range(streams)]
             out[f"write_buffered_fsync_x{streams}"] = _write_streams(paths, per_file, src, direct=False, fsync=True)
+            for p in paths:
+                os.unlink(p)
+            if _sync_file_range() is not None:
+                out[f"write_writeback_fsync_x{streams}"] = _write_streams(
+                    paths, per_file, src, direct=False, fsync=True, writeback=True
+                )
             out[f"read_preadv_x{streams}"] = _read_streams(paths, per_file)
             if streams == world and io_threads > 1:
                 out[f"read_preadv_x{world * io_threads}"] = _read_streams(paths, per_file, world * io_threads)
@@ -1128,6 +1157,8 @@ def main(argv: list[str] | None = None) -> int:
         f"write_buffered_fsync_x{W}": f"buffered write + fsync, {W} files in parallel",
         "write_odirect_fsync_x1": "O_DIRECT write + fsync, 1 file",
         f"write_odirect_fsync_x{W}": f"O_DIRECT write + fsync, {W} files in parallel",
+        "write_writeback_fsync_x1": "buffered write, writeback started every 32 MiB, + fsync, 1 file",
+        f"write_writeback_fsync_x{W}": f"buffered write, writeback started every 32 MiB, + fsync, {W} files in parallel",
         "write_buffered_nofsync_x1": "buffered write, no fsync (page cache), 1 file",
         "read_preadv_x1": "preadv into preallocated tensors (warm), 1 file",
         f"read_preadv_x{W}": f"preadv into preallocated tensors (warm), {W} files in parallel",

@@ -20,6 +20,7 @@ import torch.nn as nn
 from . import dist
 from .buffers import memoryview_of
 from .engine.checkpointer import Checkpointer
+from .engine.rankfile import HeaderCache, check_files_hold
 from .engine.unshard import read_full
 from .errors import CheckpointMismatchError, CorruptCheckpointError
 from .format.builtins_pickle import decode_builtins, encode_builtins
@@ -248,7 +249,8 @@ def _plan_optim_load(
     for key in ("num_param_groups", "state_keys"):
         if key not in metadata.tensors:
             raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
-    small = read_full(open_storage(dir), metadata, [k for k in metadata.tensors if not k.startswith("state.")])
+    headers = HeaderCache(open_storage(dir))
+    small = read_full(headers.storage, metadata, [k for k in metadata.tensors if not k.startswith("state.")], headers=headers)
     num_groups = int(small["num_param_groups"].item())
     if num_groups != len(optim.param_groups):
         raise CheckpointMismatchError(
@@ -286,7 +288,7 @@ def _plan_optim_load(
                     continue
                 dest = existing.get(state_key)
                 if not _fits(dest, meta, value):
-                    dest = _allocate_state(meta, value)
+                    dest = _allocate_state(flat_key, meta, value, headers)
                 param_state[state_key] = dest
                 to_fill[flat_key] = _shard_like_param(dest, value)
             if param_state:
@@ -304,12 +306,14 @@ def _fits(dest: Any, meta: TensorStorageMetadata, param: Any) -> bool:
     return tuple(meta.shape) == tuple(param.shape) and tuple(dest.shape) == tuple(local_data(param).shape)
 
 
-def _allocate_state(meta: TensorStorageMetadata, param: Any) -> torch.Tensor:
-    """A state tensor for the checkpoint's values: sharded like ``param`` when it has its shape."""
+def _allocate_state(key: str, meta: TensorStorageMetadata, param: Any, headers: HeaderCache) -> torch.Tensor:
+    """A state tensor for the checkpoint's values: sharded like ``param`` when it has its shape
+    (the model justifies that size), else of the checkpoint's shape once the files are seen to hold it."""
     dtype = dtype_from_code(meta.dtype)
     if meta.shape and tuple(meta.shape) == tuple(param.shape):
         like = param if isinstance(param, torch.Tensor) else local_data(param)
         return torch.empty_like(like.detach(), dtype=dtype)
+    check_files_hold(headers, key, meta)
     return torch.empty(meta.shape, dtype=dtype)
 
 

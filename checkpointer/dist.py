@@ -4,6 +4,14 @@ Collectives move bytes (JSON the callers made), never pickles, and each one wait
 ``CHECKPOINTER_TIMEOUT_S`` seconds (default 300) so a rank that died cannot hang the job.
 :func:`agree` is how a phase ends: every rank says whether it succeeded, and if any failed,
 every rank raises.
+
+When a collective fails, the survivors say which rank stopped answering: entering each of
+the byte collectives below, a rank counts its arrival in the rendezvous store (one
+``add`` per rank and collective, on a short-lived thread so a store that stopped answering
+never holds up the collective); a survivor compares its own count with the others' and
+names the ranks that never arrived. Every store access on the failure path is bounded in
+time: when the store itself is gone (under ``env://`` or ``tcp://`` rank 0 hosts it), the
+error says so.
 """
 
 from __future__ import annotations
@@ -11,7 +19,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import Any, Sequence
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,14 +77,93 @@ def _device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _wait(work: dist.Work | None, what: str) -> None:
+_ARRIVALS = "checkpointer/arrivals"
+_STRAGGLER_S = 5.0  # how long a survivor waits for ranks that have not arrived yet, at most
+_STORE_S = 10.0  # the most the store may take to answer on the failure path
+
+
+class _Arrival:
+    """This rank entering one collective of ``group``, counted in the rendezvous store."""
+
+    def __init__(self, group: Any = None):
+        self.group = group or dist.group.WORLD
+        self.me = get_rank()
+        self.count: Future[int] = _in_thread(lambda: int(_store().add(self._key(self.me), 1)))
+
+    def _key(self, rank: int) -> str:
+        return f"{_ARRIVALS}/{self.group.group_name}/{rank}"
+
+    def missing(self) -> list[int]:
+        """The ranks that have not entered this collective (after waiting a little for stragglers)."""
+        mine = self.count.result()  # raises what the store raised
+        deadline = time.monotonic() + min(_STRAGGLER_S, timeout_seconds())
+        behind = [r for r in dist.get_process_group_ranks(self.group) if r != self.me]
+        behind = [r for r, n in zip(behind, self._counts(behind)) if n < mine]
+        while behind and time.monotonic() < deadline:
+            time.sleep(0.2)
+            behind = [r for r, n in zip(behind, self._counts(behind)) if n < mine]
+        return behind
+
+    def _counts(self, ranks: list[int]) -> list[int]:
+        store, keys = _store(), [self._key(r) for r in ranks]
+        if store.check(keys):  # one request for all (a rank that never arrived has no key)
+            return [int(v) for v in store.multi_get(keys)]
+        return [int(store.add(k, 0)) for k in keys]
+
+
+def _store() -> Any:
+    # torch has no public accessor for the default group's store; this is the one use of it.
+    return dist.distributed_c10d._get_default_store()
+
+
+def _in_thread(fn: Callable[[], Any]) -> Future:
+    """``fn()`` on a daemon thread: a future of its result or error, to be waited for with a bound."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(ex)
+
+    threading.Thread(target=run, name="checkpointer-store", daemon=True).start()
+    return future
+
+
+def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
+    """Which rank stopped answering, as far as the store tells within ``_STORE_S`` seconds;
+    and what else is known."""
+    if peer is not None:
+        return f"rank {peer}", ""
+    if arrival is None:
+        return "another rank", ""
+    store = "rank 0 or the rendezvous store (rank 0 hosts it under env:// and tcp://)"
+    try:
+        missing = _in_thread(arrival.missing).result(timeout=_STORE_S + _STRAGGLER_S)
+    except FutureTimeout:
+        return store, f"; the store did not answer within {_STORE_S:g}s"
+    except Exception as ex:  # noqa: BLE001 - the store's own failure is the diagnosis
+        return store, f"; the store is unreachable ({type(ex).__name__}: {ex})"
+    if not missing:
+        return "another rank", "; every rank had entered this collective, so one stopped inside it"
+    many = len(missing) > 1
+    return f"rank{'s' if many else ''} {', '.join(map(str, missing))}", f"; {'they' if many else 'it'} never entered this collective"
+
+
+def _wait(work: dist.Work | None, what: str, arrival: _Arrival | None = None, peer: int | None = None) -> None:
+    """Wait for ``work``; when it fails, raise :class:`RankFailedError` naming the rank that stopped.
+
+    ``arrival``: this rank's arrival at the collective ``work`` belongs to; ``peer``: the one
+    rank a point-to-point ``work`` depends on.
+    """
     if work is None:
         return
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout_seconds()))
     except Exception as ex:
+        who, detail = _who_stopped(arrival, peer)
         raise RankFailedError(
-            f"{what}: another rank stopped answering (died, or exceeded {TIMEOUT_ENV}={timeout_seconds():g}s): {ex}"
+            f"{what}: {who} stopped answering (died, or exceeded {TIMEOUT_ENV}={timeout_seconds():g}s){detail}: {ex}"
         ) from ex
 
 
@@ -83,21 +174,22 @@ def _to_tensor(payload: bytes, size: int, group: Any = None) -> torch.Tensor:
     return buf.to(_device(group))
 
 
-def _sizes(n: int, group: Any = None) -> list[int]:
+def _sizes(n: int, arrival: _Arrival, group: Any = None) -> list[int]:
     dev = _device(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(get_world_size())]
     mine = torch.tensor([n], dtype=torch.int64, device=dev)
-    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), "exchange")
+    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), "exchange", arrival)
     return [int(s.item()) for s in sizes]
 
 
 def all_gather_bytes(payload: bytes, group: Any = None) -> list[bytes]:
     if not is_distributed():
         return [payload]
-    sizes = _sizes(len(payload), group)
+    arrival = _Arrival(group)
+    sizes = _sizes(len(payload), arrival, group)
     width = max(sizes)
     out = [torch.empty(width, dtype=torch.uint8, device=_device(group)) for _ in sizes]
-    _wait(dist.all_gather(out, _to_tensor(payload, width, group), group=group, async_op=True), "all-gather")
+    _wait(dist.all_gather(out, _to_tensor(payload, width, group), group=group, async_op=True), "all-gather", arrival)
     return [_bytes(t[:n]) for t, n in zip(out, sizes)]
 
 
@@ -109,11 +201,12 @@ def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
     if not is_distributed():
         assert payload is not None
         return payload
+    arrival = _Arrival()
     n = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=_device())
-    _wait(dist.broadcast(n, src, async_op=True), "broadcast")
+    _wait(dist.broadcast(n, src, async_op=True), "broadcast", arrival)
     size = int(n.item())
     buf = _to_tensor(payload if get_rank() == src and payload is not None else b"", size)
-    _wait(dist.broadcast(buf, src, async_op=True), "broadcast")
+    _wait(dist.broadcast(buf, src, async_op=True), "broadcast", arrival)
     return _bytes(buf)
 
 
@@ -121,11 +214,12 @@ def gather_bytes(payload: bytes, dst: int = 0, group: Any = None) -> list[bytes]
     """Every rank's payload on ``dst`` (None elsewhere)."""
     if not is_distributed():
         return [payload]
-    sizes = _sizes(len(payload), group)
+    arrival = _Arrival(group)
+    sizes = _sizes(len(payload), arrival, group)
     width = max(sizes)
     mine = _to_tensor(payload, width, group)
     out = [torch.empty(width, dtype=torch.uint8, device=_device(group)) for _ in sizes] if get_rank() == dst else None
-    _wait(dist.gather(mine, out, dst=dst, group=group, async_op=True), "gather")
+    _wait(dist.gather(mine, out, dst=dst, group=group, async_op=True), "gather", arrival)
     if out is None:
         return None
     return [_bytes(t[:n]) for t, n in zip(out, sizes)]
@@ -136,26 +230,28 @@ def scatter_bytes(payloads: Sequence[bytes] | None, src: int = 0) -> bytes:
     if not is_distributed():
         assert payloads is not None
         return payloads[0]
+    arrival = _Arrival()
     n = torch.zeros(1, dtype=torch.int64, device=_device())
     if get_rank() == src:
         assert payloads is not None
         n[0] = max(len(p) for p in payloads)
-    _wait(dist.broadcast(n, src, async_op=True), "scatter")
+    _wait(dist.broadcast(n, src, async_op=True), "scatter", arrival)
     width = int(n.item())
     size = torch.zeros(1, dtype=torch.int64, device=_device())
     ins = [torch.tensor([len(p)], dtype=torch.int64, device=_device()) for p in payloads] if get_rank() == src else None  # type: ignore[union-attr]
-    _wait(dist.scatter(size, ins, src=src, async_op=True), "scatter")
+    _wait(dist.scatter(size, ins, src=src, async_op=True), "scatter", arrival)
     buf = torch.empty(width, dtype=torch.uint8, device=_device())
     data = [_to_tensor(p, width) for p in payloads] if get_rank() == src else None  # type: ignore[union-attr]
-    _wait(dist.scatter(buf, data, src=src, async_op=True), "scatter")
+    _wait(dist.scatter(buf, data, src=src, async_op=True), "scatter", arrival)
     return _bytes(buf[: int(size.item())])
 
 
 def all_reduce_min(value: int) -> int:
     if not is_distributed():
         return value
+    arrival = _Arrival()
     t = torch.tensor([value], dtype=torch.int64, device=_device())
-    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), "all-reduce")
+    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), "all-reduce", arrival)
     return int(t.item())
 
 
@@ -235,11 +331,11 @@ def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int)
         _wait(dist.broadcast(buf, reader, async_op=True), "two-stage broadcast")
         return
     if me == reader:
-        works = [dist.isend(buf, dst=r, tag=tag) for r in ranks if r != reader]
-        for work in works:
-            _wait(work, "two-stage send")
+        works = [(r, dist.isend(buf, dst=r, tag=tag)) for r in ranks if r != reader]
+        for r, work in works:
+            _wait(work, "two-stage send", peer=r)
     else:
-        _wait(dist.irecv(buf, src=reader, tag=tag), "two-stage receive")
+        _wait(dist.irecv(buf, src=reader, tag=tag), "two-stage receive", peer=reader)
 
 
 def new_cpu_group() -> Any:

@@ -33,15 +33,16 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from .. import dist
+from ..errors import CorruptCheckpointError
 from ..buffers import memoryview_of
 from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, itemsize
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
-from ..planning.plan import build_load_plan
+from ..planning.plan import TensorLoadPlan, build_load_plan
 from ..storage.base import Storage, Writer, open_storage
 from .load import read_metadata
 from .locate import model_checkpoint
-from .rankfile import HeaderCache, ReadJob, execute_reads, verify_reads
+from .rankfile import HeaderCache, ReadJob, check_chunk, check_files_hold, execute_reads, verify_reads
 
 __all__ = [
     "export_safetensors",
@@ -269,6 +270,7 @@ class CheckpointTensors:
         key = (self.metadata.aliases or {}).get(key, key)
         meta = self.metadata.tensors[key]
         dtype = dtype_from_code(meta.dtype)
+        check_files_hold(self.headers, key, meta)
         full = self._staging.take(meta.shape, dtype) if self._staging else torch.empty(meta.shape, dtype=dtype)
         if meta.numel:
             specs = meta.shard_spec_per_file
@@ -291,6 +293,7 @@ class CheckpointTensors:
         key = (self.metadata.aliases or {}).get(key, key)
         meta = self.metadata.tensors[key]
         dtype = dtype_from_code(meta.dtype)
+        check_files_hold(self.headers, key, meta)
         full = self._staging.take(meta.shape, dtype) if self._staging else torch.empty(meta.shape, dtype=dtype)
         if not meta.numel:
             return full, iter(())
@@ -300,16 +303,26 @@ class CheckpointTensors:
         step = max(1, _STREAM_BLOCK // size)
         ready: queue.Queue[int | BaseException | None] = queue.Queue()
 
+        whole = build_load_plan(key, meta, [(0, meta.numel)])
+        checks = _streamed_checks(self.storage, whole, numels, crcs, size, self.verify_chunk) if self.verify_chunk else []
+        view = memoryview_of(flat)
+
         def produce() -> None:
             try:
+                checked = 0
                 for start in range(0, meta.numel, step):
                     end = min(start + step, meta.numel)
                     job = ReadJob(build_load_plan(key, meta, [(start, end)]), flat[start:end], numels, crcs)
                     execute_reads(self.storage, [job], headers=self.headers, num_threads=self.num_threads)
                     ready.put(end * size)
-                if self.verify_chunk:
-                    whole = ReadJob(build_load_plan(key, meta, [(0, meta.numel)]), flat, numels, crcs)
-                    verify_reads(self.storage, [whole], headers=self.headers, chunk_bytes=self.verify_chunk)
+                    # Chunks that this block completed, hashed while they are recent in the cache.
+                    while checks and checked < len(checks) and checks[checked][0] <= end * size:
+                        hi, lo, expected, where = checks[checked]
+                        check_chunk(self.storage, where, view[lo:hi], expected)
+                        checked += 1
+                if checks is None:
+                    job = ReadJob(whole, flat, numels, crcs)
+                    verify_reads(self.storage, [job], headers=self.headers, chunk_bytes=self.verify_chunk)
                 ready.put(None)
             except BaseException as ex:  # noqa: BLE001 - raised by the consumer
                 ready.put(ex)
@@ -326,6 +339,33 @@ class CheckpointTensors:
                 worker.join()
 
         return full, progress()
+
+
+def _streamed_checks(
+    storage: Storage, plan: TensorLoadPlan, numels: dict[str, int], crcs: dict, size: int, chunk: int
+) -> list[tuple[int, int, int, tuple[str, str, int]]] | None:
+    """The checksummed chunks of a whole-tensor read as ``(end, start, crc, where)`` in bytes of
+    the destination, by end; ``None`` when some file's piece is not one run of the destination
+    (box shards split along a later dimension): those are checked after the reads."""
+    per_file: dict[str, list] = {}
+    for item in plan.items:
+        per_file.setdefault(item.file, []).append(item)
+    checks = []
+    for name, items in per_file.items():
+        expected = crcs.get(name)
+        if expected is None:
+            continue
+        if len(items) != 1 or items[0].src_offset != 0 or items[0].numel != numels[name]:
+            return None
+        piece_bytes, d = numels[name] * size, items[0].dst_offset * size
+        count = -(-piece_bytes // chunk)
+        if len(expected) < count:
+            raise CorruptCheckpointError(f"{storage.join(name)}: tensor {plan.key!r} has too few checksums")
+        for c in range(count):
+            lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
+            checks.append((d + hi, d + lo, expected[c], (name, plan.key, c)))
+    checks.sort()
+    return checks
 
 
 def _write_tensor(writer: Writer, t: ExportTensor, fetch: Fetch, staging: Staging) -> None:

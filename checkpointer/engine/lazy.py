@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..format.layout import METADATA_FILENAME, is_rank_filename
+from ..format.layout import METADATA_FILENAME, is_save_file
 from ..format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES
 from ..storage.base import Storage, open_storage
 from ..storage.local import LocalStorage
@@ -249,14 +249,15 @@ def _open_dir(storage: Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyT
         if _has(storage, single):
             file_storage, name = _resolve(storage, single)
             return _open_file(file_storage, name, storage.join(single), mmap=mmap, restrict=restrict)
-    try:
-        names = storage.list()
-    except (OSError, NotImplementedError):  # http(s) cannot list
-        names = []
-    if any(is_rank_filename(n) for n in names):
-        raise IncompleteCheckpointError(
-            f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint"
-        )
+    for root in (storage, storage.child("model")):
+        try:
+            names = root.list()
+        except (OSError, NotImplementedError):  # http(s) cannot list; no model/ there
+            names = []
+        if any(is_save_file(n) for n in names):  # a save began here (rank files, its lock) and never finished
+            raise IncompleteCheckpointError(
+                f"{root.join(METADATA_FILENAME)} is missing: {root.url} is not a complete checkpoint (its save never finished)"
+            )
     return None
 
 

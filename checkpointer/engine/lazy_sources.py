@@ -28,7 +28,7 @@ from ..planning.overlap import Range, box_ranges
 from ..planning.plan import build_load_plan
 from ..storage.base import ReadRequest, Storage, Writer
 from ..storage.local import LocalStorage
-from .rankfile import HeaderCache, ReadJob, execute_reads
+from .rankfile import HeaderCache, ReadJob, check_files_hold, execute_reads
 
 __all__ = [
     "Box",
@@ -121,7 +121,8 @@ def checkpoint_tensors(storage: Storage, metadata: StorageMetadata) -> Iterator[
             numel_per_file = {f: meta.shard_spec_per_file[f].local_numel for f in plan.files}
             execute_reads(storage, [ReadJob(plan, flat, numel_per_file)], headers=headers)
 
-        def read(box: Box | None, meta: Any = meta, read_ranges: Any = read_ranges) -> torch.Tensor:
+        def read(box: Box | None, key: str = key, meta: Any = meta, read_ranges: Any = read_ranges) -> torch.Tensor:
+            check_files_hold(headers, key, meta)  # before read_box allocates what metadata.json claims
             return read_box(meta.shape, dtype_from_code(meta.dtype), box, read_ranges)
 
         for name in [key, *aliases.get(key, [])]:

@@ -6,7 +6,7 @@ import os
 import threading
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -14,12 +14,25 @@ from ..buffers import memoryview_of
 from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c, crc32c_extend
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
+from ..format.metadata import TensorStorageMetadata
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
 from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
 from ..storage.base import ReadRequest, Storage, Writer
 
-__all__ = ["write_rank_file", "HeaderCache", "ReadJob", "execute_reads", "io_threads", "piece_start", "read_file_ranges", "verify_reads"]
+__all__ = [
+    "write_rank_file",
+    "staging_bytes",
+    "HeaderCache",
+    "ReadJob",
+    "execute_reads",
+    "io_threads",
+    "piece_start",
+    "check_files_hold",
+    "check_chunk",
+    "read_file_ranges",
+    "verify_reads",
+]
 
 _SPECULATIVE_HEADER = 1 << 16
 _SPLIT_BYTES = 32 << 20
@@ -38,16 +51,28 @@ def write_rank_file(
     Returns each key's CRC32C per :data:`~checkpointer.checksums.CHUNK_BYTES` of its piece.
     Each block is checksummed right after it is written, while it is still in the CPU cache:
     on a machine whose memory bandwidth is the limit, that costs almost nothing extra.
+
+    Pieces already in contiguous CPU memory (and the header) stay alive and unchanged until
+    the writer commits, so they go to :meth:`~checkpointer.storage.base.Writer.write_stable`:
+    an object-store writer sends them from tensor memory, with no copy. A piece staged from
+    another device or layout is a temporary, written with ``write`` (the writer copies what
+    it keeps past the call).
     """
     header, _ = build_header([(key, lt.dtype, lt.numel) for key, lt in tensors])
     result: dict[str, list[int]] = {}
     with storage.open_writer(name) as writer:
         pending: list[memoryview] = [memoryview(header)]
         pending_bytes = len(header)
+        staging = _Staging()
         for key, lt in tensors:
             data = lt.data
             if data.device.type != "cpu" or not data.is_contiguous():
-                data = data.detach().to("cpu").contiguous()
+                if pending:
+                    writer.write_stable(pending)
+                    pending, pending_bytes = [], 0
+                # The staging buffer is reused: plain ``write``, which copies what it keeps.
+                result[key] = _write_staged(writer, data.detach(), staging, checksums)
+                continue
             view = memoryview_of(data)
             if len(view) < _WRITE_BLOCK:
                 # Small pieces go out together; each is hashed now, while it is hot.
@@ -55,27 +80,87 @@ def write_rank_file(
                 pending.append(view)
                 pending_bytes += len(view)
                 if pending_bytes >= _WRITE_BLOCK:
-                    writer.write(pending)
+                    writer.write_stable(pending)
                     pending, pending_bytes = [], 0
                 continue
             if pending:
-                writer.write(pending)
+                writer.write_stable(pending)
                 pending, pending_bytes = [], 0
-            result[key] = _write_hashed(writer, view, checksums)
+            result[key] = _write_hashed(writer.write_stable, view, checksums)
         if pending:
-            writer.write(pending)
+            writer.write_stable(pending)
         writer.commit()
     return result
 
 
-def _write_hashed(writer: Writer, view: memoryview, checksums: bool) -> list[int]:
+def staging_bytes() -> int:
+    """Host memory a save may use to copy tensors that cannot be written from where they are
+    (on a GPU, or not contiguous): ``CHECKPOINTER_STAGING_MIB``, default 256."""
+    return max(1, int(float(os.environ.get("CHECKPOINTER_STAGING_MIB", "256")) * (1 << 20)))
+
+
+class _Staging:
+    """One reusable host buffer of at most :func:`staging_bytes` (pinned when copying from CUDA)."""
+
+    def __init__(self) -> None:
+        self.budget = staging_bytes()
+        self._buf: torch.Tensor | None = None
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        buf = self._buf
+        if buf is None or buf.numel() < nbytes or (pinned and not buf.is_pinned()):
+            self._buf = None
+            size = max(nbytes, min(self.budget, 64 << 20))
+            buf = self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        return buf[:nbytes]
+
+
+def _write_staged(writer: Writer, data: torch.Tensor, staging: _Staging, checksums: bool) -> list[int]:
+    """Write a tensor through the staging buffer, a block of whole rows (dim 0) at a time.
+
+    A block is at most the staging budget, or one row where a row is larger than that."""
+    pinned = data.device.type == "cuda"
+    if data.dim() == 0:
+        data = data.reshape(1)
+    if data.is_contiguous():
+        data = data.reshape(-1)  # a view: blocks of elements
+    rows = data.shape[0]
+    row_bytes = max(1, data[:1].numel() * data.element_size())
+    step = max(1, staging.budget // row_bytes)
+    crcs: list[int] = []
+    crc, in_chunk = 0, 0
+    for start in range(0, rows, step):
+        part = data[start : start + step]
+        nbytes = part.numel() * part.element_size()
+        host = staging.take(nbytes, pinned).view(part.dtype).view(part.shape)
+        host.copy_(part)
+        view = memoryview_of(host)
+        pos = 0
+        while pos < len(view):
+            # Checksums restart every CHUNK_BYTES of the tensor, wherever the block boundaries fall.
+            take = min(len(view) - pos, CHUNK_BYTES - in_chunk, _WRITE_BLOCK)
+            block = view[pos : pos + take]
+            writer.write([block])
+            if checksums:
+                crc = crc32c_extend(crc, block)
+            pos += take
+            in_chunk += take
+            if in_chunk == CHUNK_BYTES:
+                crcs.append(crc)
+                crc, in_chunk = 0, 0
+    if in_chunk:
+        crcs.append(crc)
+    return crcs if checksums else []
+
+
+def _write_hashed(write: Callable[[Sequence[memoryview]], None], view: memoryview, checksums: bool) -> list[int]:
     crcs = []
     for chunk_start in range(0, len(view), CHUNK_BYTES):
         chunk = view[chunk_start : chunk_start + CHUNK_BYTES]
         crc = 0
         for block_start in range(0, len(chunk), _WRITE_BLOCK):
             block = chunk[block_start : block_start + _WRITE_BLOCK]
-            writer.write([block])
+            write([block])
             if checksums:
                 crc = crc32c_extend(crc, block)
         crcs.append(crc)
@@ -141,6 +226,26 @@ def piece_start(headers: HeaderCache, file: str, key: str, dtype: str, numel: in
     return entry.start
 
 
+def check_files_hold(headers: HeaderCache, key: str, meta: TensorStorageMetadata) -> None:
+    """Check, before allocating ``meta.shape``, that the rank files hold that many elements.
+
+    Each file's piece of ``key`` must match its safetensors header (whose byte ranges were
+    checked against the file's size when it was parsed), and the pieces together must hold
+    at least the tensor's element count; so a buffer of the tensor's shape is never larger
+    than the bytes on disk. Reads only headers (cached); a hole or an overlap between pieces
+    is left to the load plan.
+    """
+    held = 0
+    for name, spec in meta.shard_spec_per_file.items():
+        piece_start(headers, name, key, meta.dtype, spec.local_numel)
+        held += spec.local_numel
+    if held < meta.numel:
+        files = ", ".join(headers.storage.join(name) for name in meta.shard_spec_per_file) or "no file"
+        raise CorruptCheckpointError(
+            f"tensor {key!r}: metadata.json gives it {meta.numel} elements but its files ({files}) hold {held}"
+        )
+
+
 def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache) -> dict[str, list[ReadRequest]]:
     plan = job.plan
     size = itemsize(plan.dtype)
@@ -165,14 +270,24 @@ def execute_reads(
 
     Reads for one file are sorted by offset (adjacent ones become one ``preadv``) and split
     into chunks spread over a small thread pool. With ``verify_chunk_bytes``, every
-    checksummed chunk the reads touched is checked afterwards.
+    checksummed chunk the reads touch is checked: on local storage each whole chunk is hashed
+    block by block right after each block is read, while it is still in the CPU cache;
+    elsewhere, and for chunks the reads cover only in part, after the reads.
     """
     headers = headers or HeaderCache(storage)
+    fused = bool(verify_chunk_bytes) and storage.is_local()
     per_file: dict[str, list[ReadRequest]] = {}
+    hashed: list[tuple] = []
     for job in jobs:
-        for name, reqs in _byte_requests(job, memoryview_of(job.dest), headers).items():
+        dest = memoryview_of(job.dest)
+        if fused and job.checksums_per_file:
+            requests, job_hashed = _verified_requests(storage, job, dest, headers, verify_chunk_bytes)
+            hashed += job_hashed
+        else:
+            requests = _byte_requests(job, dest, headers)
+        for name, reqs in requests.items():
             per_file.setdefault(name, []).extend(reqs)
-    tasks: list[tuple[str, list[ReadRequest]]] = []
+    tasks: list[tuple] = []
     for name, reqs in per_file.items():
         reqs.sort(key=lambda r: r[0])
         chunk: list[ReadRequest] = []
@@ -181,13 +296,68 @@ def execute_reads(
             chunk.append(req)
             chunk_bytes += len(req[1])
             if chunk_bytes >= _SPLIT_BYTES:
-                tasks.append((name, chunk))
+                tasks.append((_read, storage, name, chunk))
                 chunk, chunk_bytes = [], 0
         if chunk:
-            tasks.append((name, chunk))
-    _run(num_threads, [(_read, storage, name, reqs) for name, reqs in tasks])
-    if verify_chunk_bytes:
+            tasks.append((_read, storage, name, chunk))
+    _run(num_threads, hashed + tasks)
+    if verify_chunk_bytes and not fused:
         verify_reads(storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)
+
+
+def _verified_requests(
+    storage: Storage, job: ReadJob, dest: memoryview, headers: HeaderCache, chunk: int
+) -> tuple[dict[str, list[ReadRequest]], list[tuple]]:
+    """Split a job's reads at checksum chunks: ``(plain reads, read-and-hash tasks)``.
+
+    A chunk the read covers whole becomes one read-and-hash task; the covered part of a chunk
+    it touches only in part is a plain read, and that chunk is checked from storage once."""
+    plan = job.plan
+    size = itemsize(plan.dtype)
+    plain: dict[str, list[ReadRequest]] = {}
+    tasks: list[tuple] = []
+    runs: list[list] = []  # [file, key, file offset, dest start, dest end, [(chunk, crc), ...]]
+    rechecked: set[tuple[str, int]] = set()
+    for item in plan.items:
+        numel = job.numel_per_file[item.file]
+        start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
+        a, b = item.src_offset * size, (item.src_offset + item.numel) * size
+        d = item.dst_offset * size - a  # dest index of piece byte 0
+        crcs = job.checksums_per_file.get(item.file) if job.checksums_per_file else None
+        if crcs is None:
+            plain.setdefault(item.file, []).append((start + a, dest[d + a : d + b]))
+            continue
+        piece_bytes = numel * size
+        for c in range(a // chunk, -(-b // chunk)):
+            lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
+            where = (item.file, plan.key, c)
+            if c >= len(crcs):
+                raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {plan.key!r} has too few checksums")
+            if a <= lo and hi <= b:
+                run = runs[-1] if runs else None
+                if run is not None and run[0] == item.file and run[1] == plan.key and run[4] == d + lo and run[4] - run[3] < _SPLIT_BYTES:
+                    run[4] = d + hi  # the previous run of whole chunks goes on: one read for both
+                    run[5].append((c, crcs[c]))
+                else:
+                    runs.append([item.file, plan.key, start + lo, d + lo, d + hi, [(c, crcs[c])]])
+                continue
+            seg_lo, seg_hi = max(lo, a), min(hi, b)
+            plain.setdefault(item.file, []).append((start + seg_lo, dest[d + seg_lo : d + seg_hi]))
+            if (item.file, c) not in rechecked:
+                rechecked.add((item.file, c))
+                tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
+    tasks += [(_read_hashed, storage, f, key, at, dest[lo:hi], chunk, crcs) for f, key, at, lo, hi, crcs in runs]
+    return plain, tasks
+
+
+def _read_hashed(
+    storage: Storage, name: str, key: str, start: int, view: memoryview, chunk: int, expected: list[tuple[int, int]]
+) -> None:
+    """One read of whole checksum chunks, each hashed right after, while in the CPU's last-level cache."""
+    _read(storage, name, [(start, view)])
+    for i, (c, crc) in enumerate(expected):
+        if crc32c(view[i * chunk : (i + 1) * chunk]) != crc:
+            raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
 
 
 def verify_reads(
@@ -229,7 +399,7 @@ def _verify_tasks(storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCach
                 if c >= len(crcs):
                     raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {job.plan.key!r} has too few checksums")
                 if a <= lo and hi <= b:
-                    tasks.append((_check, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
+                    tasks.append((check_chunk, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
                 elif where not in reread:
                     reread.add(where)
                     start = piece_start(headers, item.file, job.plan.key, job.plan.dtype, job.numel_per_file[item.file])
@@ -237,14 +407,15 @@ def _verify_tasks(storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCach
     return tasks
 
 
-def _check(storage: Storage, where: tuple[str, str, int], view: memoryview, expected: int) -> None:
+def check_chunk(storage: Storage, where: tuple[str, str, int], view: memoryview, expected: int) -> None:
+    """Raise if the CRC32C of ``view`` is not ``expected``; ``where`` is (file, key, chunk index)."""
     if crc32c(view) != expected:
         name, key, c = where
         raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
 
 
 def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
-    _check(storage, where, memoryview(storage.read(where[0], start, end)), expected)
+    check_chunk(storage, where, memoryview(storage.read(where[0], start, end)), expected)
 
 
 def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:

@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -107,7 +108,10 @@ def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool
         )
     if not retire_old:
         return
-    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+    # The token makes the lock file ours alone: a conditional create retried after a lost
+    # answer recognises its own file by its bytes.
+    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                       "token": uuid.uuid4().hex}).encode()
     try:
         storage.create_exclusive(LOCK_FILENAME, lock)
     except FileExistsError:
@@ -118,6 +122,13 @@ def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool
             ) from None
         storage.write(LOCK_FILENAME, lock)
     if storage.exists(METADATA_FILENAME):
+        if not save_overwrite:
+            # A save that held the lock committed between the first check and ours.
+            _release_lock(storage)
+            raise FileExistsError(
+                f"{storage.join(METADATA_FILENAME)} exists: a checkpoint was saved there while this save "
+                "was planning (pass save_overwrite=True to replace it)"
+            )
         storage.delete(METADATA_FILENAME)
 
 

@@ -14,7 +14,7 @@ from ..planning.overlap import SourceIndex
 from ..planning.plan import build_load_plan, spec_ranges
 from ..storage.base import Storage
 from .load import read_metadata
-from .rankfile import HeaderCache, ReadJob, execute_reads, piece_start
+from .rankfile import HeaderCache, ReadJob, check_files_hold, execute_reads
 
 __all__ = ["unshard_state_dict", "read_full"]
 
@@ -56,13 +56,14 @@ def read_full(
     *,
     num_threads: int | None = None,
     verify: bool = False,
+    headers: HeaderCache | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full tensors of ``keys``, read by this process alone (no collectives).
 
     Every piece is checked against its file's header before anything is allocated, so a
     hostile ``metadata.json`` cannot make this allocate more than the files hold.
     """
-    headers = HeaderCache(storage)
+    headers = headers or HeaderCache(storage)
     out: dict[str, torch.Tensor] = {}
     jobs = []
     for key in keys:
@@ -71,8 +72,7 @@ def read_full(
         index = SourceIndex([spec_ranges(s, meta.shape) for s in specs.values()])
         if index.covered() != meta.numel:
             raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
-        for name, spec in specs.items():
-            piece_start(headers, name, key, meta.dtype, spec.local_numel)
+        check_files_hold(headers, key, meta)
         full = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
         out[key] = full
         if meta.numel:

@@ -14,6 +14,7 @@ __all__ = [
     "rank_filename",
     "temp_name",
     "is_rank_filename",
+    "is_save_file",
     "check_filename",
 ]
 
@@ -22,6 +23,7 @@ LOCK_FILENAME = ".checkpointer-save.lock"
 """Held by rank 0 from planning until commit, so two jobs never save into one directory at once."""
 FORMAT_VERSION = 1
 _RANK_FILE = re.compile(r"rank_(\d+)\.safetensors")
+_TEMP_FILE = re.compile(r"\.(.+)\.tmp-[0-9a-f]+")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
@@ -31,6 +33,14 @@ def rank_filename(rank: int) -> str:
 
 def is_rank_filename(name: str) -> bool:
     return _RANK_FILE.fullmatch(name) is not None
+
+
+def is_save_file(name: str) -> bool:
+    """A file only a save of this library leaves: a rank file, the save lock, or the temp file
+    (see :func:`temp_name`) of either or of ``metadata.json``."""
+    temp = _TEMP_FILE.fullmatch(name)
+    base = temp.group(1) if temp else name
+    return is_rank_filename(base) or base == LOCK_FILENAME or (temp is not None and base == METADATA_FILENAME)
 
 
 def temp_name(name: str) -> str:

@@ -42,6 +42,12 @@ class Writer(ABC):
     def write(self, buffers: Sequence[memoryview]) -> None:
         """Append the buffers, in order; the caller may reuse them once this returns."""
 
+    def write_stable(self, buffers: Sequence[memoryview]) -> None:
+        """Append the buffers, which the caller leaves alive and unchanged until :meth:`commit`
+        or :meth:`abort` returns (the pieces of a save), so that a writer may send them later
+        from where they are instead of copying them. By default the same as :meth:`write`."""
+        self.write(buffers)
+
     @abstractmethod
     def commit(self) -> None:
         """Make the file durable and visible under its name, whole."""

@@ -3,9 +3,11 @@
 ``gs://bucket/prefix``: a file ``name`` is the object ``prefix/name``. The client finds the
 endpoint and credentials the standard way (``STORAGE_EMULATOR_HOST``, application default
 credentials). Metadata calls (size, list, delete) go through the client's public API with
-its retries off; the data path (ranged GETs, resumable uploads) speaks the JSON API over the
-client's authorized session, so bytes go straight between the socket and the caller's
-buffers. Every call is retried by :func:`call_with_retry` (``CHECKPOINTER_IO_RETRIES``).
+its retries off; the data path (ranged GETs, uploads) speaks the JSON API over the client's
+authorized session, so bytes go straight between the socket and the caller's buffers. A file
+of several parts is uploaded as part objects in parallel and composed
+(:mod:`~checkpointer.storage.gcs_compose`), or with ``parallel_upload=False`` through one
+resumable upload. Every call is retried by :func:`call_with_retry` (``CHECKPOINTER_IO_RETRIES``).
 
 A resumable upload session URI is a bearer credential: it never appears in a message, a
 log line or an exception (transport errors are re-raised with redacted text).
@@ -15,18 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, urlencode
 
 from .base import ReadRequest, Storage, check_name
+from .parts import Part, PartReader, PartWriter, part_bytes
 from .retry import (
     HTTPStatusError,
-    PartWriter,
     RangeTask,
     RetryPolicy,
     bucket_url,
     call_with_retry,
     fill_range,
+    holds,
     is_transient,
     plan_ranges,
     redact,
@@ -41,6 +45,7 @@ T = TypeVar("T")
 
 MiB = 1 << 20
 CHUNK_UNIT = 256 * 1024  # resumable chunks (all but the last) are multiples of this
+PARALLEL_UPLOAD_ENV = "CHECKPOINTER_GCS_PARALLEL_UPLOAD"
 
 
 def _gcs():
@@ -82,9 +87,13 @@ def _transport_errors() -> Iterator[None]:
         raise OSError(f"{type(e).__name__}: {redact(str(e))}") from None
 
 
-def _body(view: memoryview) -> memoryview | bytes:
-    # requests sends an empty memoryview chunked; an empty body must be b"".
-    return view if len(view) else b""
+def _body(part: Part, start: int = 0) -> memoryview | bytes | PartReader:
+    """A request body of ``part`` from byte ``start`` on, without joining its segments."""
+    if part_bytes(part) <= start:
+        return b""  # requests sends an empty memoryview chunked; an empty body must be b""
+    if len(part) == 1:
+        return part[0][start:]
+    return PartReader(part, start)
 
 
 class GCSStorage(Storage):
@@ -94,14 +103,20 @@ class GCSStorage(Storage):
         url: ``gs://bucket`` or ``gs://bucket/prefix`` (``gcs://`` also accepted).
         client: a ``google.cloud.storage.Client`` (default: one from the standard settings).
             :meth:`child` views share it.
-        part_size: bytes per resumable-upload chunk and per ranged GET (rounded up to 256 KiB).
-        max_concurrency: parallel ranged GETs of one ``read_into``.
+        part_size: bytes per upload part (or resumable-upload chunk) and per ranged GET
+            (rounded up to 256 KiB).
+        max_concurrency: parallel requests of one ``read_into`` or one writer.
+        parallel_upload: upload a file of more than one part as part objects in parallel,
+            composed at commit (:mod:`~checkpointer.storage.gcs_compose`, which says what that
+            costs); ``False``: one resumable upload, one chunk at a time. Default:
+            ``CHECKPOINTER_GCS_PARALLEL_UPLOAD`` (``0`` turns it off), else on.
         retry: retry bounds (default: :class:`RetryPolicy`, ``CHECKPOINTER_IO_RETRIES``).
         timeout: ``(connect, read)`` socket timeouts, in seconds.
     """
 
-    def __init__(self, url: str, *, client: Any = None, part_size: int = 64 * MiB, max_concurrency: int = 8,
-                 retry: RetryPolicy | None = None, timeout: tuple[float, float] = (10.0, 120.0)):
+    def __init__(self, url: str, *, client: Any = None, part_size: int = 32 * MiB, max_concurrency: int = 8,
+                 retry: RetryPolicy | None = None, timeout: tuple[float, float] = (10.0, 120.0),
+                 parallel_upload: bool | None = None):
         self.bucket, self.prefix = bucket_url(url, ("gs", "gcs"))
         if self.prefix:
             check_name(self.prefix)
@@ -112,6 +127,10 @@ class GCSStorage(Storage):
         self.max_concurrency = max(1, max_concurrency)
         self.retry = retry or RetryPolicy()
         self.timeout = timeout
+        if parallel_upload is None:
+            setting = os.environ.get(PARALLEL_UPLOAD_ENV, "1").strip().lower()
+            parallel_upload = setting not in ("0", "false", "no", "off")
+        self.parallel_upload = parallel_upload
         if client is None:
             import google.auth.exceptions
 
@@ -201,6 +220,10 @@ class GCSStorage(Storage):
         except FileNotFoundError:
             pass
 
+    @property
+    def _upload_url(self) -> str:
+        return f"{self._endpoint}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
+
     def _media_url(self, name: str) -> str:
         bucket, key = quote(self.bucket, safe=""), quote(self._key(name), safe="")
         return f"{self._endpoint}/download/storage/v1/b/{bucket}/o/{key}?alt=media"
@@ -248,10 +271,40 @@ class GCSStorage(Storage):
 
     def write(self, name: str, data: bytes) -> None:
         with self.open_writer(name) as writer:
-            writer.write([memoryview(data)])
+            writer.write_stable([memoryview(data)])
             writer.commit()
 
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        """A one-request upload on condition that no object has the name (``ifGenerationMatch=0``):
+        of two callers, one creates the file and the other gets ``FileExistsError``, also when
+        both start at once.
+
+        gcp-storage-emulator ignores the condition (it has no preconditions at all), so there
+        the check before the upload is all there is: two callers in the same instant may both
+        succeed. ``data`` must not be empty (the emulator fails on an empty one-request upload).
+        """
+        if self.exists(name):
+            raise FileExistsError(self.join(name))
+        query = urlencode({"uploadType": "media", "name": self._key(name), "ifGenerationMatch": "0"})
+
+        def post(attempt: int) -> None:
+            try:
+                self.request("POST", f"{self._upload_url}?{query}", data=data,
+                             headers={"Content-Type": "application/octet-stream"}).close()
+            except HTTPStatusError as e:
+                if e.status != 412:
+                    raise
+                if attempt and holds(self, name, data):
+                    return  # an earlier attempt created it and its answer was lost
+                raise FileExistsError(self.join(name)) from e
+
+        self.call("POST if absent", name, post)
+
     def open_writer(self, name: str) -> GCSWriter:
+        if self.parallel_upload:
+            from .gcs_compose import GCSComposeWriter
+
+            return GCSComposeWriter(self, name)
         return GCSWriter(self, name)
 
 
@@ -264,8 +317,8 @@ class GCSWriter(PartWriter):
     appears when the last chunk, which carries the total size, lands.
     """
 
-    def __init__(self, storage: GCSStorage, name: str):
-        super().__init__(storage.join(name), storage.part_size, workers=1, in_flight=1)
+    def __init__(self, storage: GCSStorage, name: str, **parts: Any):
+        super().__init__(storage.join(name), storage.part_size, **(parts or {"workers": 1, "in_flight": 1}))
         self._s = storage
         self._name = name
         self._key = storage._key(name)
@@ -273,9 +326,15 @@ class GCSWriter(PartWriter):
 
     @property
     def _upload_base(self) -> str:
-        return f"{self._s._endpoint}/upload/storage/v1/b/{quote(self._s.bucket, safe='')}/o"
+        return self._s._upload_url
 
     def _begin(self) -> None:
+        self._start_session()
+
+    def _upload(self, number: int, offset: int, part: Part, total: int | None) -> None:
+        self._send_chunk(offset, part, total)
+
+    def _start_session(self) -> None:
         query = urlencode({"uploadType": "resumable", "name": self._key})
         resp = self._s.call("POST resumable session", self._name, lambda _: self._s.request(
             "POST", f"{self._upload_base}?{query}", json={"name": self._key},
@@ -294,8 +353,9 @@ class GCSWriter(PartWriter):
         with resp:
             return None if resp.status_code in (200, 201) else _range_end(resp.headers.get("Range"))
 
-    def _upload(self, number: int, offset: int, part: memoryview, total: int | None) -> None:
-        end = offset + len(part)
+    def _send_chunk(self, offset: int, part: Part, total: int | None) -> None:
+        """Send bytes ``[offset, ...)`` of the session; ``total`` (the file size) with the last chunk."""
+        end = offset + part_bytes(part)
 
         def attempt(n: int) -> None:
             pos = offset
@@ -314,7 +374,7 @@ class GCSWriter(PartWriter):
                 else:
                     rng = f"bytes */{total}"
                 resp = self._s.request("PUT", self._session_url, ok=(200, 201, 308),
-                                       data=_body(part[pos - offset :]), headers={"Content-Range": rng})
+                                       data=_body(part, pos - offset), headers={"Content-Range": rng})
                 with resp:
                     if resp.status_code in (200, 201):
                         return
@@ -328,14 +388,8 @@ class GCSWriter(PartWriter):
     def commit(self) -> None:
         self._check()
         try:
-            # An empty file goes through a session too: gcp-storage-emulator fails on an
-            # empty one-request upload (real GCS takes it).
-            if not self.started and self._parts.total:
-                data = self._parts.rest()
-                query = urlencode({"uploadType": "media", "name": self._key})
-                self._s.call("POST", self._name, lambda _: self._s.request(
-                    "POST", f"{self._upload_base}?{query}", data=_body(data),
-                    headers={"Content-Type": "application/octet-stream"}).close())
+            if not self.started:
+                self._one_request()
             else:
                 self._finish_parts(last_if_empty=True)
             self._session_url = None
@@ -343,6 +397,20 @@ class GCSWriter(PartWriter):
             self.abort()
             raise
         self._close()
+
+    def _one_request(self) -> None:
+        """The whole file, smaller than one chunk, in one request."""
+        data = self._parts.rest()
+        if not data:
+            # An empty file goes through a session: gcp-storage-emulator fails on an empty
+            # one-request upload (real GCS takes it).
+            self._start_session()
+            self._send_chunk(0, data, 0)
+            return
+        query = urlencode({"uploadType": "media", "name": self._key})
+        self._s.call("POST", self._name, lambda _: self._s.request(
+            "POST", f"{self._upload_base}?{query}", data=_body(data),
+            headers={"Content-Type": "application/octet-stream"}).close())
 
     def abort(self) -> None:
         self._close()

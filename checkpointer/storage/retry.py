@@ -9,8 +9,9 @@ Stdlib only; each backend says which of its vendor errors are transient.
   requests coalesced, large ones split; :func:`fill_range` streams one range straight into
   its buffers and resumes where it stopped when retried; :func:`run_parallel` runs them on a
   bounded thread pool.
-* :class:`PartWriter` cuts what a writer is given into upload parts (:class:`PartBuffer`)
-  and uploads them on a bounded pool, so memory stays bounded.
+* :func:`holds` tells a conditional create's own file from someone else's after a lost answer.
+
+The upload side (parts uploaded on a bounded pool) is in :mod:`~checkpointer.storage.parts`.
 * :func:`redact` removes user-info and query strings (signatures, tokens, upload ids) from
   URLs in text, so no credential reaches a message or a log line.
 """
@@ -21,18 +22,16 @@ import logging
 import os
 import random
 import re
-import threading
 import time
-from abc import abstractmethod
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import Callable, Iterable, Protocol, Sequence, TypeVar
 
-from .base import ReadRequest, Writer
+from .base import ReadRequest, Storage
 
 __all__ = [
-    "RetryPolicy", "HTTPStatusError", "RangeTask", "PartBuffer", "PartWriter", "bucket_url", "io_retries",
-    "call_with_retry", "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
+    "RetryPolicy", "HTTPStatusError", "RangeTask", "bucket_url", "io_retries",
+    "call_with_retry", "holds", "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
 ]
 
 log = logging.getLogger(__name__)
@@ -157,6 +156,15 @@ def call_with_retry(
             time.sleep(pause)
 
 
+def holds(storage: Storage, name: str, data: bytes) -> bool:
+    """Whether the file ``name`` holds exactly ``data``: after a conditional create whose
+    answer was lost, a retry that finds the file tells ours from someone else's this way."""
+    try:
+        return storage.read(name) == data
+    except OSError:
+        return False
+
+
 @dataclass
 class RangeTask:
     """Bytes ``[start, end)`` of one object, to land in ``buffers`` (consecutive, flat bytes).
@@ -265,137 +273,6 @@ def run_parallel(fn: Callable[[T], None], items: Iterable[T], max_workers: int) 
         for fut in futures:
             if fut.done() and not fut.cancelled() and fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
-
-
-class PartBuffer:
-    """Cuts the buffers handed to a writer into parts of exactly ``size`` bytes.
-
-    A run of small buffers is copied into one part buffer (a new one per part, so a part
-    being uploaded is never overwritten); a buffer of a part or more is cut into parts that
-    are slices of the caller's memory ("borrowed": valid only until the caller's ``write``
-    returns, so the writer must wait for them). The tail is kept for the next call or
-    :meth:`rest`.
-    """
-
-    def __init__(self, size: int):
-        if size <= 0:
-            raise ValueError(f"part size must be positive, got {size}")
-        self.size = size
-        self.total = 0
-        self._buf: bytearray | None = None
-        self._fill = 0
-
-    def feed(self, buffers: Sequence[memoryview]) -> Iterator[tuple[memoryview, bool]]:
-        """Full parts, in order, as ``(part, borrowed)``."""
-        for buf in buffers:
-            view = memoryview(buf).cast("B")
-            self.total += len(view)
-            while len(view):
-                if self._fill == 0 and len(view) >= self.size:
-                    yield view[: self.size], True
-                    view = view[self.size :]
-                    continue
-                if self._buf is None:
-                    self._buf = bytearray(self.size)
-                n = min(len(view), self.size - self._fill)
-                self._buf[self._fill : self._fill + n] = view[:n]
-                self._fill += n
-                view = view[n:]
-                if self._fill == self.size:
-                    part, self._buf, self._fill = memoryview(self._buf), None, 0
-                    yield part, False
-
-    def rest(self) -> memoryview:
-        """The bytes not yet in a full part (the last part), and forget them."""
-        part = memoryview(self._buf)[: self._fill] if self._buf is not None else memoryview(b"")
-        self._buf, self._fill = None, 0
-        return part
-
-
-class PartWriter(Writer):
-    """A writer that uploads fixed-size parts on a pool of ``workers`` threads.
-
-    At most ``in_flight`` parts are queued or uploading; :meth:`write` blocks for a slot, so
-    at most ``in_flight + 1`` part buffers exist. Parts borrowed from the caller's memory
-    are waited for before :meth:`write` returns. Subclasses say how a part is uploaded.
-    """
-
-    def __init__(self, url: str, part_size: int, *, workers: int, in_flight: int, max_parts: int | None = None):
-        self.url = url
-        self._parts = PartBuffer(part_size)
-        self._workers = workers
-        self._slots = threading.Semaphore(in_flight)
-        self._max_parts = max_parts
-        self._futures: list[Future] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._offset = 0
-        self._closed = False
-
-    def _begin(self) -> None:
-        """Called before the first part is uploaded (start a multipart upload or a session)."""
-
-    @abstractmethod
-    def _upload(self, number: int, offset: int, part: memoryview, total: int | None) -> None:
-        """Upload part ``number`` (1-based), bytes ``[offset, offset + len(part))``; ``total`` is
-        the file size when this is the last part (only :meth:`_finish_parts` says so)."""
-
-    @property
-    def started(self) -> bool:
-        return self._pool is not None
-
-    def _check(self) -> None:
-        if self._closed:
-            raise ValueError(f"writer for {self.url} is closed")
-        for fut in self._futures:
-            if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
-
-    def write(self, buffers: Sequence[memoryview]) -> None:
-        self._check()
-        borrowed: list[Future] = []
-        try:
-            for part, is_borrowed in self._parts.feed(buffers):
-                fut = self._submit(part)
-                if is_borrowed:
-                    borrowed.append(fut)
-        finally:
-            wait(borrowed)  # the caller may reuse its buffers once write returns
-        for fut in borrowed:
-            fut.result()
-
-    def _submit(self, part: memoryview, total: int | None = None) -> Future:
-        number = len(self._futures) + 1
-        if self._max_parts is not None and number > self._max_parts:
-            raise OSError(f"{self.url} needs more than {self._max_parts} parts: raise part_size")
-        if self._pool is None:
-            self._begin()
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ckpt-upload")
-        offset, self._offset = self._offset, self._offset + len(part)
-        self._slots.acquire()
-        try:
-            fut = self._pool.submit(self._upload, number, offset, part, total)
-        except BaseException:
-            self._slots.release()
-            raise
-        fut.add_done_callback(lambda _: self._slots.release())
-        self._futures.append(fut)
-        return fut
-
-    def _finish_parts(self, last_if_empty: bool) -> None:
-        """Upload the tail as the last part (also when empty, if ``last_if_empty``); wait for all."""
-        rest = self._parts.rest()
-        if len(rest) or last_if_empty:
-            self._submit(rest, total=self._offset + len(rest))
-        for fut in self._futures:
-            fut.result()
-
-    def _close(self) -> None:
-        self._closed = True
-        self._parts.rest()
-        if self._pool is not None:
-            for fut in self._futures:
-                fut.cancel()
-            self._pool.shutdown(wait=True)
 
 
 def bucket_url(url: str, schemes: tuple[str, ...]) -> tuple[str, str]:

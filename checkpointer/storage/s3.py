@@ -7,8 +7,10 @@ botocore's own retries are turned off: every call goes through :func:`call_with_
 ``CHECKPOINTER_IO_RETRIES`` bounds all of them.
 
 Reads are ranged GETs read straight into the caller's buffers (:meth:`S3Storage.read_into`).
-A :class:`S3Writer` streams into a multipart upload, parts uploaded in parallel; a file
-smaller than one part is a single PUT. Nothing is visible before ``commit``.
+A :class:`S3Writer` streams into a multipart upload, parts uploaded in parallel (sent from
+the caller's memory when it writes with ``write_stable``), CRC32 declared as boto3's
+``upload_file`` does; a file smaller than one part is a single PUT. Nothing is visible
+before ``commit``. :meth:`S3Storage.create_exclusive` (the save lock) is a conditional PUT.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import logging
 from typing import Any, Callable, Sequence, TypeVar
 
 from .base import ReadRequest, Storage, check_name
+from .parts import Part, PartReader, PartWriter
 from .retry import (
-    PartWriter,
     RangeTask,
     RetryPolicy,
     bucket_url,
     call_with_retry,
     fill_range,
+    holds,
     is_transient,
     plan_ranges,
     redact,
@@ -42,10 +45,11 @@ T = TypeVar("T")
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part (all but the last)
-MAX_PARTS = 10_000
+MAX_PARTS = 10_000  # parts double in size every quarter of this: 16 MiB parts reach 586 GiB
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-             "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException"}
+             "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
+             "ConditionalRequestConflict"}  # 409: a conditional write to the same key in progress; retry
 
 
 def _boto():
@@ -77,37 +81,6 @@ def _transient(exc: BaseException) -> bool:
     import urllib3.exceptions
 
     return isinstance(exc, (urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)) or is_transient(exc)
-
-
-class _ViewReader:
-    """A seekable file over a memoryview, so botocore can send (and resend) it without a copy of the whole."""
-
-    def __init__(self, view: memoryview):
-        self._view = view
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def read(self, n: int | None = -1) -> bytes:
-        stop = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        data = self._view[self._pos : stop].tobytes()
-        self._pos = stop
-        return data
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
-        self._pos = max(0, min(len(self._view), base + pos))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
 
 # The environment settings a client is built from: a client is shared while they are unchanged.
@@ -157,6 +130,17 @@ class S3Storage(Storage):
         self.retry = retry or RetryPolicy()
         self._timeouts = (connect_timeout, read_timeout)
         self._client = client if client is not None else self._make_client()
+
+    def _checksum_args(self) -> dict[str, str]:
+        """``ChecksumAlgorithm=CRC32`` as boto3's ``upload_file`` sends it, unless the client was told
+        to checksum only when required (``request_checksum_calculation``).
+
+        Declaring the algorithm when the multipart upload is created makes the store check each
+        part's CRC32 and keep a composite checksum. Left undeclared, a store may instead compute
+        a full-object checksum at completion (moto copies the whole object once more for it).
+        """
+        mode = getattr(self._client.meta.config, "request_checksum_calculation", None)
+        return {} if mode == "when_required" else {"ChecksumAlgorithm": "CRC32"}
 
     def _make_client(self) -> Any:
         settings = tuple(os.environ.get(name) for name in _CLIENT_SETTINGS)
@@ -270,8 +254,31 @@ class S3Storage(Storage):
 
     def write(self, name: str, data: bytes) -> None:
         with self.open_writer(name) as writer:
-            writer.write([memoryview(data)])
+            writer.write_stable([memoryview(data)])
             writer.commit()
+
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        """A conditional PUT (``If-None-Match: *``): of two callers, one creates the file and the
+        other gets ``FileExistsError``, also when both start at once. A store that ignores the
+        condition (older S3-compatible stores) still gets the check before it."""
+        if self.exists(name):
+            raise FileExistsError(self.join(name))
+        key = self._key(name)
+        _, botocore = _boto()
+
+        def put(attempt: int) -> None:
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*",
+                                        **self._checksum_args())
+            except botocore.exceptions.ClientError as e:
+                code, status = _error_code(e)
+                if code != "PreconditionFailed" and status != 412:
+                    raise
+                if attempt and holds(self, name, data):
+                    return  # an earlier attempt created it and its answer was lost
+                raise FileExistsError(self.join(name)) from e
+
+        self.call("PUT if absent", name, put)
 
     def open_writer(self, name: str) -> S3Writer:
         return S3Writer(self, name)
@@ -280,29 +287,35 @@ class S3Storage(Storage):
 class S3Writer(PartWriter):
     """Streams a file into a multipart upload, ``max_concurrency`` parts in flight at most.
 
-    Memory stays bounded: small buffers are copied into part buffers (at most
-    ``max_concurrency + 1`` exist); a buffer of a part or more is uploaded straight from the
-    caller's memory. A file smaller than one part is a single PUT at commit.
+    Memory stays bounded: buffers given to :meth:`write_stable` (a save's tensors) are sent
+    from the caller's memory, never copied; a buffer of a part or more is too. Other small
+    buffers are copied into part buffers (at most ``max_concurrency + 1`` parts' worth). A
+    file smaller than one part is a single PUT at commit.
     """
 
     def __init__(self, storage: S3Storage, name: str):
         super().__init__(storage.join(name), storage.part_size, workers=storage.max_concurrency,
-                         in_flight=storage.max_concurrency, max_parts=MAX_PARTS)
+                         in_flight=storage.max_concurrency, max_parts=MAX_PARTS, grow_every=MAX_PARTS // 4)
         self._s = storage
         self._name = name
         self._key = storage._key(name)
         self._upload_id: str | None = None
-        self._etags: dict[int, str] = {}
+        self._parts_done: dict[int, dict[str, Any]] = {}
+        self._extra = storage._checksum_args()
 
     def _begin(self) -> None:
         resp = self._s.call("CreateMultipartUpload", self._name, lambda _: self._s._client.create_multipart_upload(
-            Bucket=self._s.bucket, Key=self._key))
+            Bucket=self._s.bucket, Key=self._key, **self._extra))
         self._upload_id = resp["UploadId"]
 
-    def _upload(self, number: int, offset: int, part: memoryview, total: int | None) -> None:
+    def _upload(self, number: int, offset: int, part: Part, total: int | None) -> None:
         resp = self._s.call(f"PUT part {number}", self._name, lambda _: self._s._client.upload_part(
-            Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=_ViewReader(part)))
-        self._etags[number] = resp["ETag"]
+            Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
+            Body=PartReader(part), **self._extra))
+        done = {"ETag": resp["ETag"], "PartNumber": number}
+        if "ChecksumCRC32" in resp and self._extra:
+            done["ChecksumCRC32"] = resp["ChecksumCRC32"]
+        self._parts_done[number] = done
 
     def commit(self) -> None:
         self._check()
@@ -310,7 +323,7 @@ class S3Writer(PartWriter):
             if not self.started:
                 data = self._parts.rest()
                 self._s.call("PUT", self._name, lambda _: self._s._client.put_object(
-                    Bucket=self._s.bucket, Key=self._key, Body=_ViewReader(data)))
+                    Bucket=self._s.bucket, Key=self._key, Body=PartReader(data), **self._extra))
             else:
                 self._finish_parts(last_if_empty=False)
                 self._complete()
@@ -322,7 +335,7 @@ class S3Writer(PartWriter):
 
     def _complete(self) -> None:
         _, botocore = _boto()
-        parts = [{"ETag": self._etags[n], "PartNumber": n} for n in sorted(self._etags)]
+        parts = [self._parts_done[n] for n in sorted(self._parts_done)]
 
         def complete(attempt: int) -> None:
             try:

@@ -162,3 +162,32 @@ def test_parse_size_and_dtype():
     assert [export_module.parse_dtype(x) for x in ("bf16", "float16", torch.float32, "F64", None)] == [
         "BF16", "F16", "F32", "F64", None,
     ]
+
+
+def _flip_byte_of(path: str, key: str, at: float) -> None:
+    """Flip one bit inside ``key``'s data in a safetensors file, ``at`` (0..1) of the way in."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        begin, end = json.loads(f.read(n))[key]["data_offsets"]
+        pos = 8 + n + begin + int((end - begin - 1) * at)
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x04]))
+
+
+@pytest.mark.parametrize("at", [0.0, 0.5, 1.0])
+def test_export_catches_a_flipped_bit_while_streaming(ckpts, tmp_path, at):
+    import shutil
+
+    src = str(tmp_path / "ckpt")
+    shutil.copytree(ckpts.ws3, src)
+    rank_file = os.path.join(src, "model", "rank_1.safetensors")
+    with safe_open(rank_file, "pt") as f:
+        key = max(f.keys(), key=lambda k: f.get_slice(k).get_shape()[0] if f.get_slice(k).get_shape() else 0)
+    _flip_byte_of(rank_file, key, at)
+    out = str(tmp_path / "model.safetensors")
+    with pytest.raises(checkpointer.CorruptCheckpointError, match=f"rank_1.safetensors.*checksum mismatch in tensor '{key}'"):
+        export_safetensors(src, out)
+    assert not os.path.exists(out)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".model.safetensors")]

@@ -421,7 +421,7 @@ def new_gate():
     return multiprocessing.get_context("fork").Event()
 
 
-def _in_group(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, timeout_s: float | None, *args: Any) -> Any:
+def _in_group(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, timeout_s: float | None, *args: Any) -> Any:
     import datetime
 
     import torch.distributed as dist
@@ -429,14 +429,19 @@ def _in_group(fn: Callable[..., Any], rank: int, world_size: int, init_file: str
     if timeout_s is not None:
         os.environ["CHECKPOINTER_TIMEOUT_S"] = str(timeout_s)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, init_method=f"file://{init_file}",
+        "gloo", rank=rank, world_size=world_size, init_method=init_method,
         timeout=datetime.timedelta(seconds=120),
     )
     return fn(rank, world_size, *args)
 
 
 def run_group(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, checkpointer_timeout_s: float | None = None
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    checkpointer_timeout_s: float | None = None,
+    rendezvous: str = "file",
 ) -> list[ForkResult]:
     """``fn(rank, world_size, *args)`` on each rank of a gloo group of forked processes.
 
@@ -444,10 +449,12 @@ def run_group(
     without harming anything else; each rank's :class:`ForkResult` comes back (a dead rank
     has no value and its exit code). The children leave with ``os._exit``, never tearing
     gloo down. ``checkpointer_timeout_s`` sets ``CHECKPOINTER_TIMEOUT_S`` in the children.
+    ``rendezvous``: "file" (a file store), or "tcp" (a TCP store hosted by rank 0, on a port
+    the OS picks).
     """
     with tempfile.TemporaryDirectory(prefix="ckpt-group-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        started = [start_forked(_in_group, fn, r, world_size, init_file, checkpointer_timeout_s, *args) for r in range(world_size)]
+        init = f"file://{os.path.join(tmp, 'rendezvous')}" if rendezvous == "file" else f"tcp://127.0.0.1:{_free_port()}"
+        started = [start_forked(_in_group, fn, r, world_size, init, checkpointer_timeout_s, *args) for r in range(world_size)]
         deadline = time.monotonic() + timeout
         try:
             return [finish_forked(p, c, max(1.0, deadline - time.monotonic())) for p, c in started]
@@ -456,6 +463,14 @@ def run_group(
                 if proc.is_alive():
                     proc.kill()
                     proc.join(5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def values(results: list[ForkResult]) -> list[Any]:

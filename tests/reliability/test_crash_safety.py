@@ -220,13 +220,6 @@ def test_async_save_killed_with_sigkill(ckpt, point, part):
     assert rel_helpers.snapshot(ckpt.top) == earlier
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: lazy_load reports a directory where a save crashed before its first rank file was renamed "
-    "into place (only the save lock and temp files) as 'no checkpoint found' (CorruptCheckpointError), not "
-    "IncompleteCheckpointError like every other loader: engine/lazy.py _open_dir only looks for rank files, "
-    "not for the save lock (layout.LOCK_FILENAME)",
-)
 def test_lazy_load_calls_a_crashed_save_incomplete(ckpt):
     top = os.path.join(ckpt.run_dir, "step20")
     model, optim = job_state()

@@ -19,12 +19,6 @@ import checkpointer
 
 KEY = "proj.weight"  # sharded over the three files as boxes
 
-BUG_LAZY_ALLOC = pytest.mark.xfail(
-    strict=True,
-    reason="BUG: lazy_load allocates the shape metadata.json claims (4 TiB here) before checking the rank "
-    "file holds it: engine/lazy_sources.py read_box -> torch.empty(shape) (RuntimeError from the allocator); "
-    "for optimizer state load_model_and_optim_state does the same in api.py _allocate_state",
-)
 BUG_OPTIM_COUNT = ()  # was an expected failure; fixed
 BUG_OPTIM_GROUP = ()  # was an expected failure; fixed
 BUG_STATE_KEYS = ()  # was an expected failure; fixed
@@ -66,7 +60,6 @@ def test_shape_whose_element_count_overflows_or_is_bad(ckpt, tmp_path, shape):
     check_part(ckpt, "model", tmp_path, "metadata.json")
 
 
-@BUG_LAZY_ALLOC
 @pytest.mark.parametrize("part,key", [("flat", "flat.scalar"), ("model", "scale"), ("optim", "state.bias.__step")])
 def test_huge_shape_that_the_metadata_backs_but_the_file_does_not(ckpt, tmp_path, part, key):
     """2^40 elements (4 TiB of F32) in one flattened range: metadata.json is self-consistent, the

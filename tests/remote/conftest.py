@@ -96,11 +96,11 @@ def gcs_endpoint(loopback_env, tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture
 def proxies() -> Iterator[Callable[[str], CountingProxy]]:
-    """``proxies(upstream)`` starts a :class:`CountingProxy`; all are closed after the test."""
+    """``proxies(upstream, **options)`` starts a :class:`CountingProxy`; all are closed after the test."""
     started: list[CountingProxy] = []
 
-    def start(upstream: str) -> CountingProxy:
-        started.append(CountingProxy(upstream))
+    def start(upstream: str, **options) -> CountingProxy:
+        started.append(CountingProxy(upstream, **options))
         return started[-1]
 
     yield start

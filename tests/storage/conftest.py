@@ -130,8 +130,8 @@ def fault_proxy() -> Iterator[Callable[[str], FaultProxy]]:
     """``fault_proxy(upstream_url)`` starts a :class:`FaultProxy`; all are closed after the test."""
     proxies: list[FaultProxy] = []
 
-    def start(upstream: str) -> FaultProxy:
-        proxies.append(FaultProxy(upstream))
+    def start(upstream: str, **options) -> FaultProxy:
+        proxies.append(FaultProxy(upstream, **options))
         return proxies[-1]
 
     yield start

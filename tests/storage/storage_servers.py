@@ -6,6 +6,7 @@ Everything binds 127.0.0.1 on a port the OS picks; nothing here talks to anythin
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import os
 import socket
@@ -119,16 +120,24 @@ class Seen:
 
 @dataclass
 class FaultProxy:
-    """A reverse proxy to ``upstream`` (``http://127.0.0.1:port``) that injects :class:`Fault` s."""
+    """A reverse proxy to ``upstream`` (``http://127.0.0.1:port``) that injects :class:`Fault` s.
+
+    With ``conditional=True`` it also makes conditional creates atomic, as the real stores
+    are: requests with ``If-None-Match`` (S3) or ``ifGenerationMatch`` (GCS) pass one at a
+    time (moto checks and then stores in two steps, on many threads), and ``ifGenerationMatch=0``,
+    which gcp-storage-emulator ignores, is answered 412 when the object exists.
+    """
 
     upstream: str
     faults: list[Fault] = field(default_factory=list)
     seen: list[Seen] = field(default_factory=list)
+    conditional: bool = False
 
     def __post_init__(self) -> None:
         parsed = urllib.parse.urlsplit(self.upstream)
         self._up = (parsed.hostname, parsed.port)
         self._lock = threading.Lock()
+        self._conditional_lock = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -194,25 +203,19 @@ class FaultProxy:
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
             return
-        conn = http.client.HTTPConnection(*self._up, timeout=120)
-        try:
-            conn.putrequest(h.command, h.path, skip_host=True, skip_accept_encoding=True)
-            for key, value in h.headers.items():
-                if key.lower() not in HOP_BY_HOP:
-                    conn.putheader(key, value)
-            if body or h.command in ("PUT", "POST", "PATCH"):
-                conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body or None)
-            resp = conn.getresponse()
-            data = resp.read()
-            headers = resp.getheaders()
-        finally:
-            conn.close()
+        conditional = self.conditional and ("If-None-Match" in h.headers or "ifGenerationMatch=" in h.path)
+        with self._conditional_lock if conditional else contextlib.nullcontext():
+            if conditional and "ifGenerationMatch=0" in h.path and self._gcs_object_exists(h.path):
+                status, reason = 412, "Precondition Failed"
+                headers = [("Content-Type", "application/json")]
+                data = b'{"error": {"code": 412, "message": "At least one of the pre-conditions did not hold."}}'
+            else:
+                status, reason, headers, data = self._forward(h.command, h.path, h.headers.items(), body)
         if mode == "lost":
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
             return
-        h.send_response(resp.status, resp.reason)
+        h.send_response(status, reason)
         length = None
         for key, value in headers:
             if key.lower() == "content-length":
@@ -229,6 +232,30 @@ class FaultProxy:
             return
         if h.command != "HEAD":
             h.wfile.write(data)
+
+    def _forward(self, method: str, path: str, headers, body: bytes) -> tuple[int, str, list, bytes]:
+        conn = http.client.HTTPConnection(*self._up, timeout=120)
+        try:
+            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+            for key, value in headers:
+                if key.lower() not in HOP_BY_HOP:
+                    conn.putheader(key, value)
+            if body or method in ("PUT", "POST", "PATCH"):
+                conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body or None)
+            resp = conn.getresponse()
+            return resp.status, resp.reason, resp.getheaders(), resp.read()
+        finally:
+            conn.close()
+
+    def _gcs_object_exists(self, path: str) -> bool:
+        """Whether the object a JSON-API upload (``/upload/storage/v1/b/B/o?name=N``) names exists."""
+        parts = urllib.parse.urlsplit(path)
+        bucket = parts.path.rstrip("/").split("/b/", 1)[1].split("/", 1)[0]
+        name = urllib.parse.parse_qs(parts.query)["name"][0]
+        key = urllib.parse.quote(name, safe="")
+        status, *_ = self._forward("GET", f"/storage/v1/b/{bucket}/o/{key}", [("Host", "%s:%s" % self._up)], b"")
+        return status == 200
 
     def close(self) -> None:
         self._server.shutdown()

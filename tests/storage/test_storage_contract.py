@@ -15,7 +15,7 @@ from checkpointer.storage.memory import MemoryStorage
 from checkpointer.storage.s3 import MIN_PART, S3Storage
 from storage_servers import FAST
 
-BACKENDS = ["local", "memory", "s3", "gcs"]
+BACKENDS = ["local", "memory", "s3", "gcs", "gcs-resumable"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -29,7 +29,8 @@ def storage(request, tmp_path) -> Storage:
         store = S3Storage(request.getfixturevalue("s3_url"), client=request.getfixturevalue("s3_client"),
                           part_size=MIN_PART, max_concurrency=4, retry=FAST)
     else:
-        store = GCSStorage(request.getfixturevalue("gcs_url"), part_size=256 * 1024, max_concurrency=4, retry=FAST)
+        store = GCSStorage(request.getfixturevalue("gcs_url"), part_size=256 * 1024, max_concurrency=4, retry=FAST,
+                           parallel_upload=kind == "gcs")
     store.prepare()
     return store
 
@@ -153,6 +154,22 @@ class TestStorageContract:
         assert storage.read("w") == b"".join(pieces)
         assert storage.size("w") == sum(map(len, pieces))
 
+    def test_writer_stable_and_plain_buffers_mixed(self, storage: Storage) -> None:
+        p = part(storage)
+        kept = [bytearray(blob(n, i)) for i, n in enumerate([7, p - 1, 2 * p + 3, 5, p])]
+        plain = [blob(3, 9), blob(p + 2, 10)]
+        with storage.open_writer("m") as writer:
+            writer.write_stable([memoryview(kept[0]), memoryview(kept[1])])
+            scratch = bytearray(plain[0])
+            writer.write([memoryview(scratch)])
+            scratch[:] = b"\xff" * len(scratch)  # the writer must have taken its own copy
+            writer.write_stable([memoryview(kept[2])])
+            writer.write([memoryview(plain[1])])
+            writer.write_stable([memoryview(kept[3]), memoryview(kept[4])])
+            writer.commit()
+        want = kept[0] + kept[1] + plain[0] + kept[2] + plain[1] + kept[3] + kept[4]
+        assert storage.read("m") == bytes(want)
+
     def test_writer_typed_buffers_and_small_file(self, storage: Storage) -> None:
         floats = array.array("d", [1.5, -2.25, 3.0])
         with storage.open_writer("small") as writer:
@@ -179,6 +196,15 @@ class TestStorageContract:
                 writer.write([memoryview(blob(part(storage) + 5))])
                 raise RuntimeError("failed mid-save")
         assert not storage.exists("boom")
+
+    def test_create_exclusive(self, storage: Storage) -> None:
+        storage.create_exclusive("lock", b"first")
+        with pytest.raises(FileExistsError, match="lock"):
+            storage.create_exclusive("lock", b"second")
+        assert storage.read("lock") == b"first"
+        storage.delete("lock")
+        storage.create_exclusive("lock", b"third")
+        assert storage.read("lock") == b"third"
 
     def test_writer_replaces(self, storage: Storage) -> None:
         storage.write("r", b"old contents")

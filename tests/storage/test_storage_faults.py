@@ -30,10 +30,11 @@ def make_remote(kind: str, request, fault_proxy, monkeypatch, **kw) -> tuple[Sto
     proxy = fault_proxy(request.getfixturevalue("gcs_endpoint"))
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
     kw.setdefault("part_size", GCS_CHUNK)
+    kw.setdefault("parallel_upload", kind != "gcs-resumable")
     return GCSStorage(f"gs://{GCS_BUCKET}/{unique()}", **kw), proxy
 
 
-@pytest.fixture(params=["s3", "gcs"])
+@pytest.fixture(params=["s3", "gcs", "gcs-resumable"])
 def kind(request, loopback_env) -> str:
     return request.param
 
@@ -111,12 +112,15 @@ def test_read_into_asks_only_for_the_requested_ranges(remote) -> None:
 
 def test_a_lost_response_is_resumed(kind, remote) -> None:
     """The server acts but the answer never arrives: S3's CompleteMultipartUpload (the retry
-    finds the upload gone and the object whole), GCS's chunk PUT (the retry asks the session
-    how much it holds and goes on from there)."""
+    finds the upload gone and the object whole), GCS's compose (composed again from the same
+    parts), a resumable upload's chunk PUT (the retry asks the session how much it holds and
+    goes on from there)."""
     store, proxy = remote
     data = os.urandom(2 * store.part_size + 77)
     if kind == "s3":
         fault = proxy.fail(1, "lost", method="POST", path="uploadId=")
+    elif kind == "gcs":
+        fault = proxy.fail(1, "lost", method="POST", path="/compose")
     else:
         fault = proxy.fail(1, "lost", method="PUT")
     with store.open_writer("f") as writer:
@@ -131,7 +135,7 @@ def test_gcs_chunk_failures_midway_are_retried(request, fault_proxy, monkeypatch
     # "Range: bytes=0-0" (one byte held; real GCS sends no Range header), so the failing
     # chunks here are the second and later ones; the first chunk's retry is covered by the
     # lost-response test, where the emulator holds the chunk and reports it correctly.
-    store, proxy = make_remote("gcs", request, fault_proxy, monkeypatch, retry=FAST)
+    store, proxy = make_remote("gcs-resumable", request, fault_proxy, monkeypatch, retry=FAST)
     data = os.urandom(3 * GCS_CHUNK + 5)
     fault = proxy.fail(4, "503", method="PUT", skip=1)
     store.write("f", data)
@@ -181,7 +185,7 @@ def test_beyond_the_budget_an_oserror_names_url_and_operation(kind, request, fau
 def test_gcs_session_uri_never_appears_in_errors(request, fault_proxy, monkeypatch, loopback_env) -> None:
     monkeypatch.setenv("CHECKPOINTER_IO_RETRIES", "1")
     policy = RetryPolicy(base_delay=0.005, max_delay=0.01)
-    store, proxy = make_remote("gcs", request, fault_proxy, monkeypatch, retry=policy)
+    store, proxy = make_remote("gcs-resumable", request, fault_proxy, monkeypatch, retry=policy)
     proxy.fail(10_000, "drop", method="PUT", skip=1)
     writer = store.open_writer("f")
     with pytest.raises(OSError) as err:
@@ -209,7 +213,7 @@ def test_s3_multipart_and_abort_as_seen_by_the_server(s3_env, s3_client) -> None
     assert not s3_client.list_multipart_uploads(Bucket=S3_BUCKET, Prefix=store.prefix).get("Uploads")
 
 
-@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+@pytest.mark.parametrize("kind_", ["s3", "gcs", "gcs-resumable"])
 def test_writer_memory_stays_bounded(kind_, request) -> None:
     """Many small buffers go through at most (in-flight + 1) part buffers, never a whole copy."""
     if kind_ == "s3":
@@ -217,7 +221,8 @@ def test_writer_memory_stays_bounded(kind_, request) -> None:
         store: Storage = S3Storage(f"s3://{S3_BUCKET}/{unique()}", part_size=MIN_PART, max_concurrency=2, retry=FAST)
     else:
         request.getfixturevalue("gcs_env")
-        store = GCSStorage(f"gs://{GCS_BUCKET}/{unique()}", part_size=GCS_CHUNK, retry=FAST)
+        store = GCSStorage(f"gs://{GCS_BUCKET}/{unique()}", part_size=GCS_CHUNK, max_concurrency=2, retry=FAST,
+                           parallel_upload=kind_ == "gcs")
     part = store.part_size
     total = 8 * part
     chunk = os.urandom(part // 4 + 3)
@@ -232,6 +237,107 @@ def test_writer_memory_stays_bounded(kind_, request) -> None:
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    bound = (3 if kind_ == "s3" else 2) * part  # s3: 2 in flight + 1 filling; gcs: 1 + 1
+    bound = (2 if kind_ == "gcs-resumable" else 3) * part  # 2 in flight + 1 filling; resumable: 1 + 1
     assert peak < bound + part, f"peak {peak} bytes for a {written}-byte file"
     assert store.size("f") == written
+
+
+def test_stable_buffers_are_sent_without_copies(s3_env, gcs_env) -> None:
+    """write_stable keeps slices of the caller's buffers: no part buffer is allocated. What
+    remains is transient: botocore reads a body 1 MiB at a time (checksum, signature, send)."""
+    for store in (S3Storage(f"s3://{S3_BUCKET}/{unique()}", part_size=4 * MIN_PART, max_concurrency=2, retry=FAST),
+                  GCSStorage(f"gs://{GCS_BUCKET}/{unique()}", part_size=8 * GCS_CHUNK, max_concurrency=2, retry=FAST)):
+        part = store.part_size
+        blocks = [bytearray(os.urandom(part // 4 + 3)) for _ in range(4 * 3)]
+        tracemalloc.start()
+        try:
+            with store.open_writer("f") as writer:
+                for block in blocks:
+                    writer.write_stable([memoryview(block)])
+                writer.commit()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < part // 2, f"{store.url}: peak {peak} bytes with {part}-byte parts"
+        assert store.read("f") == b"".join(blocks)
+
+
+def test_gcs_parallel_upload_composes_in_two_rounds_and_leaves_no_parts(gcs_env) -> None:
+    from checkpointer.storage.gcs_compose import MAX_COMPOSE_SOURCES
+
+    store = GCSStorage(f"gs://{GCS_BUCKET}/{unique()}", part_size=GCS_CHUNK, max_concurrency=4, retry=FAST)
+    data = os.urandom((MAX_COMPOSE_SOURCES + 8) * GCS_CHUNK + 11)  # 41 parts: 2 composes, then 1
+    store.write("f", data)
+    assert store.read("f") == data
+    assert store.list() == ["f"]
+    blob = store._client.bucket(GCS_BUCKET).get_blob(f"{store.prefix}/f")
+    assert blob.size == len(data) and blob.component_count in (None, 41)  # the emulator keeps no count
+
+
+def test_gcs_parallel_upload_setting(gcs_env, monkeypatch) -> None:
+    from checkpointer.storage.gcs import GCSWriter
+    from checkpointer.storage.gcs_compose import GCSComposeWriter
+
+    url = f"gs://{GCS_BUCKET}/{unique()}"
+    assert type(GCSStorage(url).open_writer("f")) is GCSComposeWriter
+    assert type(GCSStorage(url, parallel_upload=False).open_writer("f")) is GCSWriter
+    monkeypatch.setenv("CHECKPOINTER_GCS_PARALLEL_UPLOAD", "0")
+    assert type(GCSStorage(url).open_writer("f")) is GCSWriter
+    assert type(GCSStorage(url, parallel_upload=True).open_writer("f")) is GCSComposeWriter
+
+
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_conditional_create_has_one_winner_when_all_start_at_once(kind_, request, fault_proxy, monkeypatch) -> None:
+    """Every caller passes the check before the request (as when they start in the same
+    instant); the store's condition alone then decides: one file, one winner. The proxy makes
+    the condition atomic as the real stores do (see ``FaultProxy``)."""
+    import threading
+
+    request.getfixturevalue("loopback_env")
+    upstream = request.getfixturevalue("moto_endpoint" if kind_ == "s3" else "gcs_endpoint")
+    proxy = fault_proxy(upstream, conditional=True)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if kind_ == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
+    url = f"s3://{S3_BUCKET}/{unique()}" if kind_ == "s3" else f"gs://{GCS_BUCKET}/{unique()}"
+    store = (S3Storage if kind_ == "s3" else GCSStorage)(url, retry=FAST)
+    monkeypatch.setattr(type(store), "exists", lambda self, name: False)
+    n = 6
+    gate = threading.Barrier(n)
+    results: list[object] = [None] * n
+
+    def contend(i: int) -> None:
+        gate.wait(10)
+        try:
+            store.create_exclusive("lock", f"caller {i}".encode())
+            results[i] = "won"
+        except FileExistsError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [i for i, r in enumerate(results) if r == "won"]
+    assert len(winners) == 1 and all(isinstance(r, FileExistsError) for r in results if r != "won"), results
+    assert store.read("lock") == f"caller {winners[0]}".encode()
+    sent = [e for e in proxy.seen if e.method in ("PUT", "POST")]
+    if kind_ == "s3":
+        assert all(e.headers.get("If-None-Match") == "*" for e in sent)
+    else:
+        assert all("ifGenerationMatch=0" in e.path for e in sent)
+
+
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_conditional_create_retried_after_a_lost_answer_knows_its_own_file(kind_, request, fault_proxy,
+                                                                            monkeypatch) -> None:
+    request.getfixturevalue("loopback_env")
+    upstream = request.getfixturevalue("moto_endpoint" if kind_ == "s3" else "gcs_endpoint")
+    proxy = fault_proxy(upstream, conditional=True)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if kind_ == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
+    url = f"s3://{S3_BUCKET}/{unique()}" if kind_ == "s3" else f"gs://{GCS_BUCKET}/{unique()}"
+    store = (S3Storage if kind_ == "s3" else GCSStorage)(url, retry=FAST)
+    lost = proxy.fail(1, "lost", method="PUT" if kind_ == "s3" else "POST", path="lock")
+    store.create_exclusive("lock", b"mine")  # created, answer lost; the retry's 412 finds our bytes
+    assert lost.fired == 1 and store.read("lock") == b"mine"
+    with pytest.raises(FileExistsError):
+        store.create_exclusive("lock", b"someone else")

@@ -1,4 +1,4 @@
-"""The shared remote-I/O helpers on their own: retry bounds, range planning, redaction."""
+"""The shared remote-I/O helpers on their own: retry bounds, range planning, redaction, upload parts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from checkpointer.storage.parts import PartBuffer, PartReader
 from checkpointer.storage.retry import (
     HTTPStatusError,
-    PartBuffer,
     RangeTask,
     RetryPolicy,
     bucket_url,
@@ -154,19 +154,54 @@ def test_run_parallel_raises_the_first_failure() -> None:
     assert sorted(seen) == [0, 1, 2]
 
 
+def _joined(part) -> bytes:
+    return b"".join(bytes(seg) for seg in part)
+
+
 def test_part_buffer_copies_small_buffers_and_borrows_large_ones() -> None:
     parts = PartBuffer(8)
     big = bytearray(range(20))
     out = list(parts.feed([memoryview(b"abc"), memoryview(b"defgh"), memoryview(big)]))
-    assert [(bytes(p), borrowed) for p, borrowed in out] == [
+    assert [(_joined(p), borrowed) for p, borrowed in out] == [
         (b"abcdefgh", False), (bytes(range(8)), True), (bytes(range(8, 16)), True)]
-    assert out[1][0].obj is big  # no copy
+    assert len(out[0][0]) == 1  # the small buffers were copied into one part buffer
+    assert out[1][0][0].obj is big  # no copy
     out = list(parts.feed([memoryview(b"x" * 5)]))
-    assert [(bytes(p), b) for p, b in out] == [(bytes(range(16, 20)) + b"xxxx", False)]
-    assert bytes(parts.rest()) == b"x" and bytes(parts.rest()) == b""
+    assert [(_joined(p), b) for p, b in out] == [(bytes(range(16, 20)) + b"xxxx", False)]
+    assert _joined(parts.rest()) == b"x" and parts.rest() == []
     assert parts.total == 3 + 5 + 20 + 5
     floats = array.array("f", [1.0, 2.0, 3.0])
-    assert bytes(next(iter(PartBuffer(12).feed([memoryview(floats)])))[0]) == floats.tobytes()
+    assert _joined(next(iter(PartBuffer(12).feed([memoryview(floats)])))[0]) == floats.tobytes()
+
+
+def test_part_buffer_slices_stable_buffers_and_copies_only_the_rest() -> None:
+    parts = PartBuffer(8)
+    a, b, c = bytearray(b"abc"), bytearray(b"defghij"), bytearray(range(20))
+    out = list(parts.feed([memoryview(a), memoryview(b)], stable=True))
+    assert [(_joined(p), borrowed) for p, borrowed in out] == [(b"abcdefgh", False)]
+    assert [seg.obj for seg in out[0][0]] == [a, b]  # slices of the caller's memory
+    out = list(parts.feed([memoryview(b"XY")]))  # not stable: copied after the stable tail
+    out += list(parts.feed([memoryview(c)], stable=True))  # never borrowed: write need not wait
+    assert [(_joined(p), borrowed) for p, borrowed in out] == [
+        (b"ijXY" + bytes(range(4)), False), (bytes(range(4, 12)), False), (bytes(range(12, 20)), False)]
+    first = out[0][0]
+    assert first[0].obj is b and first[1].obj is not c and first[2].obj is c
+    assert parts.rest() == []
+
+
+def test_part_reader_reads_across_segments_and_seeks() -> None:
+    part = [memoryview(b"abc"), memoryview(bytearray(b"defg")), memoryview(b"hi")]
+    reader = PartReader(part)
+    assert len(reader) == 9
+    assert reader.read(2) == b"ab" and reader.read(4) == b"cdef" and reader.read() == b"ghi"
+    assert reader.read(5) == b"" and reader.tell() == 9
+    reader.seek(0)
+    assert all(isinstance(reader.read(3), bytes) for _ in range(3))
+    tail = PartReader(part, 4)  # a resumed upload sends from byte 4 on
+    assert len(tail) == 5 and tail.tell() == 0 and tail.read() == b"efghi"
+    tail.seek(-2, 2)
+    assert tail.read() == b"hi"
+    assert PartReader([]).read() == b""
 
 
 def test_bucket_url() -> None:
@@ -175,3 +210,33 @@ def test_bucket_url() -> None:
     for bad in ("s3://", "s3:///x", "gs://b/x"):
         with pytest.raises(ValueError):
             bucket_url(bad, ("s3",))
+
+
+def test_part_writer_grows_parts_and_bounds_their_count() -> None:
+    from checkpointer.storage.parts import PartWriter, part_bytes
+
+    class Recording(PartWriter):
+        def __init__(self, **kw):
+            super().__init__("mem://f", 4, workers=2, in_flight=2, **kw)
+            self.sizes: dict[int, int] = {}
+
+        def _upload(self, number, offset, part, total):
+            self.sizes[number] = part_bytes(part)
+
+        def commit(self):
+            self._finish_parts(last_if_empty=False)
+            self._close()
+
+        def abort(self):
+            self._close()
+
+    writer = Recording(grow_every=2)
+    data = bytes(range(36))
+    writer.write_stable([memoryview(data)])
+    writer.commit()
+    # 4, 4, then 8, 8, then 16 (the last 12 bytes: a short last part)
+    assert [writer.sizes[n] for n in sorted(writer.sizes)] == [4, 4, 8, 8, 12]
+    capped = Recording(max_parts=3)
+    with pytest.raises(OSError, match="more than 3 parts: raise part_size"):
+        capped.write([memoryview(data)])
+    capped.abort()
