@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -29,6 +31,7 @@ from .save import describe_state_dict
 __all__ = ["read_metadata", "load_state_dict", "plan_local_loads", "fill_in_place", "LocalLoad", "MAX_METADATA_BYTES"]
 
 MAX_METADATA_BYTES = 1 << 30
+"""The default limit on ``metadata.json``; ``CHECKPOINTER_MAX_METADATA_MIB`` changes it."""
 _STAGE_BYTES = 256 << 20
 
 
@@ -45,8 +48,13 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
         if not storage.is_local():
             raise
         raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a regular file ({ex})") from ex
-    if size > MAX_METADATA_BYTES:
-        raise IncompleteCheckpointError(f"{storage.join(METADATA_FILENAME)} is {size} bytes, over the 1 GiB limit")
+    limit_mib = float(os.environ.get("CHECKPOINTER_MAX_METADATA_MIB", MAX_METADATA_BYTES / (1 << 20)))
+    if size > limit_mib * (1 << 20):
+        raise CorruptCheckpointError(
+            f"{storage.join(METADATA_FILENAME)} is {size} bytes, over the limit of {limit_mib:g} MiB "
+            "(set CHECKPOINTER_MAX_METADATA_MIB to read larger metadata from a source you trust; "
+            "parsing takes several times the file's size in memory)"
+        )
     return storage.read(METADATA_FILENAME)
 
 

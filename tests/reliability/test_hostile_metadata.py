@@ -448,3 +448,16 @@ def test_state_keys_that_are_hostile(ckpt, tmp_path, value):
     data = pickle.dumps(obj)
     replace_tensor(ckpt, "optim", "state_keys", torch.frombuffer(bytearray(data), dtype=torch.uint8))
     check_part(ckpt, "optim", tmp_path, "state_keys", scope="none")
+
+
+def test_metadata_size_limit_is_a_setting(ckpt, tmp_path, monkeypatch):
+    """CHECKPOINTER_MAX_METADATA_MIB moves the limit: below the file's size the load is refused
+    naming the setting, above it the same checkpoint loads."""
+    from checkpointer import unshard_model_state
+
+    size = os.path.getsize(meta_path(ckpt, "model"))
+    monkeypatch.setenv("CHECKPOINTER_MAX_METADATA_MIB", str(size / 2 / (1 << 20)))
+    with pytest.raises(checkpointer.CorruptCheckpointError, match="CHECKPOINTER_MAX_METADATA_MIB"):
+        unshard_model_state(os.path.dirname(ckpt.part("model")), no_dist=True)
+    monkeypatch.setenv("CHECKPOINTER_MAX_METADATA_MIB", str(2 * size / (1 << 20)))
+    assert unshard_model_state(os.path.dirname(ckpt.part("model")), no_dist=True)
