@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 
 from .layout import check_filename
 
-__all__ = ["Layout", "ShardSpecs", "SpecParser", "MAX_RUNS_PER_TENSOR", "box_run_count", "gc_paused"]
+__all__ = ["Layout", "ShardSpecs", "SpecParser", "MAX_RUNS_PER_TENSOR", "box_run_count", "gc_paused", "shared_layout"]
 
 MAX_RUNS_PER_TENSOR = 1 << 24
 """A tensor's pieces may split into at most this many contiguous runs (bounds planning work)."""
@@ -273,13 +273,7 @@ class SpecParser:
         return ShardSpecs(self._layout(shape, names, flat, ls, go), checksums, extras)
 
     def _layout(self, shape, names, flat, ls, go) -> Layout:
-        bucket = self._layouts.setdefault((shape, len(names), names[0] if names else None), [])
-        for layout in bucket:
-            if layout.same(names, flat, ls, go):
-                return layout
-        layout = Layout(shape, names, flat, ls, go)
-        bucket.append(layout)
-        return layout
+        return shared_layout(self._layouts, shape, names, flat, ls, go)
 
     def _bulk(self, shape: tuple[int, ...], values: list[Any]):
         """The common forms, checked a column at a time: every spec is all boxes or all flattened
@@ -440,3 +434,22 @@ class SpecParser:
 def _kind(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
             float: "a number", _NONE: "null"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def shared_layout(
+    layouts: dict[tuple, list[Layout]],
+    shape: tuple[int, ...],
+    names: list[str],
+    flat: list | None,
+    ls: list | None,
+    go: list | None,
+) -> Layout:
+    """The layout with these columns from ``layouts`` (keyed loosely, compared exactly), added
+    there if it is new: tensors whose pieces sit alike share one."""
+    bucket = layouts.setdefault((shape, len(names), names[0] if names else None), [])
+    for layout in bucket:
+        if layout.same(names, flat, ls, go):
+            return layout
+    layout = Layout(shape, names, flat, ls, go)
+    bucket.append(layout)
+    return layout

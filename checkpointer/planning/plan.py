@@ -19,7 +19,7 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import rank_filename
 from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata, new_metadata
-from ..format.specs import Layout, ShardSpecs, gc_paused
+from ..format.specs import Layout, ShardSpecs, gc_paused, shared_layout
 from .overlap import Range, SourceIndex, box_ranges, layout_ranges, merge_adjacent
 
 __all__ = [
@@ -348,13 +348,7 @@ def _layout(
     flat = column(list(map(_FLAT, pieces)))
     ls = column(list(map(_LOCAL_SHAPE, pieces)))
     go = column(list(map(_GLOBAL_OFFSET, pieces)))
-    bucket = layouts.setdefault((shape, len(names), names[0] if names else None), [])
-    for layout in bucket:
-        if layout.same(names, flat, ls, go):
-            return layout
-    layout = Layout(shape, names, flat, ls, go)
-    bucket.append(layout)
-    return layout
+    return shared_layout(layouts, shape, names, flat, ls, go)
 
 
 def _check_tiling(key: str, shape: Sequence[int], pieces: Sequence[Piece]) -> None:
