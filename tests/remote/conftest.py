@@ -1,14 +1,10 @@
 """Fixtures of the end-to-end remote-storage tests: the engine against S3 and GCS emulators.
 
 Reused, not copied: the loopback helpers of ``tests/storage`` (``storage_servers``: free ports,
-the fault proxy, the Range-capable file server; ``conftest.py``: ``loopback_env`` and
-``file_server``, loaded under another module name and re-exported here), and
-``run_distributed`` of ``tests/conftest.py`` (the ``tests/dist`` worker pools).
-
-The emulators are started here rather than by ``tests/storage``'s fixtures, which pipe their
-output and never read it: ``moto_server`` logs a line per request and blocks for good once
-the pipe is full (about a thousand requests, which this suite makes). Here the output goes
-to a file.
+the fault proxy, the Range-capable file server; ``conftest.py``: ``loopback_env``,
+``file_server`` and the emulators ``moto_endpoint`` and ``gcs_endpoint``, loaded under another
+module name and re-exported here), and ``run_distributed`` of ``tests/conftest.py`` (the
+``tests/dist`` worker pools).
 
 Workers get the endpoints as arguments (an ``env`` dict, see :func:`remote_workers.remote_env`),
 never from the pool's inherited environment.
@@ -18,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
@@ -33,7 +28,7 @@ for _p in (os.path.dirname(_TESTS), os.path.join(_TESTS, "dist"), os.path.join(_
         sys.path.insert(0, _p)
 
 from remote_proxy import CountingProxy  # noqa: E402
-from storage_servers import GCS_BUCKET, S3_BUCKET, free_port, stop, wait_listening  # noqa: E402
+from storage_servers import GCS_BUCKET, S3_BUCKET  # noqa: E402
 
 import remote_workers  # noqa: E402
 
@@ -51,47 +46,8 @@ def _load_storage_fixtures() -> Any:
 _storage = _load_storage_fixtures()
 loopback_env = _storage.loopback_env
 file_server = _storage.file_server
-
-
-def _start(argv: list[str], port: int, what: str, workdir: Any) -> subprocess.Popen:
-    log = open(workdir / f"{what}.log", "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
-    log.close()
-    try:
-        wait_listening(port, proc, what)
-    except RuntimeError as e:
-        stop(proc)
-        raise RuntimeError(f"{e}\n{(workdir / f'{what}.log').read_text(errors='replace')[-4000:]}") from None
-    return proc
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint(loopback_env, tmp_path_factory) -> Iterator[str]:
-    """``moto_server`` on a free loopback port, with the test bucket created."""
-    port = free_port()
-    proc = _start([_storage._tool("moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, "moto_server",
-                  tmp_path_factory.mktemp("moto"))
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=S3_BUCKET)
-        yield endpoint
-    finally:
-        stop(proc)
-
-
-@pytest.fixture(scope="session")
-def gcs_endpoint(loopback_env, tmp_path_factory) -> Iterator[str]:
-    """``gcp-storage-emulator`` (in memory) on a free loopback port, with the test bucket."""
-    port = free_port()
-    proc = _start([_storage._tool("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
-                   "--in-memory", "--default-bucket", GCS_BUCKET, "--quiet"], port, "gcp-storage-emulator",
-                  tmp_path_factory.mktemp("gcs"))
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
+moto_endpoint = _storage.moto_endpoint
+gcs_endpoint = _storage.gcs_endpoint
 
 
 @pytest.fixture

@@ -59,15 +59,27 @@ def loopback_env() -> Iterator[None]:
         yield
 
 
+def _start(argv: list[str], port: int, what: str, workdir) -> subprocess.Popen:
+    """Start an emulator with its output in ``workdir/<what>.log`` (a pipe nobody reads would
+    block ``moto_server``, which logs a line per request); the log's tail is in the error if it
+    does not come up."""
+    with open(workdir / f"{what}.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
+    try:
+        wait_listening(port, proc, what)
+    except RuntimeError as e:
+        stop(proc)
+        raise RuntimeError(f"{e}\n{(workdir / f'{what}.log').read_text(errors='replace')[-4000:]}") from None
+    return proc
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint(loopback_env, tmp_path_factory) -> Iterator[str]:
     """``moto_server`` on a free loopback port, with the test bucket created."""
     port = free_port()
-    proc = subprocess.Popen([_tool("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=tmp_path_factory.mktemp("moto"))
+    proc = _start([_tool("moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, "moto_server",
+                  tmp_path_factory.mktemp("moto"))
     try:
-        wait_listening(port, proc, "moto_server")
         endpoint = f"http://127.0.0.1:{port}"
         import boto3
 
@@ -81,12 +93,10 @@ def moto_endpoint(loopback_env, tmp_path_factory) -> Iterator[str]:
 def gcs_endpoint(loopback_env, tmp_path_factory) -> Iterator[str]:
     """``gcp-storage-emulator`` (in memory) on a free loopback port, with the test bucket."""
     port = free_port()
-    proc = subprocess.Popen([_tool("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
-                             "--in-memory", "--default-bucket", GCS_BUCKET, "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=tmp_path_factory.mktemp("gcs"))
+    proc = _start([_tool("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
+                   "--in-memory", "--default-bucket", GCS_BUCKET, "--quiet"], port, "gcp-storage-emulator",
+                  tmp_path_factory.mktemp("gcs"))
     try:
-        wait_listening(port, proc, "gcp-storage-emulator")
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(proc)
