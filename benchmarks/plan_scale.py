@@ -2,8 +2,9 @@
 
 Calls the pure planning functions the engine runs, on inputs shaped like a real FSDP2 run:
 
-* ``build_save_plan`` (rank 0 at save) on every rank's ``PieceDesc`` list, for the model
-  directory (723 parameters) and the optimizer directory (AdamW: ``exp_avg`` and
+* rank 0 at save: decoding every rank's pieces from the bytes the engine gathers (one
+  shared structure, one int64 array per rank) and ``build_save_plan`` on them, for the
+  model directory (723 parameters) and the optimizer directory (AdamW: ``exp_avg`` and
   ``exp_avg_sq`` sharded like their parameter, ``step`` a replicated scalar, plus
   ``num_param_groups``, ``param_group0``, ``state_keys``); parameters are ``Shard(0)``
   boxes with ``torch.chunk`` semantics (ranks past the rows hold empty pieces);
@@ -82,33 +83,58 @@ def rank_pieces(params, world: int, rank: int):
     return [Piece(local_shape=ls, global_offset=go) for ls, go in (shard0_box(shape, world, rank) for _, shape in params)]
 
 
-def descs_for(directory: str, params, world: int) -> list[list]:
-    """Every rank's PieceDesc list; immutable pieces shared where a real run would have equal ones."""
-    from checkpointer.planning.plan import Piece, PieceDesc
+def columns_for(directory: str, params, world: int) -> list:
+    """Every rank's pieces as the engine sends them to rank 0 (``RankPieces``: one shared
+    structure, one int64 array per rank), built for all ranks at once."""
+    import numpy as np
 
-    names = [n for n, _ in params]
-    shapes = [s for _, s in params]
-    per_rank = []
-    if directory == "model":
-        for r in range(world):
-            pieces = rank_pieces(params, world, r)
-            per_rank.append([PieceDesc(n, s, "F32", True, p) for n, s, p in zip(names, shapes, pieces)])
-        return per_rank
-    # optimizer: OLMo's flat layout, sorted keys as the engine gives them
-    group_bytes = len(json.dumps({"lr": 1e-4, "betas": [0.9, 0.95], "_param_names": names})) + 200
-    replicated = [
-        PieceDesc("num_param_groups", (), "I64", False, Piece.whole(())),
-        PieceDesc("param_group0", (group_bytes,), "U8", False, Piece.whole((group_bytes,))),
-        PieceDesc("state_keys", (40,), "U8", False, Piece.whole((40,))),
-    ] + [PieceDesc(f"state.{n}.__step", (), "F32", False, Piece.whole(())) for n in names]
-    for r in range(world):
-        pieces = rank_pieces(params, world, r)
-        descs = list(replicated)
-        for n, s, p in zip(names, shapes, pieces):
-            descs.append(PieceDesc(f"state.{n}.__exp_avg", s, "F32", True, p))
-            descs.append(PieceDesc(f"state.{n}.__exp_avg_sq", s, "F32", True, p))
-        per_rank.append(descs)
-    return per_rank
+    from checkpointer.planning.pieces import BOX, RankPieces, Structure
+
+    keys, shapes, dtypes, sharded, kinds = [], [], [], [], []
+    if directory == "optim":
+        # OLMo's flat layout, sorted keys as the engine gives them
+        names = [n for n, _ in params]
+        group_bytes = len(json.dumps({"lr": 1e-4, "betas": [0.9, 0.95], "_param_names": names})) + 200
+        for key, shape, dtype in [("num_param_groups", (), "I64"), ("param_group0", (group_bytes,), "U8"),
+                                  ("state_keys", (40,), "U8")] + [(f"state.{n}.__step", (), "F32") for n in names]:
+            keys.append(key), shapes.append(shape), dtypes.append(dtype), sharded.append(False), kinds.append(1)
+        for n, shape in params:
+            for state in ("exp_avg", "exp_avg_sq"):
+                keys.append(f"state.{n}.__{state}"), shapes.append(shape), dtypes.append("F32")
+                sharded.append(True), kinds.append(BOX)
+    else:
+        for n, shape in params:
+            keys.append(n), shapes.append(shape), dtypes.append("F32"), sharded.append(True), kinds.append(BOX)
+    structure = Structure(keys, shapes, dtypes, sharded, kinds)
+    values = np.zeros((world, structure.width), dtype=np.int64)
+    ranks = np.arange(world, dtype=np.int64)
+    for i, (shape, kind) in enumerate(zip(shapes, kinds)):
+        lo, _ = structure.span(i)
+        if kind == 1:  # replicated: the whole tensor, flat
+            values[:, lo + 1] = math.prod(shape)
+            continue
+        chunk = -(-shape[0] // world)  # torch.chunk of dim 0
+        start = np.minimum(ranks * chunk, shape[0])
+        values[:, lo] = np.minimum(start + chunk, shape[0]) - start
+        values[:, lo + 1 : lo + len(shape)] = shape[1:]
+        values[:, lo + len(shape)] = start
+    return [RankPieces(structure, row) for row in values]
+
+
+def payloads_for(columns: list) -> list[bytes]:
+    """What each rank sends rank 0 (``checkpointer.engine.save``'s wire form)."""
+    from checkpointer.engine.save import _pieces_payload
+
+    digest = columns[0].structure.digest
+    return [_pieces_payload(c, {}, digest) for c in columns]
+
+
+def decoded_on_rank0(payloads: list[bytes], own_structure) -> list:
+    """Rank 0's decoding of the gathered payloads, as the engine does it (it knows its own structure)."""
+    from checkpointer.engine.save import _parse_pieces
+
+    known: dict = {}
+    return [_parse_pieces(p, own_structure, known)[0] for p in payloads]
 
 
 def wanted_for(directory: str, params, world: int, rank: int, metadata) -> dict[str, list]:
@@ -149,7 +175,7 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
     from checkpointer.planning.plan import build_load_plan, build_save_plan
 
     params = llama70b_params(layers)
-    full_keys = len(descs_for(directory, llama70b_params(LAYERS), 1)[0])
+    full_keys = len(columns_for(directory, llama70b_params(LAYERS), 1)[0].structure.keys)
     out: dict = {"world": world, "dir": directory, "target_world": target, "layers": layers}
     prof = cProfile.Profile() if profile else None
 
@@ -183,10 +209,14 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
         return values
 
     with Clock() as c:
-        descs = descs_for(directory, params, world)
+        columns = columns_for(directory, params, world)
+        payloads = payloads_for(columns)
+        own = columns[0].structure
+        columns = None
     out["describe_s"] = c.cpu
-    out["descs"] = sum(len(d) for d in descs)
-    out["keys"] = len(descs[0])
+    out["descs"] = len(own.keys) * world
+    out["keys"] = len(own.keys)
+    out["payload_bytes_per_rank"] = len(payloads[0])
     out["scale"] = full_keys / out["keys"]
 
     # Commit (rank 0, after the writes): every piece's CRC32C per 16 MiB chunk goes into the
@@ -198,7 +228,7 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
 
     rng = random.Random(0)
     crcs: dict[str, dict[str, list[int]]] = {}
-    for key, meta in build_save_plan(descs).metadata.tensors.items():
+    for key, meta in build_save_plan(decoded_on_rank0(payloads, own)).metadata.tensors.items():
         size = itemsize(meta.dtype)
         for f in meta.shard_spec_per_file:
             chunks = -(-meta.shard_spec_per_file[f].local_numel * size // CHUNK_BYTES)
@@ -206,7 +236,7 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
 
     # Rank 0 at save, each run from scratch: plan, dump, checksums into the planned metadata, dump.
     plan, data, _, final = timed_steps([
-        ("save_plan", lambda: build_save_plan(descs)),
+        ("save_plan", lambda: build_save_plan(decoded_on_rank0(payloads, own))),
         ("metadata_json", lambda plan: plan.metadata.to_json_bytes()),
         ("with_checksums", lambda plan, _: plan.metadata.with_checksums(crcs, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)),
         ("metadata_json_final", lambda _p, _d, committed: committed.to_json_bytes()),
@@ -214,7 +244,7 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
     out["specs"] = sum(len(m.shard_spec_per_file) for m in plan.metadata.tensors.values())
     out["metadata_bytes"] = len(data)
     out["metadata_bytes_final"] = len(final)
-    descs = plan = crcs = None  # type: ignore[assignment]
+    payloads = plan = crcs = None  # type: ignore[assignment]
     # Every other rank at save, every rank at load.
     timed_steps([("parse_metadata", lambda: parse_metadata(data, where="metadata.json"))])
     data = None  # type: ignore[assignment]
@@ -381,7 +411,29 @@ def render(results, args, params, n_params) -> str:
             f"{fmt(max(r['load_plan_reshard_s_per_rank']) * k)} | {fmt(max(r['load_plan_same_s_per_rank']) * k)} | "
             f"{fmt(sum(r['load_plan_reshard_s_per_rank']) / len(r['load_plan_reshard_s_per_rank']) * k * tgt, '.0f')} | "
             f"{r['peak_rss_mib']:.0f} |")
-    lines += ["", "Totals per world size (model + optim directories, the full 80-layer model), CPU seconds:", "",
+    lines += ["", "Planning per world size (model + optim directories, the full 80-layer model), CPU seconds: "
+              "the save plan on rank 0 (decoding what the ranks sent included) and one rank's load plan "
+              "after the world-size change, the goal's measure; then the cost of the metadata.json the "
+              "format requires (JSON text of every shard spec: dump on rank 0, parse on every rank).", "",
+              "| ranks | save plan (rank 0) | load plan (per rank, reshard) | planning total | goal "
+              "| metadata.json dump + checksums + dump (rank 0) | metadata.json parse (per rank, at load) |",
+              "|---:|---:|---:|---:|---|---:|---:|"]
+    dirs = args.dirs.split(",")
+    for world in sorted({r["world"] for r in results}):
+        by_dir = {}
+        for r in (r for r in results if r["world"] == world and "error" not in r):
+            if r["dir"] not in by_dir or r["layers"] > by_dir[r["dir"]]["layers"]:
+                by_dir[r["dir"]] = r
+        if set(by_dir) != set(dirs):
+            continue
+        rs = list(by_dir.values())
+        save = sum(r["save_plan_s"] * r["scale"] for r in rs)
+        load = sum(max(r["load_plan_reshard_s_per_rank"]) * r["scale"] for r in rs)
+        dump = sum((r["metadata_json_s"] + r["with_checksums_s"] + r["metadata_json_final_s"]) * r["scale"] for r in rs)
+        parse = sum(r["parse_metadata_final_s"] * r["scale"] for r in rs)
+        goal = 2.0 if world <= 1024 else 20.0
+        lines.append(f"| {world} | {save:.2f} | {load:.2f} | {save + load:.2f} | < {goal:g} s | {dump:.1f} | {parse:.1f} |")
+    lines += ["", "Totals per world size with the metadata.json work (model + optim directories, the full 80-layer model), CPU seconds:", "",
               "| ranks | save, rank 0: plan + dump + checksums + dump | save, other ranks: parse "
               "| load, every rank: parse + load plan (reshard) | largest metadata.json MB | goal |",
               "|---:|---:|---:|---:|---:|---|"]

@@ -6,8 +6,9 @@ The recipe:
    share memory with an earlier key (tied parameters) become aliases, saved once.
 2. Rank 0 checks the directory (``FileExistsError`` unless ``save_overwrite``; with it, the
    old ``metadata.json`` is removed first so the old checkpoint reads as incomplete).
-3. Rank 0 gathers every rank's pieces, builds the plan (each distinct piece gets one
-   writer) and scatters each rank its keys. A cached plan skips this: one all-reduce
+3. Rank 0 gathers every rank's pieces (as columns: the structure, which ranks of one model
+   share, travels only when it differs from rank 0's), builds the plan (each distinct piece
+   gets one writer) and scatters each rank which of its keys it writes. A cached plan skips this: one all-reduce
    confirms every rank's structure is unchanged.
 4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename).
 5. All ranks agree the files are written; rank 0 removes stale rank files and writes
@@ -18,6 +19,7 @@ A failure anywhere reaches every rank at the next agreement.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -25,14 +27,17 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import compress
 from typing import Any, Mapping
+
+import numpy as np
 
 from .. import dist
 from ..errors import CheckpointError
 from ..checksums import ALGORITHM, CHUNK_BYTES
 from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename, rank_filename
 from ..format.metadata import StorageMetadata, parse_metadata
-from ..planning.plan import Piece, PieceDesc, build_save_plan
+from ..planning.plan import PieceDesc, RankPieces, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from .rankfile import write_rank_file
@@ -84,17 +89,33 @@ def _desc_json(described: Mapping[str, LocalTensor], aliases: Mapping[str, str])
     return json.dumps({"items": items, "aliases": aliases}, separators=(",", ":")).encode()
 
 
-def _parse_descs(payload: bytes) -> tuple[list[PieceDesc], dict[str, str]]:
-    raw = json.loads(payload)
-    descs = []
-    for key, shape, dtype, is_sharded, flat, local_shape, global_offset in raw["items"]:
-        piece = Piece(
-            flat=tuple(tuple(r) for r in flat) if flat is not None else None,
-            local_shape=tuple(local_shape) if local_shape is not None else None,
-            global_offset=tuple(global_offset) if global_offset is not None else None,
-        )
-        descs.append(PieceDesc(key, tuple(shape), dtype, is_sharded, piece))
-    return descs, raw["aliases"]
+def _columns(described: Mapping[str, LocalTensor]) -> RankPieces:
+    return RankPieces.from_descs(
+        [PieceDesc(key, lt.shape, lt.dtype, lt.is_sharded, lt.piece) for key, lt in described.items()]
+    )
+
+
+def _pieces_payload(columns: RankPieces, aliases: Mapping[str, str], rank0_digest: str) -> bytes:
+    """A rank's pieces for rank 0: a JSON header, then the piece numbers as raw ``int64``. The
+    structure travels only when it differs from rank 0's (ranks of one model share it)."""
+    structure = columns.structure
+    header: dict[str, Any] = {"aliases": aliases}
+    if structure.digest != rank0_digest:
+        header["structure"] = structure.json_bytes.decode()
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"P" + len(head).to_bytes(8, "little") + head + columns.values.astype("<i8", copy=False).tobytes()
+
+
+def _parse_pieces(payload: bytes, rank0: Structure, known: dict[str, Structure]) -> tuple[RankPieces, dict[str, str]]:
+    n = int.from_bytes(payload[1:9], "little")
+    header = json.loads(payload[9 : 9 + n])
+    structure = rank0
+    if "structure" in header:
+        data = header["structure"].encode()
+        digest = hashlib.sha256(data).hexdigest()
+        structure = known.get(digest) or known.setdefault(digest, Structure.from_json_bytes(data))
+    values = np.frombuffer(payload, dtype="<i8", offset=9 + n).astype(np.int64, copy=False)
+    return RankPieces(structure, values), header["aliases"]
 
 
 def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> None:
@@ -141,13 +162,17 @@ def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> 
             _check_directory(storage, save_overwrite, retire_old=False)
         except BaseException as ex:  # noqa: BLE001 - reported to every rank below
             error = ex
-    mine = _error_json(error) if error is not None else _desc_json(described, aliases)
+    columns = _columns(described) if error is None else None
+    rank0_digest = dist.broadcast_bytes(
+        (columns.structure.digest if columns is not None else "").encode() if rank == 0 else None, src=0
+    ).decode()
+    mine = _error_json(error) if columns is None else _pieces_payload(columns, aliases, rank0_digest)
     gathered = dist.gather_bytes(mine, dst=0)
     replies: list[bytes] | None = None
     metadata_json = b""
     planned: StorageMetadata | None = None
     if gathered is not None:
-        replies, metadata_json, planned = _plan_on_rank0(gathered)
+        replies, metadata_json, planned = _plan_on_rank0(gathered, columns)
         if metadata_json:
             # Planned: only now retire an old checkpoint here, before any rank writes a file.
             try:
@@ -162,31 +187,40 @@ def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> 
     if error is not None:
         raise error
     metadata_json = dist.broadcast_bytes(metadata_json if rank == 0 else None, src=0)
+    assert columns is not None
+    writes = np.unpackbits(np.frombuffer(base64.b64decode(reply["writes"]), dtype=np.uint8), count=len(columns.structure.keys))
+    keys = tuple(sorted(compress(columns.structure.keys, writes.tolist())))
     if planned is not None:  # rank 0 holds what it sent: no need to read it back
-        return tuple(reply["keys"]), planned
-    return tuple(reply["keys"]), parse_metadata(metadata_json, where="save plan")
+        return keys, planned
+    return keys, parse_metadata(metadata_json, where="save plan")
 
 
 def _error_json(error: BaseException) -> bytes:
     return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
 
 
-def _plan_on_rank0(gathered: list[bytes]) -> tuple[list[bytes], bytes, StorageMetadata | None]:
+def _plan_on_rank0(gathered: list[bytes], mine: RankPieces | None) -> tuple[list[bytes], bytes, StorageMetadata | None]:
     """The replies to scatter, and the metadata (as JSON, and as built; empty and None on failure)."""
     world = len(gathered)
-    descs_per_rank, aliases = [], {}
+    columns: list[RankPieces] = []
+    aliases: dict[str, str] = {}
+    known: dict[str, Structure] = {}
     for r, payload in enumerate(gathered):
-        raw = json.loads(payload)
-        if "error" in raw:
-            return [json.dumps({"error": f"save failed on rank {r}: {raw['error']}"}).encode()] * world, b"", None
-        descs, rank_aliases = _parse_descs(payload)
-        descs_per_rank.append(descs)
+        if payload[:1] != b"P":
+            error = json.loads(payload)["error"]
+            return [json.dumps({"error": f"save failed on rank {r}: {error}"}).encode()] * world, b"", None
+        assert mine is not None  # rank 0's own payload came first, and was not an error
+        rank_columns, rank_aliases = _parse_pieces(payload, mine.structure, known)
+        columns.append(rank_columns)
         aliases.update(rank_aliases)
     try:
-        plan = build_save_plan(descs_per_rank, aliases=aliases)
+        plan = build_save_plan(columns, aliases=aliases)
     except (ValueError, CheckpointError) as ex:
         return [json.dumps({"error": f"cannot save: {ex}"}).encode()] * world, b"", None
-    replies = [json.dumps({"keys": list(keys)}).encode() for keys in plan.keys_per_rank]
+    replies = [
+        json.dumps({"writes": base64.b64encode(np.packbits(plan.mask_for(r, c.structure.keys)).tobytes()).decode()}).encode()
+        for r, c in enumerate(columns)
+    ]
     return replies, plan.metadata.to_json_bytes(), plan.metadata
 
 

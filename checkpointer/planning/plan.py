@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import chain, compress
-from operator import add, attrgetter, lt
+from itertools import compress
+from operator import attrgetter
 from typing import Sequence
+
+import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
@@ -21,10 +23,13 @@ from ..format.layout import rank_filename
 from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata, new_metadata
 from ..format.specs import Layout, ShardSpecs, gc_paused, shared_layout
 from .overlap import Range, SourceIndex, box_ranges, layout_ranges, merge_adjacent
+from .pieces import BOX, Piece, PieceDesc, RankPieces, Structure
 
 __all__ = [
     "Piece",
     "PieceDesc",
+    "RankPieces",
+    "Structure",
     "SavePlan",
     "ReadItem",
     "TensorLoadPlan",
@@ -35,58 +40,35 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """The elements of a full tensor that one local tensor holds, stored back to back.
-
-    Either ``flat`` ranges of the flattened tensor, or a box (``local_shape`` at ``global_offset``).
-    """
-
-    flat: tuple[Range, ...] | None = None
-    local_shape: tuple[int, ...] | None = None
-    global_offset: tuple[int, ...] | None = None
-
-    @property
-    def numel(self) -> int:
-        if self.flat is not None:
-            return sum(e - s for s, e in self.flat)
-        assert self.local_shape is not None
-        return math.prod(self.local_shape)
-
-    def to_spec(self) -> TensorShardSpec:
-        if self.flat is not None:
-            return TensorShardSpec.model_construct(flattened_offsets=self.flat, local_shape=None, global_offset=None)
-        return TensorShardSpec.model_construct(
-            flattened_offsets=None, local_shape=self.local_shape, global_offset=self.global_offset
-        )
-
-    @staticmethod
-    def whole(shape: Sequence[int]) -> Piece:
-        return Piece(flat=((0, math.prod(shape)),))
-
-
-@dataclass(frozen=True, slots=True)
-class PieceDesc:
-    """What one rank holds of one tensor of the state dict."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    is_sharded: bool
-    piece: Piece
-
-
 @dataclass(frozen=True)
 class SavePlan:
     metadata: StorageMetadata
-    keys_per_rank: tuple[tuple[str, ...], ...]
-    """The keys each rank writes to its file, in order."""
+    keys: tuple[str, ...]
+    """The keys the rows of ``writes`` index."""
+    writes: np.ndarray
+    """``writes[rank, i]``: ``rank`` writes ``keys[i]`` to its file (bool, world size x keys)."""
+
+    def keys_for(self, rank: int) -> tuple[str, ...]:
+        """The keys ``rank`` writes to its file, in file order."""
+        return tuple(sorted(compress(self.keys, self.writes[rank].tolist())))
+
+    @property
+    def keys_per_rank(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(self.keys_for(rank) for rank in range(len(self.writes)))
+
+    def mask_for(self, rank: int, own_keys: Sequence[str]) -> np.ndarray:
+        """Which of ``own_keys`` (the keys ``rank`` described, in its order) it writes."""
+        row = self.writes[rank]
+        if tuple(own_keys) == self.keys:
+            return row
+        index = {key: i for i, key in enumerate(self.keys)}
+        return row[np.array([index[key] for key in own_keys], dtype=np.int64)] if own_keys else row[:0]
 
     def bytes_per_rank(self) -> list[int]:
-        out = [0] * len(self.keys_per_rank)
-        for rank, keys in enumerate(self.keys_per_rank):
+        out = [0] * len(self.writes)
+        for rank in range(len(self.writes)):
             name = rank_filename(rank)
-            for key in keys:
+            for key in self.keys_for(rank):
                 meta = self.metadata.tensors[key]
                 out[rank] += meta.shard_spec_per_file[name].local_numel * itemsize(meta.dtype)
         return out
@@ -117,128 +99,197 @@ _FORM = attrgetter("flat", "local_shape", "global_offset")
 
 
 def build_save_plan(
-    descs_per_rank: Sequence[Sequence[PieceDesc]], *, aliases: dict[str, str] | None = None
+    descs_per_rank: Sequence[Sequence[PieceDesc] | RankPieces], *, aliases: dict[str, str] | None = None
 ) -> SavePlan:
     """Merge every rank's pieces into metadata and assign each distinct piece one writer.
 
+    Each rank's pieces come as :class:`PieceDesc` s or as columns (:class:`RankPieces`).
     Raises ``ValueError`` naming the key when ranks disagree on a tensor's shape or dtype,
     or when the distinct pieces of a tensor overlap or leave elements out.
     """
     with gc_paused():
-        return _build_save_plan(descs_per_rank, aliases)
+        columns = [d if isinstance(d, RankPieces) else RankPieces.from_descs(d) for d in descs_per_rank]
+        if columns and all(c.structure == columns[0].structure for c in columns):
+            return _plan_uniform(columns[0].structure, np.stack([c.values for c in columns]), aliases)
+        return _plan_general([c.descs() for c in columns], aliases)
 
 
-def _build_save_plan(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dict[str, str] | None) -> SavePlan:
-    world_size = len(descs_per_rank)
+class _Planned:
+    """What the analysis of one tensor's pieces decided, before shared pieces get their writers."""
+
+    __slots__ = ("writers", "pieces", "layout", "numels", "held")
+
+    def __init__(self, writers: Sequence[int], pieces: list[Piece] | None, layout: Layout | None,
+                 numels: Sequence[int], held: list[tuple[int, Piece, list[int] | None]]):
+        self.writers = np.asarray(writers, dtype=np.int64)  # ranks writing one piece each
+        self.pieces = pieces  # their pieces (None: ``layout`` holds them)
+        self.layout = layout
+        self.numels = np.asarray(numels, dtype=np.int64)
+        self.held = held  # pieces several ranks hold: (element count, piece, holders or None for all)
+
+
+def _plan_uniform(structure: Structure, values: np.ndarray, aliases: dict[str, str] | None) -> SavePlan:
+    """Every rank holds the same keys: each tensor's pieces are one block of the columns, and
+    tensors whose blocks are equal (the layers of a model) are analysed once."""
+    world = len(values)
+    ranks = np.arange(world)
+    names = [rank_filename(r) for r in range(world)]
+    by_rank = np.ascontiguousarray(values.T)
+    layouts: dict[tuple, list[Layout]] = {}
+    answers: dict[tuple, _Planned] = {}
+    planned: list[_Planned] = []
+    for i, (key, shape, kind) in enumerate(zip(structure.keys, structure.shapes, structure.kinds)):
+        block = by_rank[slice(*structure.span(i))]
+        signature = (shape, kind, block.tobytes())
+        answer = answers.get(signature)
+        if answer is None:
+            answer = answers[signature] = _analyse(key, shape, kind, block, ranks, names, layouts, everyone=True)
+        planned.append(answer)
+    return _assign(
+        world, structure.keys, structure.shapes, structure.dtypes, structure.sharded, planned, names, layouts, aliases
+    )
+
+
+def _plan_general(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dict[str, str] | None) -> SavePlan:
+    """Ranks hold different keys (pipeline stages, a rank without some tensor): tensor by tensor."""
+    world = len(descs_per_rank)
+    names = [rank_filename(r) for r in range(world)]
     groups = _by_key(descs_per_rank)
-    # key -> the ranks writing its pieces, the pieces, their element counts, its item size
-    written: dict[str, tuple[list[int], list[Piece], list[int], int]] = {}
-    shared: list[tuple[int, str, Piece, list[int]]] = []
-    names = [rank_filename(r) for r in range(world_size)]
-    seen: dict[tuple, list[tuple]] = {}
-    planned: dict[str, Layout] = {}
-    for key, (ranks, descs) in groups.items():
+    layouts: dict[tuple, list[Layout]] = {}
+    keys, shapes, dtypes, sharded, planned = [], [], [], [], []
+    for key, (holders, descs) in groups.items():
+        _check_agreement(key, holders, descs)
         desc = descs[0]
-        _check_agreement(key, ranks, descs)
-        size = itemsize(desc.dtype)
         pieces = list(map(_PIECE, descs))
-        fast = _split_tiling(desc.shape, ranks, pieces, names, seen)
-        if fast is not None:
-            writers, mine, numels, planned[key] = fast
-            written[key] = (list(writers), mine, numels, size)
-            continue
-        writers, mine, numels, held = _split(key, desc.shape, ranks, pieces)
-        written[key] = (writers, mine, numels, size)
-        shared.extend((n * size, key, piece, holders) for n, piece, holders in held)
+        kinds = {p.kind for p in pieces}
+        if len(kinds) == 1:
+            block = np.array([p.numbers() for p in pieces], dtype=np.int64).reshape(len(pieces), -1).T
+            answer = _analyse(key, desc.shape, kinds.pop(), block, np.array(holders), names, layouts,
+                              everyone=len(holders) == world)
+        else:
+            answer = _mixed(key, desc.shape, list(holders), pieces, everyone=len(holders) == world)
+        keys.append(key)
+        shapes.append(desc.shape)
+        dtypes.append(desc.dtype)
+        sharded.append(desc.is_sharded)
+        planned.append(answer)
+    return _assign(world, tuple(keys), shapes, dtypes, sharded, planned, names, layouts, aliases)
+
+
+def _analyse(
+    key: str, shape: tuple[int, ...], kind: int, block: np.ndarray, ranks: np.ndarray, names: list[str],
+    layouts: dict[tuple, list[Layout]], *, everyone: bool,
+) -> _Planned:
+    """One tensor's pieces, ``block[:, j]`` the numbers of the piece of ``ranks[j]``: the usual
+    cases in bulk (rows tiling the tensor, as FSDP2's ``Shard(0)``; one flattened range per rank
+    tiling it; the same piece on every rank), anything else piece by piece."""
+    numel = math.prod(shape)
+    if numel and block.shape[1]:
+        tiled = _tiling(shape, kind, block, numel)
+        if tiled is not None:
+            keep, numels = tiled
+            writers = ranks[keep]
+            kept = block[:, keep].T.tolist()
+            if kind == BOX:
+                ndim = len(shape)
+                ls, go = [tuple(v[:ndim]) for v in kept], [tuple(v[ndim:]) for v in kept]
+                layout = shared_layout(layouts, shape, [names[r] for r in writers.tolist()], None, ls, go)
+            else:
+                flat = [((v[0], v[1]),) for v in kept]
+                layout = shared_layout(layouts, shape, [names[r] for r in writers.tolist()], flat, None, None)
+            return _Planned(writers, None, layout, numels, [])
+        if block.shape[1] > 1 and (block == block[:, :1]).all():
+            piece = Piece.from_numbers(kind, block[:, 0].tolist())
+            if piece.numel:
+                _check_tiling(key, shape, [piece])
+                return _Planned([], [], None, [], [(piece.numel, piece, None if everyone else ranks.tolist())])
+    pieces = [Piece.from_numbers(kind, column) for column in block.T.tolist()]
+    return _mixed(key, shape, ranks.tolist(), pieces, everyone=everyone)
+
+
+def _tiling(shape: tuple[int, ...], kind: int, block: np.ndarray, numel: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(which pieces are not empty, their element counts)`` when the pieces are whole rows
+    (boxes) or single ranges (flat) tiling the tensor exactly; ``None``: not shown."""
+    if kind == BOX and shape:
+        ndim = len(shape)
+        sizes, offsets = block[:ndim], block[ndim:]
+        counts = sizes.prod(axis=0)
+        keep = counts > 0
+        if not keep.any() or (sizes < 0).any() or (offsets < 0).any():
+            return None
+        if ndim > 1:
+            inner = np.array(shape[1:], dtype=np.int64)[:, None]
+            if not ((sizes[1:, keep] == inner).all() and (offsets[1:, keep] == 0).all()):
+                return None
+        starts, ends, extent = offsets[0, keep], offsets[0, keep] + sizes[0, keep], shape[0]
+    elif kind == 1:
+        counts = block[1] - block[0]
+        keep = counts > 0
+        if not keep.any() or (counts < 0).any() or (block[0] < 0).any():
+            return None
+        starts, ends, extent = block[0, keep], block[1, keep], numel
+    else:
+        return None
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    if starts[0] != 0 or ends[-1] != extent or not (starts[1:] == ends[:-1]).all():
+        return None
+    return keep, counts[keep]
+
+
+def _mixed(key: str, shape: tuple[int, ...], ranks: list[int], pieces: list[Piece], *, everyone: bool) -> _Planned:
+    writers, mine, numels, held = _split(key, shape, ranks, pieces)
+    return _Planned(writers, mine, None, numels,
+                    [(n, piece, None if everyone and len(by) == len(ranks) else by) for n, piece, by in held])
+
+
+def _assign(
+    world: int, keys: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str],
+    sharded: Sequence[bool], planned: list[_Planned], names: list[str], layouts: dict[tuple, list[Layout]],
+    aliases: dict[str, str] | None,
+) -> SavePlan:
+    """Give each shared piece a writer, then build the metadata and the table of who writes what."""
+    writes = np.zeros((world, len(keys)), dtype=bool)
+    extra: dict[int, tuple[list[int], list[Piece]]] = {}  # key index -> shared pieces' writers and pieces
+    shared = [(n * itemsize(dtypes[i]), keys[i], i, piece, holders)
+              for i, answer in enumerate(planned) for n, piece, holders in answer.held]
     if shared:
         # Longest first, each to its least-loaded holder (the lowest rank among equals):
         # balanced within one largest piece.
-        load = [0] * world_size
-        for writers, _, numels, size in written.values():
-            for rank, n in zip(writers, numels):
-                load[rank] += n * size
+        load = np.zeros(world, dtype=np.int64)
+        for i, answer in enumerate(planned):
+            if len(answer.writers):
+                load[answer.writers] += answer.numels * itemsize(dtypes[i])
         shared.sort(key=lambda item: (-item[0], item[1]))
-        for nbytes, key, piece, holders in shared:
-            rank = min(holders, key=load.__getitem__)
-            written[key][0].append(rank)
-            written[key][1].append(piece)
+        for nbytes, _, i, piece, holders in shared:
+            if holders is None:
+                rank = int(np.argmin(load))
+            else:
+                rank = min(holders, key=load.__getitem__)
+            writers, pieces = extra.setdefault(i, ([], []))
+            writers.append(rank)
+            pieces.append(piece)
             load[rank] += nbytes
-    unsorted = {key for _, key, _, _ in shared}
-
-    keys_per_rank: list[list[str]] = [[] for _ in range(world_size)]
-    layouts: dict[tuple, list[Layout]] = {}
     tensors = {}
-    for key in sorted(groups):
-        desc = groups[key][1][0]
-        writers, mine, _, _ = written[key]
-        if key in unsorted:
-            order = sorted(range(len(writers)), key=writers.__getitem__)
-            writers, mine = [writers[i] for i in order], [mine[i] for i in order]
-        for keys in map(keys_per_rank.__getitem__, writers):
-            keys.append(key)
-        layout = planned.get(key) or _layout(layouts, desc.shape, list(map(names.__getitem__, writers)), mine)
+    for i in sorted(range(len(keys)), key=keys.__getitem__):
+        answer, key = planned[i], keys[i]
+        layout = answer.layout
+        if layout is None:
+            writers, pieces = answer.writers.tolist(), list(answer.pieces or [])
+            if i in extra:
+                writers += extra[i][0]
+                pieces += extra[i][1]
+                order = sorted(range(len(writers)), key=writers.__getitem__)
+                writers, pieces = [writers[j] for j in order], [pieces[j] for j in order]
+            layout = _layout(layouts, shapes[i], [names[r] for r in writers], pieces)
+        else:
+            writers = answer.writers
+        writes[writers, i] = True
         tensors[key] = TensorStorageMetadata.model_construct(
-            shape=desc.shape, is_sharded=desc.is_sharded, dtype=desc.dtype, shard_spec_per_file=ShardSpecs(layout)
+            shape=shapes[i], is_sharded=sharded[i], dtype=dtypes[i], shard_spec_per_file=ShardSpecs(layout)
         )
-    metadata = new_metadata(tensors, world_size=world_size, aliases=dict(aliases or {}))
-    return SavePlan(metadata, tuple(map(tuple, keys_per_rank)))
-
-
-def _split_tiling(
-    shape: tuple[int, ...], ranks: Sequence[int], pieces: list[Piece], names: list[str], seen: dict[tuple, list[tuple]]
-) -> tuple[list[int], list[Piece], list[int], Layout] | None:
-    """The usual cases in bulk: sharded rows (FSDP2's ``Shard(0)``) or one flattened range per
-    rank (flat-sharded), tiling the tensor, so that no two pieces are equal and each has one
-    holder, its writer. Returns the writers, pieces, element counts and layout; or ``None``
-    ("not shown": :func:`_split` decides). ``seen`` remembers answers: the many tensors of one
-    shape usually have equal pieces."""
-    numel, n = math.prod(shape), len(pieces)
-    if not numel or not n:
-        return None
-    flat = list(map(_FLAT, pieces))
-    if flat.count(None) == n:
-        sizes, offsets = list(map(_LOCAL_SHAPE, pieces)), list(map(_GLOBAL_OFFSET, pieces))
-        memo = seen.setdefault(("rows", shape, n), [])
-        for was in memo:
-            if was[0] == ranks and was[1] == sizes and was[2] == offsets:
-                return was[3]
-        answer = None
-        if None not in sizes and None not in offsets:
-            answer = _rows(shape, ranks, pieces, sizes, offsets, names)
-        memo.append((ranks, sizes, offsets, answer))
-        return answer
-    if flat.count(None) == 0:
-        memo = seen.setdefault(("ranges", shape, n), [])
-        for was in memo:
-            if was[0] == ranks and was[1] == flat:
-                return was[3]
-        answer = _ranges(numel, shape, ranks, pieces, flat, names) if set(map(len, flat)) == {1} else None
-        memo.append((ranks, flat, None, answer))
-        return answer
-    return None
-
-
-def _rows(shape, ranks, pieces, sizes, offsets, names) -> tuple[list[int], list[Piece], list[int], Layout] | None:
-    numels = list(map(math.prod, sizes))
-    if 0 in numels:
-        ranks, pieces, sizes, offsets = (list(compress(x, numels)) for x in (ranks, pieces, sizes, offsets))
-        numels = list(filter(None, numels))
-    if not _tiles_by_rows(shape, sizes, offsets):
-        return None
-    ranks = list(ranks)
-    return ranks, list(pieces), numels, Layout(shape, list(map(names.__getitem__, ranks)), None, sizes, offsets)
-
-
-def _ranges(numel, shape, ranks, pieces, flat, names) -> tuple[list[int], list[Piece], list[int], Layout] | None:
-    bounds = [f[0] for f in flat]
-    numels = [end - start for start, end in bounds]
-    if 0 in numels:
-        ranks, pieces, bounds, flat = (list(compress(x, numels)) for x in (ranks, pieces, bounds, flat))
-        numels = list(filter(None, numels))
-    if not bounds or not _tiles_by_bounds(numel, bounds):
-        return None
-    ranks = list(ranks)
-    return ranks, list(pieces), numels, Layout(shape, list(map(names.__getitem__, ranks)), flat, None, None)
+    metadata = new_metadata(tensors, world_size=world, aliases=dict(aliases or {}))
+    return SavePlan(metadata, tuple(keys), writes)
 
 
 def _split(
@@ -267,12 +318,6 @@ def _split(
         else:
             held.append((count, piece, by))
     return writers, mine, numels, held
-
-
-def _tiles_by_bounds(numel: int, bounds: list[tuple[int, int]]) -> bool:
-    """True when the ``[start, end)`` ranges tile ``[0, numel)`` exactly (False: not shown)."""
-    starts, ends = zip(*sorted(bounds))
-    return starts[0] == 0 and ends[-1] == numel and starts[1:] == ends[:-1] and all(map(lt, starts, ends))
 
 
 def _by_key(descs_per_rank: Sequence[Sequence[PieceDesc]]) -> dict[str, tuple[Sequence[int], Sequence[PieceDesc]]]:
@@ -321,20 +366,6 @@ def _distinct(ranks: Sequence[int], pieces: list[Piece]) -> tuple[list[Piece], l
         else:
             by.append(rank)
     return first, list(holders.values())
-
-
-def _tiles_by_rows(shape: Sequence[int], sizes: list, offsets: list) -> bool:
-    """True when the boxes (``sizes`` at ``offsets``) are whole rows that tile ``shape`` exactly
-    (FSDP's ``Shard(0)``). False means "not shown": the exact check decides."""
-    n, ndim = len(sizes), len(shape)
-    if not ndim or not n or set(map(len, sizes)) != {ndim} or set(map(len, offsets)) != {ndim}:
-        return False
-    sizes_all, offsets_all = list(chain.from_iterable(sizes)), list(chain.from_iterable(offsets))
-    for d in range(1, ndim):
-        if sizes_all[d::ndim].count(shape[d]) != n or offsets_all[d::ndim].count(0) != n:
-            return False
-    rows, starts = sizes_all[::ndim], offsets_all[::ndim]
-    return min(rows) > 0 and _tiles_by_bounds(shape[0], list(zip(starts, map(add, starts, rows))))
 
 
 def _layout(

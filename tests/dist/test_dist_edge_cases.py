@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -80,6 +81,30 @@ def _odd_keys(rank, world_size, ckpt):
 
 def test_odd_keys_and_empty_state_dict(run_distributed, tmp_path):
     assert run_distributed(_odd_keys, 2, str(tmp_path / "ckpt")) == [True, True]
+
+
+def _stages(rank, world_size, ckpt):
+    """Pipeline stages: beside a sharded tensor, each rank holds a key no other rank has."""
+    shared = to_layout(torch.arange(24.0).reshape(6, 4), f"shard0@{world_size}")
+    own = torch.full((rank + 2,), float(rank + 1))
+    Checkpointer().save(ckpt, {"shared": shared, f"stage{rank}": own})
+    dest = {"shared": zeros_like_layout({"shared": shared})["shared"], f"stage{rank}": torch.zeros(rank + 2)}
+    Checkpointer().load(ckpt, dest)
+    assert_local_same({"shared": torch.arange(24.0).reshape(6, 4), f"stage{rank}": own}, dest, "stages")
+    return True
+
+
+def test_ranks_holding_different_keys(run_distributed, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    assert run_distributed(_stages, 3, ckpt) == [True] * 3
+    full = Checkpointer().unshard(ckpt, no_dist=True)
+    assert torch.equal(full["shared"], torch.arange(24.0).reshape(6, 4))
+    for rank in range(3):
+        assert torch.equal(full[f"stage{rank}"], torch.full((rank + 2,), float(rank + 1)))
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        tensors = json.load(f)["tensors"]
+    for rank in range(3):
+        assert list(tensors[f"stage{rank}"]["shard_spec_per_file"]) == [f"rank_{rank}.safetensors"]
 
 
 def _views(rank, world_size, ckpt):

@@ -1,0 +1,184 @@
+"""What a rank holds, described for planning: per key a :class:`PieceDesc`, or all keys at once
+as columns (:class:`RankPieces`).
+
+Thousands of ranks each holding hundreds of tensors make millions of pieces. Rank 0 plans
+them from columns: one :class:`Structure` (keys, shapes, dtypes, how each piece is described)
+that ranks of one model share and send only once, plus one ``int64`` array per rank with the
+numbers of every piece back to back. Turning either form into the other is lossless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..format.metadata import TensorShardSpec
+
+__all__ = ["Range", "Piece", "PieceDesc", "Structure", "RankPieces", "BOX"]
+
+Range = tuple[int, int]
+
+BOX = -1
+"""The kind of a piece given as a box; a kind ``n >= 0`` is ``n`` flattened ranges."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The elements of a full tensor that one local tensor holds, stored back to back.
+
+    Either ``flat`` ranges of the flattened tensor, or a box (``local_shape`` at ``global_offset``).
+    """
+
+    flat: tuple[Range, ...] | None = None
+    local_shape: tuple[int, ...] | None = None
+    global_offset: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        if self.flat is not None:
+            return sum(e - s for s, e in self.flat)
+        assert self.local_shape is not None
+        return math.prod(self.local_shape)
+
+    def to_spec(self) -> TensorShardSpec:
+        if self.flat is not None:
+            return TensorShardSpec.model_construct(flattened_offsets=self.flat, local_shape=None, global_offset=None)
+        return TensorShardSpec.model_construct(
+            flattened_offsets=None, local_shape=self.local_shape, global_offset=self.global_offset
+        )
+
+    @staticmethod
+    def whole(shape: Sequence[int]) -> Piece:
+        return Piece(flat=((0, math.prod(shape)),))
+
+    @property
+    def kind(self) -> int:
+        return BOX if self.flat is None else len(self.flat)
+
+    def numbers(self) -> list[int]:
+        """The piece's integers as its column of :class:`RankPieces` holds them."""
+        if self.flat is not None:
+            return [x for r in self.flat for x in r]
+        assert self.local_shape is not None and self.global_offset is not None
+        return [*self.local_shape, *self.global_offset]
+
+    @staticmethod
+    def from_numbers(kind: int, numbers: Sequence[int]) -> Piece:
+        values = [int(x) for x in numbers]
+        if kind == BOX:
+            ndim = len(values) // 2
+            return Piece(local_shape=tuple(values[:ndim]), global_offset=tuple(values[ndim:]))
+        return Piece(flat=tuple(zip(values[0::2], values[1::2])))
+
+
+@dataclass(frozen=True, slots=True)
+class PieceDesc:
+    """What one rank holds of one tensor of the state dict."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    is_sharded: bool
+    piece: Piece
+
+
+class Structure:
+    """The keys a rank holds, in its order, with each tensor's shape, dtype, whether it is
+    sharded, and each piece's kind: what is the same on every rank of an FSDP job."""
+
+    __slots__ = ("keys", "shapes", "dtypes", "sharded", "kinds", "starts", "width", "__dict__")
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        dtypes: Sequence[str],
+        sharded: Sequence[bool],
+        kinds: Sequence[int],
+    ):
+        n = len(keys)
+        if not len(shapes) == len(dtypes) == len(sharded) == len(kinds) == n:
+            raise ValueError("the columns of a structure differ in length")
+        self.keys = tuple(keys)
+        self.shapes = tuple(map(tuple, shapes))
+        self.dtypes = tuple(dtypes)
+        self.sharded = tuple(map(bool, sharded))
+        self.kinds = tuple(kinds)
+        starts = [0] * n
+        width = 0
+        for i, (shape, kind) in enumerate(zip(self.shapes, self.kinds)):
+            if kind < BOX:
+                raise ValueError(f"bad piece kind {kind} for {keys[i]!r}")
+            starts[i] = width
+            width += 2 * len(shape) if kind == BOX else 2 * kind
+        self.starts = tuple(starts)
+        self.width = width
+
+    def span(self, i: int) -> tuple[int, int]:
+        """The columns of key ``i``'s numbers."""
+        start = self.starts[i]
+        end = self.starts[i + 1] if i + 1 < len(self.starts) else self.width
+        return start, end
+
+    @cached_property
+    def json_bytes(self) -> bytes:
+        return json.dumps(
+            [self.keys, self.shapes, self.dtypes, self.sharded, self.kinds], separators=(",", ":")
+        ).encode()
+
+    @cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(self.json_bytes).hexdigest()
+
+    @staticmethod
+    def from_json_bytes(data: bytes) -> Structure:
+        keys, shapes, dtypes, sharded, kinds = json.loads(data)
+        return Structure(keys, [tuple(s) for s in shapes], dtypes, sharded, kinds)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Structure) and (self is other or self.json_bytes == other.json_bytes)
+
+    def __hash__(self) -> int:
+        return hash(self.json_bytes)
+
+
+@dataclass(frozen=True, eq=False)
+class RankPieces:
+    """One rank's pieces: its :class:`Structure` and the numbers of all its pieces, in one array
+    (per key, in order: a box's ``local_shape`` then ``global_offset``; flat ranges as
+    ``start, end`` pairs)."""
+
+    structure: Structure
+    values: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.values.dtype != np.int64 or self.values.ndim != 1 or len(self.values) != self.structure.width:
+            raise ValueError(
+                f"a rank's piece numbers must be {self.structure.width} int64 values, "
+                f"got {self.values.dtype} of shape {tuple(self.values.shape)}"
+            )
+
+    @staticmethod
+    def from_descs(descs: Sequence[PieceDesc]) -> RankPieces:
+        structure = Structure(
+            [d.key for d in descs],
+            [d.shape for d in descs],
+            [d.dtype for d in descs],
+            [d.is_sharded for d in descs],
+            [d.piece.kind for d in descs],
+        )
+        numbers = [x for d in descs for x in d.piece.numbers()]
+        return RankPieces(structure, np.array(numbers, dtype=np.int64).reshape(-1))
+
+    def descs(self) -> list[PieceDesc]:
+        s = self.structure
+        return [
+            PieceDesc(key, shape, dtype, sharded, Piece.from_numbers(kind, self.values[slice(*s.span(i))].tolist()))
+            for i, (key, shape, dtype, sharded, kind) in enumerate(zip(s.keys, s.shapes, s.dtypes, s.sharded, s.kinds))
+        ]
