@@ -2,19 +2,23 @@
 
 Calls the pure planning functions the engine runs, on inputs shaped like a real FSDP2 run:
 
-* rank 0 at save: decoding every rank's pieces from the bytes the engine gathers (one
-  shared structure, one int64 array per rank) and ``build_save_plan`` on them, for the
+* every rank at save: decoding every rank's pieces from the bytes the engine all-gathers
+  (one shared structure, one int64 array per rank) and ``build_save_plan`` on them, for the
   model directory (723 parameters) and the optimizer directory (AdamW: ``exp_avg`` and
   ``exp_avg_sq`` sharded like their parameter, ``step`` a replicated scalar, plus
   ``num_param_groups``, ``param_group0``, ``state_keys``); parameters are ``Shard(0)``
   boxes with ``torch.chunk`` semantics (ranks past the rows hold empty pieces);
-* ``StorageMetadata.to_json_bytes`` (rank 0 at save) and ``parse_metadata`` (every other
-  rank at save, every rank at load; rank 0 keeps the metadata it planned): the size of
-  ``metadata.json`` and the time to read it;
+* ``StorageMetadata.to_json_bytes`` (rank 0 at save; every other rank makes the same plan
+  and keeps it) and ``parse_metadata`` (every rank at load): the size of ``metadata.json``
+  and the time to read it;
 * ``build_load_plan`` for every key, for one rank, after a world-size change (1024 -> 768,
   8192 -> 6144) and without one: what each rank does at load. Timed for a few sample ranks
   (first, middle, last); every rank plans in parallel, so the per-rank time is the wall time,
   and ranks x per-rank is the total CPU time.
+
+Then, for the goal's measure, the planning alone with all 80 layers at every world size: the
+save plan, and the load plans on the metadata it made (no ``metadata.json`` text, whose size
+keeps the cases above to a subset of layers at 8,192 ranks).
 
 Each (world size, directory) case runs in its own process under an address-space limit
 (``--mem-limit-gb``), so a case that needs too much memory reports it instead of taking the
@@ -122,19 +126,18 @@ def columns_for(directory: str, params, world: int) -> list:
 
 
 def payloads_for(columns: list) -> list[bytes]:
-    """What each rank sends rank 0 (``checkpointer.engine.save``'s wire form)."""
+    """What each rank sends (``checkpointer.engine.save``'s wire form: rank 0 sends the structure)."""
     from checkpointer.engine.save import _pieces_payload
 
-    digest = columns[0].structure.digest
-    return [_pieces_payload(c, {}, digest) for c in columns]
+    return [_pieces_payload(c, {}, with_structure=r == 0) for r, c in enumerate(columns)]
 
 
 def decoded_on_rank0(payloads: list[bytes], own_structure) -> list:
-    """Rank 0's decoding of the gathered payloads, as the engine does it (it knows its own structure)."""
+    """A rank's decoding of the gathered payloads, as the engine does it (it knows its own structure)."""
     from checkpointer.engine.save import _parse_pieces
 
-    known: dict = {}
-    return [_parse_pieces(p, own_structure, known)[0] for p in payloads]
+    known = {own_structure.digest: own_structure}
+    return [_parse_pieces(p, known)[0] for p in payloads]
 
 
 def wanted_for(directory: str, params, world: int, rank: int, metadata) -> dict[str, list]:
@@ -170,7 +173,8 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_case(world: int, directory: str, target: int, samples: int, profile: bool, layers: int, repeat: int = 1) -> dict:
+def run_case(world: int, directory: str, target: int, samples: int, profile: bool, layers: int, repeat: int = 1,
+             planning_only: bool = False) -> dict:
     from checkpointer.format.metadata import parse_metadata
     from checkpointer.planning.plan import build_load_plan, build_save_plan
 
@@ -219,6 +223,9 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
     out["payload_bytes_per_rank"] = len(payloads[0])
     out["scale"] = full_keys / out["keys"]
 
+    if planning_only:
+        return _planning_only(out, directory, params, world, target, payloads, own, clocked, repeat)
+
     # Commit (rank 0, after the writes): every piece's CRC32C per 16 MiB chunk goes into the
     # metadata it planned, which is dumped again; loads parse that final metadata.json.
     import random
@@ -245,9 +252,8 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
     out["metadata_bytes"] = len(data)
     out["metadata_bytes_final"] = len(final)
     payloads = plan = crcs = None  # type: ignore[assignment]
-    # Every other rank at save, every rank at load.
-    timed_steps([("parse_metadata", lambda: parse_metadata(data, where="metadata.json"))])
     data = None  # type: ignore[assignment]
+    # Every rank at load.
     timed_steps([("parse_metadata_final", lambda: parse_metadata(final, where="metadata.json"))])
 
     def load_plans(new_world: int, label: str, n: int) -> None:
@@ -283,12 +289,43 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
     return out
 
 
+def _planning_only(out, directory, params, world, target, payloads, own, clocked, repeat) -> dict:
+    """The save plan, then one rank's load plans on the metadata it made (as a rank's parse
+    would give them: what the planner derives from a layout is forgotten before each rank)."""
+    from checkpointer.planning.plan import build_load_plan, build_save_plan
+
+    best = None
+    for _ in range(repeat):
+        plan, c = clocked(lambda: build_save_plan(decoded_on_rank0(payloads, own)))
+        best = c if best is None or c.cpu < best.cpu else best
+    out["save_plan_s"], out["save_plan_wall_s"] = best.cpu, best.wall
+    metadata = plan.metadata
+    out["specs"] = sum(len(m.shard_spec_per_file) for m in metadata.tensors.values())
+    for label, new_world in (("reshard", target), ("same", world)):
+        ranks = sorted({0, new_world // 2, new_world - 1})
+        cpu = []
+        for r in ranks:
+            wanted = wanted_for(directory, params, new_world, r, metadata)
+            best = None
+            for _ in range(repeat):
+                for meta in metadata.tensors.values():
+                    meta.shard_spec_per_file.layout.memo.pop("source_index", None)
+                _, c = clocked(lambda: [build_load_plan(key, metadata.tensors[key], rs) for key, rs in wanted.items()])
+                best = c if best is None or c.cpu < best.cpu else best
+            cpu.append(best.cpu)
+        out[f"load_plan_{label}_s_per_rank"] = cpu
+        out[f"load_plan_{label}_ranks"] = ranks
+    out["peak_rss_mib"] = peak_rss_mib()
+    out["planning_only"] = True
+    return out
+
+
 def child(args) -> int:
     limit = int(args.mem_limit_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         res = run_case(args.case_world, args.case_dir, args.case_target, args.samples, args.profile, args.case_layers,
-                       args.repeat)
+                       args.repeat, args.case_planning_only)
     except MemoryError:
         res = {"world": args.case_world, "dir": args.case_dir, "error": f"MemoryError under a {args.mem_limit_gb:g} GiB address-space limit",
                "peak_rss_mib": peak_rss_mib()}
@@ -314,6 +351,8 @@ def main(argv=None) -> int:
                          "to check that scaling by keys holds")
     ap.add_argument("--mem-limit-gb", type=float, default=12.0, help="address-space limit per case (default 12)")
     ap.add_argument("--timeout-s", type=float, default=1800, help="limit per case")
+    ap.add_argument("--no-planning-only", action="store_true",
+                    help="skip the cases that plan all 80 layers at every world size without metadata.json")
     ap.add_argument("--profile", action="store_true", help="cProfile the planning calls; print the top functions")
     ap.add_argument("--repeat", type=int, default=3,
                     help="run each step this many times from scratch and report the least CPU time (default 3); "
@@ -323,6 +362,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case-dir", help=argparse.SUPPRESS)
     ap.add_argument("--case-target", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--case-layers", type=int, default=LAYERS, help=argparse.SUPPRESS)
+    ap.add_argument("--case-planning-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.case_world:
         return child(args)
@@ -336,18 +376,21 @@ def main(argv=None) -> int:
     for world in worlds:
         layers = LAYERS if world <= args.full_layers_up_to else max(2, round(LAYERS * args.full_layers_up_to / world))
         for d in args.dirs.split(","):
-            cases.append((world, d, layers))
-    if args.linearity_check and any(l < LAYERS for _, _, l in cases):
-        sub = min(l for _, _, l in cases)
-        cases.append((min(worlds), "model", sub))
+            cases.append((world, d, layers, False))
+    if args.linearity_check and any(l < LAYERS for _, _, l, _ in cases):
+        sub = min(l for _, _, l, _ in cases)
+        cases.append((min(worlds), "model", sub, False))
+    if not args.no_planning_only:
+        cases += [(world, d, LAYERS, True) for world in worlds for d in args.dirs.split(",")]
 
     results = []
-    for world, d, layers in cases:
+    for world, d, layers, planning_only in cases:
         target = max(1, int(round(world * args.shrink)))
         cmd = [sys.executable, __file__, "--case-world", str(world), "--case-dir", d, "--case-target", str(target),
                "--case-layers", str(layers), "--samples", str(args.samples), "--mem-limit-gb", str(args.mem_limit_gb),
                "--repeat", str(args.repeat)]
         cmd += ["--profile"] if args.profile else []
+        cmd += ["--case-planning-only"] if planning_only else []
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
@@ -359,11 +402,16 @@ def main(argv=None) -> int:
         results.append(res)
         if "error" in res:
             print(f"{world:>6} {d:>5} ({layers} layers): {res['error']}", flush=True)
+        elif planning_only:
+            print(f"{world:>6} {d:>5} (all {layers} layers, planning only): save plan {res['save_plan_s']:.2f} s CPU, "
+                  f"load plan/rank {max(res['load_plan_reshard_s_per_rank']):.2f} s -> {target}, "
+                  f"{max(res['load_plan_same_s_per_rank']):.2f} s same; peak RSS {res['peak_rss_mib']:.0f} MiB "
+                  f"[case wall {res['wall_s']:.0f} s]", flush=True)
         else:
             k = res["scale"]
             print(f"{world:>6} {d:>5} ({layers} layers, x{k:.2f}): save plan {res['save_plan_s'] * k:.2f} s CPU, "
                   f"metadata {res['metadata_bytes_final'] * k / 1e6:.0f} MB with checksums (dump {res['metadata_json_s'] * k:.2f} s, "
-                  f"parse {res['parse_metadata_s'] * k:.2f} s), load plan/rank {max(res['load_plan_reshard_s_per_rank']) * k:.2f} s "
+                  f"parse {res['parse_metadata_final_s'] * k:.2f} s), load plan/rank {max(res['load_plan_reshard_s_per_rank']) * k:.2f} s "
                   f"-> {target}, {max(res['load_plan_same_s_per_rank']) * k:.2f} s same; peak RSS {res['peak_rss_mib']:.0f} MiB "
                   f"[case wall {res['wall_s']:.0f} s]", flush=True)
             if args.profile:
@@ -380,21 +428,23 @@ def main(argv=None) -> int:
 
 
 def render(results, args, params, n_params) -> str:
+    planning = [r for r in results if r.get("planning_only")]
+    results = [r for r in results if not r.get("planning_only")]
     lines = [
         "# Planning at scale (70B-like layout, FSDP2 Shard(0), simulated)\n",
         f"{len(params)} parameters ({n_params / 1e9:.1f} B elements, Llama-3-70B shapes); optimizer directory "
         f"{3 * len(params) + 3} keys (AdamW exp_avg, exp_avg_sq sharded, step replicated). "
         "Seconds of CPU time of the pure planning functions (single-threaded; the machine is shared, so CPU time "
-        f"is what a dedicated core takes, the least of {args.repeat} runs; wall times are in plan_scale.json). Save plan and metadata dump run on "
-        "rank 0; metadata parse runs on every other rank at save (rank 0 keeps what it planned) and on every "
-        "rank at load; the load plan runs on every rank in "
+        f"is what a dedicated core takes, the least of {args.repeat} runs; wall times are in plan_scale.json). Every rank makes the save plan "
+        "(from the pieces all ranks sent: the same plan everywhere); rank 0 dumps the metadata; every rank parses "
+        "it at load, and the load plan runs on every rank in "
         f"parallel, for loading at {args.shrink:g} x the world size ('reshard', max over sampled ranks) and at the "
         "same world size ('same'). Where fewer than 80 layers were planned (marked), times, metadata size and "
         "piece counts are scaled by full keys / planned keys: every planning step is a loop over keys.\n",
-        "| ranks | dir | planned | pieces in | specs in metadata | save plan s | dump s | parse s (at save) "
+        "| ranks | dir | planned | pieces in | specs in metadata | save plan s | dump s "
         "| add checksums s | dump s (final) | metadata.json MB | parse s (at load) | load plan/rank s (reshard) "
         "| load plan/rank s (same) | all ranks CPU s (reshard load plan) | peak RSS MiB |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if "error" in r:
@@ -405,7 +455,7 @@ def render(results, args, params, n_params) -> str:
         tgt = r["target_world"]
         lines.append(
             f"| {r['world']} | {r['dir']} | {planned} | {round(r['descs'] * k):,} | {round(r['specs'] * k):,} | "
-            f"{fmt(r['save_plan_s'] * k)} | {fmt(r['metadata_json_s'] * k)} | {fmt(r['parse_metadata_s'] * k)} | "
+            f"{fmt(r['save_plan_s'] * k)} | {fmt(r['metadata_json_s'] * k)} | "
             f"{fmt(r['with_checksums_s'] * k)} | {fmt(r['metadata_json_final_s'] * k)} | "
             f"{r['metadata_bytes_final'] * k / 1e6:.0f} | {fmt(r['parse_metadata_final_s'] * k)} | "
             f"{fmt(max(r['load_plan_reshard_s_per_rank']) * k)} | {fmt(max(r['load_plan_same_s_per_rank']) * k)} | "
@@ -433,8 +483,31 @@ def render(results, args, params, n_params) -> str:
         parse = sum(r["parse_metadata_final_s"] * r["scale"] for r in rs)
         goal = 2.0 if world <= 1024 else 20.0
         lines.append(f"| {world} | {save:.2f} | {load:.2f} | {save + load:.2f} | < {goal:g} s | {dump:.1f} | {parse:.1f} |")
+    if planning:
+        lines += ["", "Planning alone, all 80 layers planned at every world size (no scaling), CPU seconds: the "
+                  "save plan on rank 0 (decoding what the ranks sent included), one rank's load plan (max over "
+                  "first, middle and last rank; what it derives from a layout is forgotten before each rank) "
+                  f"after the world-size change (x{args.shrink:g}) and without one.", "",
+                  "| ranks | save plan model | save plan optim | load plan/rank model | load plan/rank optim "
+                  "| load plan/rank, same world size (model + optim) | planning total | vs fewest ranks | goal |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        first = None
+        for world in sorted({r["world"] for r in planning}):
+            rs = {r["dir"]: r for r in planning if r["world"] == world and "error" not in r}
+            if set(rs) != {"model", "optim"}:
+                lines.append(f"| {world} | incomplete | | | | | | | |")
+                continue
+            save = {d: rs[d]["save_plan_s"] for d in rs}
+            load = {d: max(rs[d]["load_plan_reshard_s_per_rank"]) for d in rs}
+            same = sum(max(rs[d]["load_plan_same_s_per_rank"]) for d in rs)
+            total = sum(save.values()) + sum(load.values())
+            first = first or (world, total)
+            growth = f"{total / first[1]:.1f}x time for {world / first[0]:.0f}x ranks"
+            goal = 2.0 if world <= 1024 else 20.0
+            lines.append(f"| {world} | {save['model']:.2f} | {save['optim']:.2f} | {load['model']:.2f} | "
+                         f"{load['optim']:.2f} | {same:.2f} | {total:.2f} | {growth} | < {goal:g} s |")
     lines += ["", "Totals per world size with the metadata.json work (model + optim directories, the full 80-layer model), CPU seconds:", "",
-              "| ranks | save, rank 0: plan + dump + checksums + dump | save, other ranks: parse "
+              "| ranks | save, rank 0: plan + dump + checksums + dump | save, other ranks: plan "
               "| load, every rank: parse + load plan (reshard) | largest metadata.json MB | goal |",
               "|---:|---:|---:|---:|---:|---|"]
     dirs = args.dirs.split(",")
@@ -451,7 +524,7 @@ def render(results, args, params, n_params) -> str:
         rs = list(by_dir.values())
         rank0 = sum((r["save_plan_s"] + r["metadata_json_s"] + r["with_checksums_s"] + r["metadata_json_final_s"])
                     * r["scale"] for r in rs)
-        others = sum(r["parse_metadata_s"] * r["scale"] for r in rs)
+        others = sum(r["save_plan_s"] * r["scale"] for r in rs)
         load = sum((r["parse_metadata_final_s"] + max(r["load_plan_reshard_s_per_rank"])) * r["scale"] for r in rs)
         biggest = max(r["metadata_bytes_final"] * r["scale"] for r in rs)
         goal = 2.0 if world <= 1024 else 20.0
@@ -466,7 +539,7 @@ def render(results, args, params, n_params) -> str:
             sub = min(rs, key=lambda r: r["layers"])
             lines += ["", f"Scaling check at {world} ranks, model directory: {sub['layers']} layers scaled x{sub['scale']:.2f} "
                       f"vs all 80 layers: save plan {sub['save_plan_s'] * sub['scale']:.2f} vs {full['save_plan_s']:.2f} s, "
-                      f"parse {sub['parse_metadata_s'] * sub['scale']:.2f} vs {full['parse_metadata_s']:.2f} s, "
+                      f"parse {sub['parse_metadata_final_s'] * sub['scale']:.2f} vs {full['parse_metadata_final_s']:.2f} s, "
                       f"load plan/rank {max(sub['load_plan_reshard_s_per_rank']) * sub['scale']:.2f} vs "
                       f"{max(full['load_plan_reshard_s_per_rank']):.2f} s."]
     from checkpointer.engine.load import MAX_METADATA_BYTES

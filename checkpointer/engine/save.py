@@ -6,9 +6,9 @@ The recipe:
    share memory with an earlier key (tied parameters) become aliases, saved once.
 2. Rank 0 checks the directory (``FileExistsError`` unless ``save_overwrite``; with it, the
    old ``metadata.json`` is removed first so the old checkpoint reads as incomplete).
-3. Rank 0 gathers every rank's pieces (as columns: the structure, which ranks of one model
-   share, travels only when it differs from rank 0's), builds the plan (each distinct piece
-   gets one writer) and scatters each rank which of its keys it writes. A cached plan skips this: one all-reduce
+3. Every rank gets every rank's pieces (as columns: the structure, which ranks of one model
+   share, travels only when it differs from rank 0's) and builds the same plan from them
+   (each distinct piece gets one writer). A cached plan skips this: one all-reduce
    confirms every rank's structure is unchanged.
 4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename).
 5. All ranks agree the files are written; rank 0 removes stale rank files and writes
@@ -19,7 +19,6 @@ A failure anywhere reaches every rank at the next agreement.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -27,7 +26,6 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from itertools import compress
 from typing import Any, Mapping
 
 import numpy as np
@@ -36,8 +34,8 @@ from .. import dist
 from ..errors import CheckpointError
 from ..checksums import ALGORITHM, CHUNK_BYTES
 from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename, rank_filename
-from ..format.metadata import StorageMetadata, parse_metadata
-from ..planning.plan import PieceDesc, RankPieces, Structure, build_save_plan
+from ..format.metadata import StorageMetadata
+from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from .rankfile import write_rank_file
@@ -95,25 +93,31 @@ def _columns(described: Mapping[str, LocalTensor]) -> RankPieces:
     )
 
 
-def _pieces_payload(columns: RankPieces, aliases: Mapping[str, str], rank0_digest: str) -> bytes:
-    """A rank's pieces for rank 0: a JSON header, then the piece numbers as raw ``int64``. The
-    structure travels only when it differs from rank 0's (ranks of one model share it)."""
+def _pieces_payload(columns: RankPieces, aliases: Mapping[str, str], *, with_structure: bool) -> bytes:
+    """A rank's pieces for the others: a JSON header, then the piece numbers as raw ``int64``.
+    The structure travels from rank 0, and from a rank whose structure differs from rank 0's
+    (ranks of one model share it); the others name it by its digest."""
     structure = columns.structure
-    header: dict[str, Any] = {"aliases": aliases}
-    if structure.digest != rank0_digest:
+    header: dict[str, Any] = {"digest": structure.digest, "aliases": aliases}
+    if with_structure:
         header["structure"] = structure.json_bytes.decode()
     head = json.dumps(header, separators=(",", ":")).encode()
     return b"P" + len(head).to_bytes(8, "little") + head + columns.values.astype("<i8", copy=False).tobytes()
 
 
-def _parse_pieces(payload: bytes, rank0: Structure, known: dict[str, Structure]) -> tuple[RankPieces, dict[str, str]]:
+def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPieces, dict[str, str]]:
+    """One rank's payload; ``known`` (digest -> structure) gains the structures it carries."""
     n = int.from_bytes(payload[1:9], "little")
     header = json.loads(payload[9 : 9 + n])
-    structure = rank0
-    if "structure" in header:
-        data = header["structure"].encode()
-        digest = hashlib.sha256(data).hexdigest()
-        structure = known.get(digest) or known.setdefault(digest, Structure.from_json_bytes(data))
+    digest = header["digest"]
+    structure = known.get(digest)
+    if structure is None:
+        if "structure" not in header:
+            raise CheckpointError(f"a rank's pieces name structure {digest}, which no rank sent")
+        structure = Structure.from_json_bytes(header["structure"].encode())
+        if structure.digest != digest:
+            raise CheckpointError(f"a rank's structure does not match its digest {digest}")
+        known[digest] = structure
     values = np.frombuffer(payload, dtype="<i8", offset=9 + n).astype(np.int64, copy=False)
     return RankPieces(structure, values), header["aliases"]
 
@@ -154,7 +158,10 @@ def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool
 
 
 def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> tuple[tuple[str, ...], StorageMetadata]:
-    """Steps 2-3 without a cached plan. Returns this rank's keys and the metadata."""
+    """Steps 2-3 without a cached plan. Returns this rank's keys and the metadata.
+
+    Every rank gets every rank's pieces and makes the same plan from them: far fewer bytes
+    and far less work than rank 0 sending the metadata it planned, as JSON, to be parsed."""
     rank = dist.get_rank()
     error: BaseException | None = local_error
     if rank == 0 and error is None:
@@ -166,62 +173,49 @@ def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> 
     rank0_digest = dist.broadcast_bytes(
         (columns.structure.digest if columns is not None else "").encode() if rank == 0 else None, src=0
     ).decode()
-    mine = _error_json(error) if columns is None else _pieces_payload(columns, aliases, rank0_digest)
-    gathered = dist.gather_bytes(mine, dst=0)
-    replies: list[bytes] | None = None
-    metadata_json = b""
-    planned: StorageMetadata | None = None
-    if gathered is not None:
-        replies, metadata_json, planned = _plan_on_rank0(gathered, columns)
-        if metadata_json:
-            # Planned: only now retire an old checkpoint here, before any rank writes a file.
-            try:
-                _check_directory(storage, save_overwrite, retire_old=True)
-            except BaseException as ex:  # noqa: BLE001 - reported to every rank below
-                error = ex
-                replies = [_error_json(ex)] * len(gathered)
-    reply = json.loads(dist.scatter_bytes(replies, src=0))
-    if "error" in reply:
+    mine = (
+        _error_json(error)
+        if columns is None
+        else _pieces_payload(columns, aliases, with_structure=rank == 0 or columns.structure.digest != rank0_digest)
+    )
+    gathered = dist.all_gather_bytes(mine)
+    failed = [r for r, payload in enumerate(gathered) if payload[:1] != b"P"]
+    if failed:
         dist.agree(error, "save")  # re-raises this rank's own error, or the failing rank's
-        raise CheckpointError(reply["error"])
-    if error is not None:
-        raise error
-    metadata_json = dist.broadcast_bytes(metadata_json if rank == 0 else None, src=0)
+        raise CheckpointError(f"save failed on rank {failed[0]}: {json.loads(gathered[failed[0]])['error']}")
     assert columns is not None
-    writes = np.unpackbits(np.frombuffer(base64.b64decode(reply["writes"]), dtype=np.uint8), count=len(columns.structure.keys))
-    keys = tuple(sorted(compress(columns.structure.keys, writes.tolist())))
-    if planned is not None:  # rank 0 holds what it sent: no need to read it back
-        return keys, planned
-    return keys, parse_metadata(metadata_json, where="save plan")
+    plan = None
+    try:
+        plan = _plan_from(gathered, columns)
+    except (ValueError, CheckpointError) as ex:
+        error = CheckpointError(f"cannot save: {ex}")  # the same on every rank: the same inputs
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank below
+        error = ex
+    if error is None and rank == 0:
+        # Planned: only now retire an old checkpoint here, before any rank writes a file.
+        try:
+            _check_directory(storage, save_overwrite, retire_old=True)
+        except BaseException as ex:  # noqa: BLE001 - reported to every rank below
+            error = ex
+    dist.agree(error, "save")
+    assert plan is not None
+    return plan.keys_for(rank), plan.metadata
 
 
 def _error_json(error: BaseException) -> bytes:
     return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
 
 
-def _plan_on_rank0(gathered: list[bytes], mine: RankPieces | None) -> tuple[list[bytes], bytes, StorageMetadata | None]:
-    """The replies to scatter, and the metadata (as JSON, and as built; empty and None on failure)."""
-    world = len(gathered)
+def _plan_from(gathered: list[bytes], mine: RankPieces) -> SavePlan:
+    """The save plan from every rank's payload (this rank's structure is known already)."""
     columns: list[RankPieces] = []
     aliases: dict[str, str] = {}
-    known: dict[str, Structure] = {}
-    for r, payload in enumerate(gathered):
-        if payload[:1] != b"P":
-            error = json.loads(payload)["error"]
-            return [json.dumps({"error": f"save failed on rank {r}: {error}"}).encode()] * world, b"", None
-        assert mine is not None  # rank 0's own payload came first, and was not an error
-        rank_columns, rank_aliases = _parse_pieces(payload, mine.structure, known)
+    known: dict[str, Structure] = {mine.structure.digest: mine.structure}
+    for payload in gathered:
+        rank_columns, rank_aliases = _parse_pieces(payload, known)
         columns.append(rank_columns)
         aliases.update(rank_aliases)
-    try:
-        plan = build_save_plan(columns, aliases=aliases)
-    except (ValueError, CheckpointError) as ex:
-        return [json.dumps({"error": f"cannot save: {ex}"}).encode()] * world, b"", None
-    replies = [
-        json.dumps({"writes": base64.b64encode(np.packbits(plan.mask_for(r, c.structure.keys)).tobytes()).decode()}).encode()
-        for r, c in enumerate(columns)
-    ]
-    return replies, plan.metadata.to_json_bytes(), plan.metadata
+    return build_save_plan(columns, aliases=aliases)
 
 
 @dataclass

@@ -56,14 +56,6 @@ class SavePlan:
     def keys_per_rank(self) -> tuple[tuple[str, ...], ...]:
         return tuple(self.keys_for(rank) for rank in range(len(self.writes)))
 
-    def mask_for(self, rank: int, own_keys: Sequence[str]) -> np.ndarray:
-        """Which of ``own_keys`` (the keys ``rank`` described, in its order) it writes."""
-        row = self.writes[rank]
-        if tuple(own_keys) == self.keys:
-            return row
-        index = {key: i for i, key in enumerate(self.keys)}
-        return row[np.array([index[key] for key in own_keys], dtype=np.int64)] if own_keys else row[:0]
-
     def bytes_per_rank(self) -> list[int]:
         out = [0] * len(self.writes)
         for rank in range(len(self.writes)):

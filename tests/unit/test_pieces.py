@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from checkpointer.engine.save import _parse_pieces, _pieces_payload
+from checkpointer.errors import CheckpointError
 from checkpointer.planning.pieces import BOX, Piece, PieceDesc, RankPieces, Structure
 from checkpointer.planning.plan import _plan_general, _plan_uniform, build_save_plan
 
@@ -133,28 +134,29 @@ def test_ranks_holding_different_keys_take_the_general_path():
     ]
     plan = build_save_plan(descs)
     assert plan.keys_per_rank == (("shared", "stage0"), ("shared", "stage1"))
-    assert plan.mask_for(1, ["stage1", "shared"]).tolist() == [True, True]
 
 
-def test_payload_round_trip_and_structure_only_when_it_differs():
+def test_payload_round_trip_and_structure_only_when_sent():
     ours = RankPieces.from_descs([PieceDesc("w", (4, 2), "F32", True, Piece(local_shape=(2, 2), global_offset=(2, 0)))])
     other = RankPieces.from_descs([PieceDesc("v", (3,), "BF16", False, Piece.whole((3,)))])
-    same = _pieces_payload(ours, {"tied": "w"}, ours.structure.digest)
-    assert b'"structure"' not in same
-    parsed, aliases = _parse_pieces(same, ours.structure, {})
+    named = _pieces_payload(ours, {"tied": "w"}, with_structure=False)
+    assert b'"structure"' not in named
+    known = {ours.structure.digest: ours.structure}
+    parsed, aliases = _parse_pieces(named, known)
     assert parsed.structure is ours.structure and parsed.values.tolist() == [2, 2, 2, 0] and aliases == {"tied": "w"}
-    known: dict = {}
-    differs = _parse_pieces(_pieces_payload(other, {}, ours.structure.digest), ours.structure, known)[0]
+    differs = _parse_pieces(_pieces_payload(other, {}, with_structure=True), known)[0]
     assert differs.structure == other.structure and differs.descs() == other.descs()
-    again = _parse_pieces(_pieces_payload(other, {}, ours.structure.digest), ours.structure, known)[0]
-    assert again.structure is differs.structure  # decoded once per distinct structure
+    again = _parse_pieces(_pieces_payload(other, {}, with_structure=False), known)[0]
+    assert again.structure is differs.structure  # decoded once, then named by its digest
+    with pytest.raises(CheckpointError, match="no rank sent"):
+        _parse_pieces(_pieces_payload(other, {}, with_structure=False), {})
 
 
 def test_payload_is_never_taken_for_an_error_report():
     """A header whose length starts with the byte of ``{`` is still a rank's pieces."""
     ours = RankPieces.from_descs([PieceDesc("w", (2,), "F32", False, Piece.whole((2,)))])
     for n in range(300):
-        payload = _pieces_payload(ours, {"a" * n: "w"}, ours.structure.digest)
+        payload = _pieces_payload(ours, {"a" * n: "w"}, with_structure=False)
         if payload[1:2] == b"{":
             break
     else:
