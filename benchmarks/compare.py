@@ -232,6 +232,42 @@ def fsync_tree(path: str) -> None:
             os.close(fd)
 
 
+def _disk_counters(path: str) -> list[int] | None:
+    """The /proc/diskstats counters of the device holding ``path`` (None if not found)."""
+    dev = os.stat(path).st_dev
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                fields = line.split()
+                if (int(fields[0]), int(fields[1])) == (os.major(dev), os.minor(dev)):
+                    return [int(x) for x in fields[3:]]
+    except OSError:
+        pass
+    return None
+
+
+def settle_disk(path: str, quiet_s: float = 0.3, limit_s: float = 15.0) -> None:
+    """After deleting a checkpoint: flush, then wait until the disk is idle.
+
+    Freed blocks are discarded (TRIM) when the file system commits its journal; without
+    this, that burst of I/O lands in whatever is timed next, and slows the system that is
+    bound by the disk (one deletion of 3 GB cost a following save a quarter of its speed here).
+    """
+    os.sync()
+    start = last_change = time.perf_counter()
+    before = _disk_counters(path)
+    if before is None:
+        time.sleep(1.0)
+        return
+    while time.perf_counter() - start < limit_s:
+        time.sleep(0.05)
+        now = _disk_counters(path)
+        if now != before or (now is not None and now[8] > 0):  # counters moved, or I/O in flight
+            before, last_change = now, time.perf_counter()
+        elif time.perf_counter() - last_change >= quiet_s:
+            return
+
+
 def fsync_files(paths) -> None:
     dirs = set()
     for p in paths:
@@ -451,6 +487,7 @@ class Group:
         self.barrier()
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
+            settle_disk(os.path.dirname(path.rstrip("/")) or ".")
         self.barrier()
 
     def finish(self, extra: dict) -> None:
@@ -830,6 +867,7 @@ def measure_ceilings(work: str, total: int, world: int, label: str) -> dict[str,
             out[f"write_buffered_fsync_x{streams}"] = _write_streams(paths, per_file, src, direct=False, fsync=True)
             for p in paths:
                 os.unlink(p)
+            settle_disk(d)
             if _sync_file_range() is not None:
                 out[f"write_writeback_fsync_x{streams}"] = _write_streams(
                     paths, per_file, src, direct=False, fsync=True, writeback=True
@@ -839,6 +877,7 @@ def measure_ceilings(work: str, total: int, world: int, label: str) -> dict[str,
                 out[f"read_preadv_x{world * io_threads}"] = _read_streams(paths, per_file, world * io_threads)
             for p in paths:
                 os.unlink(p)
+            settle_disk(d)
             try:
                 out[f"write_odirect_fsync_x{streams}"] = _write_streams(paths, per_file, src, direct=True, fsync=True)
             except OSError as ex:
@@ -846,6 +885,7 @@ def measure_ceilings(work: str, total: int, world: int, label: str) -> dict[str,
             for p in paths:
                 if os.path.exists(p):
                     os.unlink(p)
+            settle_disk(d)
         per_file = -(-total // align) * align
         path = f"{d}/pagecache.bin"
         out["write_buffered_nofsync_x1"] = _write_streams([path], per_file, src, direct=False, fsync=False)
@@ -854,6 +894,7 @@ def measure_ceilings(work: str, total: int, world: int, label: str) -> dict[str,
     finally:
         src.close()
         shutil.rmtree(d, ignore_errors=True)
+        settle_disk(work)
     out["loadavg_1m"] = os.getloadavg()[0]
     print(f"[ceiling {label}] " + "  ".join(f"{k}={total / v / GB:.2f}GB/s" for k, v in out.items() if k != "loadavg_1m")
           + f"  (load average {out['loadavg_1m']:.1f})", flush=True)
@@ -951,7 +992,10 @@ def build_report(meta: dict, ops: list[dict], ceilings: dict, goals: list[dict],
                  "cache, as are the ceiling's). Every load was checked against the saved values "
                  "(state zeroed before it). "
                  "Seed saves and every unshard output are fsynced inside the timing (ours and DCP saves fsync "
-                 "on their own). The async 'DCP' figure is DCP's `async_save` (thread) for reference. "
+                 "on their own). After deleting a checkpoint or a ceiling's file, the benchmark flushes and "
+                 "waits for the disk to go idle before timing anything (the file system discards freed "
+                 "blocks at its next journal commit; that I/O would otherwise slow whatever is timed next). "
+                 "The async 'DCP' figure is DCP's `async_save` (thread) for reference. "
                  "Async saves are measured after one warm-up save (not counted) that allocates our reusable "
                  "staging buffers"
                  + (f" (that first save: {meta['async_first_save_blocking_s']:.2f} s blocking, "
@@ -1144,6 +1188,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[unshard] {s:>5} r{r}: {res['time_s']:8.2f} s  +{res['rss_extra_mib']:.0f} MiB"
                           f"{'  FAILED ' + str(res['error']) if res.get('error') else ''}", flush=True)
                 shutil.rmtree(outd, ignore_errors=True)
+                settle_disk(work)
 
         for r in range(first_half, args.rounds):
             ceil_rounds.append(measure_ceilings(work, payload_est, W, f"round {r}"))
