@@ -103,7 +103,7 @@ def build_save_plan(
         columns = [d if isinstance(d, RankPieces) else RankPieces.from_descs(d) for d in descs_per_rank]
         if columns and all(c.structure == columns[0].structure for c in columns):
             return _plan_uniform(columns[0].structure, np.stack([c.values for c in columns]), aliases)
-        return _plan_general([c.descs() for c in columns], aliases)
+        return _plan_general([d.descs() if isinstance(d, RankPieces) else d for d in descs_per_rank], aliases)
 
 
 class _Planned:
