@@ -1,10 +1,10 @@
 """What a rank holds, described for planning: per key a :class:`PieceDesc`, or all keys at once
 as columns (:class:`RankPieces`).
 
-Thousands of ranks each holding hundreds of tensors make millions of pieces. Rank 0 plans
-them from columns: one :class:`Structure` (keys, shapes, dtypes, how each piece is described)
-that ranks of one model share and send only once, plus one ``int64`` array per rank with the
-numbers of every piece back to back. Turning either form into the other is lossless.
+Thousands of ranks each holding hundreds of tensors make millions of pieces. The save plan
+is made from columns: one :class:`Structure` (keys, shapes, dtypes, how each piece is
+described) that ranks of one model share and send only once, plus one ``int64`` array per
+rank with the numbers of every piece back to back. Turning either form into the other is lossless.
 """
 
 from __future__ import annotations

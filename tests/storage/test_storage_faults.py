@@ -286,6 +286,16 @@ def test_gcs_parallel_upload_setting(gcs_env, monkeypatch) -> None:
     assert type(GCSStorage(url, parallel_upload=True).open_writer("f")) is GCSComposeWriter
 
 
+def _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch):
+    """An S3 or GCS store whose requests pass a proxy that makes conditional creates atomic."""
+    request.getfixturevalue("loopback_env")
+    upstream = request.getfixturevalue("moto_endpoint" if kind_ == "s3" else "gcs_endpoint")
+    proxy = fault_proxy(upstream, conditional=True)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if kind_ == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
+    url = f"s3://{S3_BUCKET}/{unique()}" if kind_ == "s3" else f"gs://{GCS_BUCKET}/{unique()}"
+    return (S3Storage if kind_ == "s3" else GCSStorage)(url, retry=FAST), proxy
+
+
 @pytest.mark.parametrize("kind_", ["s3", "gcs"])
 def test_conditional_create_has_one_winner_when_all_start_at_once(kind_, request, fault_proxy, monkeypatch) -> None:
     """Every caller passes the check before the request (as when they start in the same
@@ -293,12 +303,7 @@ def test_conditional_create_has_one_winner_when_all_start_at_once(kind_, request
     the condition atomic as the real stores do (see ``FaultProxy``)."""
     import threading
 
-    request.getfixturevalue("loopback_env")
-    upstream = request.getfixturevalue("moto_endpoint" if kind_ == "s3" else "gcs_endpoint")
-    proxy = fault_proxy(upstream, conditional=True)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if kind_ == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
-    url = f"s3://{S3_BUCKET}/{unique()}" if kind_ == "s3" else f"gs://{GCS_BUCKET}/{unique()}"
-    store = (S3Storage if kind_ == "s3" else GCSStorage)(url, retry=FAST)
+    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
     monkeypatch.setattr(type(store), "exists", lambda self, name: False)
     n = 6
     gate = threading.Barrier(n)
@@ -330,12 +335,7 @@ def test_conditional_create_has_one_winner_when_all_start_at_once(kind_, request
 @pytest.mark.parametrize("kind_", ["s3", "gcs"])
 def test_conditional_create_retried_after_a_lost_answer_knows_its_own_file(kind_, request, fault_proxy,
                                                                             monkeypatch) -> None:
-    request.getfixturevalue("loopback_env")
-    upstream = request.getfixturevalue("moto_endpoint" if kind_ == "s3" else "gcs_endpoint")
-    proxy = fault_proxy(upstream, conditional=True)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if kind_ == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
-    url = f"s3://{S3_BUCKET}/{unique()}" if kind_ == "s3" else f"gs://{GCS_BUCKET}/{unique()}"
-    store = (S3Storage if kind_ == "s3" else GCSStorage)(url, retry=FAST)
+    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
     lost = proxy.fail(1, "lost", method="PUT" if kind_ == "s3" else "POST", path="lock")
     store.create_exclusive("lock", b"mine")  # created, answer lost; the retry's 412 finds our bytes
     assert lost.fired == 1 and store.read("lock") == b"mine"

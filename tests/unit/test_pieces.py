@@ -115,6 +115,23 @@ def test_bulk_plan_of_common_layouts():
     assert sum("step" in keys for keys in plan.keys_per_rank) == 1
 
 
+def test_ranks_holding_the_same_keys_take_the_bulk_path(monkeypatch):
+    """The engine's usual input (every rank describes the same keys) never goes tensor by tensor."""
+    import checkpointer.planning.plan as plan_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("uniform ranks were planned tensor by tensor")
+
+    monkeypatch.setattr(plan_module, "_plan_general", refuse)
+    world = 4
+    descs = [[PieceDesc(f"layer{i}", (8, 3), "F32", True, shard_pieces((8, 3), 0, world)[r]) for i in range(3)]
+             for r in range(world)]
+    plan = build_save_plan([RankPieces.from_descs(d) for d in descs])
+    assert plan.keys_per_rank == (("layer0", "layer1", "layer2"),) * world
+    layouts = {id(m.shard_spec_per_file.layout) for m in plan.metadata.tensors.values()}
+    assert len(layouts) == 1  # equal layers share one layout
+
+
 def test_bulk_plan_refuses_pieces_that_overlap_or_leave_gaps():
     world = 3
     bounds = chunk_bounds(9, world)
