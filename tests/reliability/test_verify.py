@@ -79,27 +79,35 @@ def test_verify_on_a_checkpoint_without_checksums(ckpt):
     assert all(torch.equal(got[k], v) for k, v in ckpt.expected["flat"].items())
 
 
-def test_verify_with_checksums_of_small_chunks(tmp_path):
-    """Many chunks per piece (the chunk size is read from metadata.json): each one is checked.
-    The metadata is rewritten with CRC32C per 4 KiB chunk, computed here from the file's bytes."""
+def rechunk(path: str, chunk_bytes: int) -> None:
+    """Rewrite a one-file checkpoint's checksums as CRC32C per ``chunk_bytes``, from the file's bytes."""
     import json
 
     import google_crc32c
 
-    path = str(tmp_path / "ckpt")
-    Checkpointer().save(path, {"big": torch.arange(300_000, dtype=torch.float32)})
     with open(os.path.join(path, "rank_0.safetensors"), "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        start, end = json.loads(f.read(n))["big"]["data_offsets"]
-        f.seek(8 + n + start)
-        data = f.read(end - start)
-    crcs = [google_crc32c.value(data[i : i + 4096]) for i in range(0, len(data), 4096)]
+        header = json.loads(f.read(n))
+        data = f.read()
     with open(os.path.join(path, "metadata.json")) as f:
         meta = json.load(f)
-    meta["checksum_chunk_bytes"] = 4096
-    meta["tensors"]["big"]["shard_spec_per_file"]["rank_0.safetensors"]["checksums"] = crcs
+    meta["checksum_chunk_bytes"] = chunk_bytes
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        piece = data[entry["data_offsets"][0] : entry["data_offsets"][1]]
+        crcs = [google_crc32c.value(piece[i : i + chunk_bytes]) for i in range(0, len(piece), chunk_bytes)]
+        meta["tensors"][key]["shard_spec_per_file"]["rank_0.safetensors"]["checksums"] = crcs
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(meta, f)
+
+
+def test_verify_with_checksums_of_small_chunks(tmp_path):
+    """Many chunks per piece (the chunk size is read from metadata.json): each one is checked.
+    The metadata is rewritten with CRC32C per 4 KiB chunk, computed here from the file's bytes."""
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, {"big": torch.arange(300_000, dtype=torch.float32)})
+    rechunk(path, 4096)
     target = {"big": torch.zeros(300_000)}
     Checkpointer().load(path, target, verify=True)
     assert torch.equal(target["big"], torch.arange(300_000, dtype=torch.float32))
@@ -107,6 +115,38 @@ def test_verify_with_checksums_of_small_chunks(tmp_path):
     Checkpointer().load(path, target, verify=False)
     with pytest.raises(CorruptCheckpointError, match="chunk 244"):
         Checkpointer().load(path, target, verify=True)
+
+
+def test_verify_hashes_chunks_block_by_block_across_runs_and_tensors(tmp_path, monkeypatch):
+    """Chunks of 4 KiB read in blocks of 1,000 bytes (each chunk's last block shorter), runs of at
+    most three chunks, tensors asked for in an order unlike the file's: every value is exact, every
+    block is hashed as it lands, and a bit flipped in a middle block is caught, naming its chunk."""
+    from checkpointer.engine import rankfile
+
+    sizes = {"a": 300_000, "b": 5_000, "c": 70_001}
+    saved = {k: torch.arange(n, dtype=torch.float32) * 0.5 for k, n in sizes.items()}
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, saved)
+    rechunk(path, 4096)
+    monkeypatch.setattr(rankfile, "_HASH_BLOCK", 1000)
+    monkeypatch.setattr(rankfile, "_SPLIT_BYTES", 3 * 4096)
+    hashed = []
+    real_extend = rankfile.crc32c_extend
+
+    def counting_extend(crc, view):
+        hashed.append(len(view))
+        return real_extend(crc, view)
+
+    monkeypatch.setattr(rankfile, "crc32c_extend", counting_extend)
+    target = {k: torch.zeros(sizes[k]) for k in ("c", "a", "b")}
+    Checkpointer().load(path, target, verify=True)
+    assert all(torch.equal(target[k], saved[k]) for k in sizes)
+    total = sum(n * 4 for n in sizes.values())
+    assert sum(hashed) == total and max(hashed) == 1000
+    assert len(hashed) == sum(-(-min(4096, n * 4 - c) // 1000) for n in sizes.values() for c in range(0, n * 4, 4096))
+    flip(os.path.join(path, "rank_0.safetensors"), "a", 5 * 1024 + 300)  # byte 21,680: chunk 5, third block
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'a', chunk 5\b"):
+        Checkpointer().load(path, {k: torch.zeros(n) for k, n in sizes.items()}, verify=True)
 
 
 def _load_verify_task(rank, world_size, path, strategy):
