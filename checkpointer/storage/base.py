@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import posixpath
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Sequence
 
 __all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "check_name"]
 
@@ -98,22 +98,14 @@ class Storage(ABC):
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of a file (to its end when ``end`` is None)."""
 
-    def read_into(
-        self, name: str, requests: Sequence[ReadRequest], after_each: Callable[[int], None] | None = None
-    ) -> None:
-        """Fill each buffer with the bytes at its offset; a short file is ``EOFError``-free ``OSError``.
-
-        ``after_each(i)``, where given, is called as soon as request ``i`` is filled, in order
-        (the engine passes it only to local storage, to hash each block while it is in the CPU
-        cache; backends that fetch remotely may leave it out of their override)."""
-        for i, (offset, buf) in enumerate(requests):
+    def read_into(self, name: str, requests: Sequence[ReadRequest]) -> None:
+        """Fill each buffer with the bytes at its offset; a short file is ``EOFError``-free ``OSError``."""
+        for offset, buf in requests:
             buf = memoryview(buf).cast("B")
             data = self.read(name, offset, offset + buf.nbytes)
             if len(data) != buf.nbytes:
                 raise OSError(f"short read of {self.join(name)} at {offset}: {len(data)} of {buf.nbytes} bytes")
             buf[:] = data
-            if after_each is not None:
-                after_each(i)
 
     @abstractmethod
     def write(self, name: str, data: bytes) -> None:

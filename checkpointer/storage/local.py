@@ -106,17 +106,10 @@ class LocalStorage(Storage):
             f.seek(start)
             return f.read(-1 if end is None else max(0, end - start))
 
-    def read_into(
-        self, name: str, requests: Sequence[ReadRequest], after_each: Callable[[int], None] | None = None
-    ) -> None:
+    def read_into(self, name: str, requests: Sequence[ReadRequest]) -> None:
         path = self._path(name)
         fd = os.open(path, os.O_RDONLY)
         try:
-            if after_each is not None:
-                for i, (offset, buf) in enumerate(requests):
-                    _preadv_exact(fd, [buf], offset, path)
-                    after_each(i)
-                return
             i = 0
             while i < len(requests):
                 # Requests that follow each other in the file go out as one preadv.

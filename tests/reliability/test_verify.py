@@ -117,10 +117,10 @@ def test_verify_with_checksums_of_small_chunks(tmp_path):
         Checkpointer().load(path, target, verify=True)
 
 
-def test_verify_hashes_chunks_block_by_block_across_runs_and_tensors(tmp_path, monkeypatch):
-    """Chunks of 4 KiB read in blocks of 1,000 bytes (each chunk's last block shorter), runs of at
-    most three chunks, tensors asked for in an order unlike the file's: every value is exact, every
-    block is hashed as it lands, and a bit flipped in a middle block is caught, naming its chunk."""
+def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkeypatch):
+    """Chunks of 4 KiB, runs of at most three chunks, tensors asked for in an order unlike the
+    file's (the runs are read in file order): every value is exact, every chunk is hashed once,
+    and a flipped bit is caught, naming its chunk."""
     from checkpointer.engine import rankfile
 
     sizes = {"a": 300_000, "b": 5_000, "c": 70_001}
@@ -128,23 +128,30 @@ def test_verify_hashes_chunks_block_by_block_across_runs_and_tensors(tmp_path, m
     path = str(tmp_path / "ckpt")
     Checkpointer().save(path, saved)
     rechunk(path, 4096)
-    monkeypatch.setattr(rankfile, "_HASH_BLOCK", 1000)
     monkeypatch.setattr(rankfile, "_SPLIT_BYTES", 3 * 4096)
     hashed = []
-    real_extend = rankfile.crc32c_extend
+    real_crc32c = rankfile.crc32c
 
-    def counting_extend(crc, view):
+    def counting_crc32c(view):
         hashed.append(len(view))
-        return real_extend(crc, view)
+        return real_crc32c(view)
 
-    monkeypatch.setattr(rankfile, "crc32c_extend", counting_extend)
+    monkeypatch.setattr(rankfile, "crc32c", counting_crc32c)
+    read_order = []
+    real_run = rankfile._run
+
+    def recording_run(num_threads, tasks):
+        read_order.extend((t[2], t[4]) for t in tasks if t[0] is rankfile._read_hashed)
+        return real_run(num_threads, tasks)
+
+    monkeypatch.setattr(rankfile, "_run", recording_run)
     target = {k: torch.zeros(sizes[k]) for k in ("c", "a", "b")}
     Checkpointer().load(path, target, verify=True)
+    assert len(read_order) > 3 and read_order == sorted(read_order)
     assert all(torch.equal(target[k], saved[k]) for k in sizes)
-    total = sum(n * 4 for n in sizes.values())
-    assert sum(hashed) == total and max(hashed) == 1000
-    assert len(hashed) == sum(-(-min(4096, n * 4 - c) // 1000) for n in sizes.values() for c in range(0, n * 4, 4096))
-    flip(os.path.join(path, "rank_0.safetensors"), "a", 5 * 1024 + 300)  # byte 21,680: chunk 5, third block
+    assert sum(hashed) == sum(n * 4 for n in sizes.values())
+    assert len(hashed) == sum(-(-n * 4 // 4096) for n in sizes.values())
+    flip(os.path.join(path, "rank_0.safetensors"), "a", 5 * 1024 + 300)  # byte 21,680: chunk 5
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'a', chunk 5\b"):
         Checkpointer().load(path, {k: torch.zeros(n) for k, n in sizes.items()}, verify=True)
 
