@@ -122,9 +122,9 @@ def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPiec
     return RankPieces(structure, values), header["aliases"]
 
 
-def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> None:
+def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> bytes | None:
     """Refuse to save over a checkpoint unless asked. With ``retire_old``, take the save lock
-    and make an old checkpoint incomplete, before any rank writes."""
+    and make an old checkpoint incomplete, before any rank writes; returns the lock's bytes."""
     storage.prepare()
     if storage.exists(METADATA_FILENAME) and not save_overwrite:
         raise FileExistsError(
@@ -132,7 +132,7 @@ def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool
             "(pass save_overwrite=True to replace it)"
         )
     if not retire_old:
-        return
+        return None
     # The token makes the lock file ours alone: a conditional create retried after a lost
     # answer recognises its own file by its bytes.
     lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
@@ -149,16 +149,19 @@ def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool
     if storage.exists(METADATA_FILENAME):
         if not save_overwrite:
             # A save that held the lock committed between the first check and ours.
-            _release_lock(storage)
+            _release_lock(storage, lock)
             raise FileExistsError(
                 f"{storage.join(METADATA_FILENAME)} exists: a checkpoint was saved there while this save "
                 "was planning (pass save_overwrite=True to replace it)"
             )
         storage.delete(METADATA_FILENAME)
+    return lock
 
 
-def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> tuple[tuple[str, ...], StorageMetadata]:
-    """Steps 2-3 without a cached plan. Returns this rank's keys and the metadata.
+def _plan(
+    storage: Storage, described, aliases, local_error, save_overwrite
+) -> tuple[tuple[str, ...], StorageMetadata, bytes | None]:
+    """Steps 2-3 without a cached plan. Returns this rank's keys, the metadata and (rank 0) the lock.
 
     Every rank gets every rank's pieces and makes the same plan from them: far fewer bytes
     and far less work than rank 0 sending the metadata it planned, as JSON, to be parsed."""
@@ -191,15 +194,16 @@ def _plan(storage: Storage, described, aliases, local_error, save_overwrite) -> 
         error = CheckpointError(f"cannot save: {ex}")  # the same on every rank: the same inputs
     except BaseException as ex:  # noqa: BLE001 - reported to every rank below
         error = ex
+    lock = None
     if error is None and rank == 0:
         # Planned: only now retire an old checkpoint here, before any rank writes a file.
         try:
-            _check_directory(storage, save_overwrite, retire_old=True)
+            lock = _check_directory(storage, save_overwrite, retire_old=True)
         except BaseException as ex:  # noqa: BLE001 - reported to every rank below
             error = ex
     dist.agree(error, "save")
     assert plan is not None
-    return plan.keys_for(rank), plan.metadata
+    return plan.keys_for(rank), plan.metadata, lock
 
 
 def _error_json(error: BaseException) -> bytes:
@@ -227,6 +231,7 @@ class PlannedSave:
     keys: tuple[str, ...]
     metadata: StorageMetadata
     fingerprint: str
+    lock: bytes | None = None  # rank 0: the lock file this save wrote
 
     def local_pieces(self) -> list[tuple[str, LocalTensor]]:
         return [(key, self.described[key]) for key in self.keys]
@@ -252,23 +257,24 @@ def plan_save(
 
     cached = (cache or {}).get(fingerprint) if local_error is None else None
     if cache is not None:
-        ok = locked = cached is not None
+        ok = cached is not None
+        lock = None
         if ok and rank == 0:
             try:
-                _check_directory(storage, save_overwrite, retire_old=True)
+                lock = _check_directory(storage, save_overwrite, retire_old=True)
             except BaseException:  # noqa: BLE001 - the full path below reports it
-                ok = locked = False
+                ok = False
         if dist.all_reduce_min(int(ok)) == 1:
             assert cached is not None
-            return PlannedSave(storage, described, cached.keys, cached.metadata, fingerprint)
-        if locked and rank == 0:
-            _release_lock(storage)  # the full path below takes it again
-    keys, metadata = _plan(storage, described, aliases, local_error, save_overwrite)
+            return PlannedSave(storage, described, cached.keys, cached.metadata, fingerprint, lock)
+        if lock is not None:
+            _release_lock(storage, lock)  # the full path below takes it again
+    keys, metadata, lock = _plan(storage, described, aliases, local_error, save_overwrite)
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
             cache.pop(next(iter(cache)))
         cache[fingerprint] = SavePlanCache(fingerprint, keys, metadata)
-    return PlannedSave(storage, described, keys, metadata, fingerprint)
+    return PlannedSave(storage, described, keys, metadata, fingerprint, lock)
 
 
 def write_and_commit(
@@ -302,13 +308,13 @@ def write_and_commit(
             try:
                 crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
                 committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
-                _commit(storage, committed)
+                _commit(storage, committed, planned.lock)
                 files.append(storage.join(METADATA_FILENAME))
             except BaseException as ex:  # noqa: BLE001 - reported to every rank
                 commit_error = ex
-                _release_lock(storage)
+                _release_lock(storage, planned.lock)
         else:
-            _release_lock(storage)
+            _release_lock(storage, planned.lock)
     dist.agree(error or commit_error, "save", group=group)
     return files
 
@@ -325,18 +331,38 @@ def save_state_dict(
     return planned.metadata, write_and_commit(planned)
 
 
-def _commit(storage: Storage, metadata: StorageMetadata) -> None:
+def _commit(storage: Storage, metadata: StorageMetadata, lock: bytes | None) -> None:
     """Rank 0, once every rank file is durable: drop stale rank files, then publish metadata.json."""
+    _check_lock_is_ours(storage, lock)
     wanted = set(metadata.files())
     for name in storage.list():
         if is_rank_filename(name) and name not in wanted:
             storage.delete(name)
     storage.write(METADATA_FILENAME, metadata.to_json_bytes())
-    _release_lock(storage)
+    _release_lock(storage, lock)
 
 
-def _release_lock(storage: Storage) -> None:
+def _read_lock(storage: Storage) -> bytes | None:
     try:
-        storage.delete(LOCK_FILENAME)
+        return storage.read(LOCK_FILENAME)
+    except FileNotFoundError:
+        return None
+
+
+def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
+    """Before committing: a save that took this directory's lock over (``save_overwrite=True``)
+    while this one wrote may have replaced some of its rank files, so this one must not commit."""
+    if lock is not None and _read_lock(storage) != lock:
+        raise FileExistsError(
+            f"another save into {storage.url} took over its lock ({storage.join(LOCK_FILENAME)}) while this "
+            "one was writing (two jobs saving there with save_overwrite=True?): this save is not committed"
+        )
+
+
+def _release_lock(storage: Storage, lock: bytes | None) -> None:
+    """Remove the lock this save wrote (``lock``), leaving one another save has taken over."""
+    try:
+        if lock is None or _read_lock(storage) == lock:
+            storage.delete(LOCK_FILENAME)
     except OSError:
         pass  # the checkpoint stands; a leftover lock only makes the next save here ask for save_overwrite

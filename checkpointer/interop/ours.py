@@ -46,7 +46,7 @@ def write_checkpoint(
         raise CheckpointError("nothing to write: the source holds no tensor")
     storage = open_storage(dst)
     # As a save does: refuse, or make the old checkpoint read as incomplete from here on.
-    check_directory(storage, save_overwrite, retire_old=True)
+    lock = check_directory(storage, save_overwrite, retire_old=True)
     name = rank_filename(0)
     header, _ = build_header([(key, code, math.prod(shape)) for key, shape, code in entries])
     total = sum(math.prod(shape) * dtype_from_code(code).itemsize for _, shape, code in entries)
@@ -82,5 +82,5 @@ def write_checkpoint(
         for key, shape, code in entries
     }
     metadata = new_metadata(tensors, world_size=1, aliases=dict(aliases or {}))
-    commit(storage, metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES))
+    commit(storage, metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES), lock)
     return [storage.join(name), storage.join(METADATA_FILENAME)]

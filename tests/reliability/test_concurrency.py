@@ -123,3 +123,56 @@ def test_two_jobs_saving_model_and_optimizer_to_one_directory(tmp_path):
         int(s["step"].item()) for s in checkpointer.unshard_optim_state(top)["state"].values() if "step" in s
     }
     assert steps == {winner + 1}, f"optimizer state of another job: steps {steps}"
+
+
+def _save_after_this_rank_file(monkeypatch, then) -> None:
+    """Make the next save call ``then()`` right after it has written its rank file, before it commits."""
+    from checkpointer.engine import save as save_module
+
+    real = save_module.write_rank_file
+    calls = []
+
+    def write_then(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not calls:
+            calls.append(1)
+            then()
+        return out
+
+    monkeypatch.setattr(save_module, "write_rank_file", write_then)
+
+
+def test_with_save_overwrite_a_save_whose_lock_was_taken_over_does_not_commit(tmp_path, monkeypatch):
+    """Job 0 has written its file when job 1 (save_overwrite=True) takes the lock, saves and
+    commits. Job 0 must not then commit its metadata.json over job 1's files: it gets
+    FileExistsError, and job 1's checkpoint stands whole."""
+    path = str(tmp_path / "ckpt")
+    _save_after_this_rank_file(monkeypatch, lambda: Checkpointer().save(path, job_state(1), save_overwrite=True))
+    with pytest.raises(FileExistsError, match="took over its lock"):
+        Checkpointer().save(path, job_state(0), save_overwrite=True)
+    expected = job_state(1)
+    assert Checkpointer().get_metadata(path).tensors.keys() == expected.keys()
+    got = rel_helpers.load_part(path, expected, verify=True)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert not [n for n in os.listdir(path) if n.startswith(".")]
+
+
+def test_a_save_leaves_the_lock_another_save_holds(tmp_path, monkeypatch):
+    """The lock is another save's when this one comes to commit (that save is still writing):
+    this one neither commits nor removes that lock."""
+    from checkpointer.format.layout import LOCK_FILENAME
+
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, job_state(0))
+    theirs = b'{"token": "another job"}'
+
+    def take_over() -> None:
+        with open(os.path.join(path, LOCK_FILENAME), "wb") as f:
+            f.write(theirs)
+
+    _save_after_this_rank_file(monkeypatch, take_over)
+    with pytest.raises(FileExistsError, match="took over its lock"):
+        Checkpointer().save(path, job_state(1), save_overwrite=True)
+    with open(os.path.join(path, LOCK_FILENAME), "rb") as f:
+        assert f.read() == theirs
+    assert not os.path.exists(os.path.join(path, "metadata.json"))  # retired before any file was written

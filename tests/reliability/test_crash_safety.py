@@ -79,15 +79,15 @@ def _install_kill(point: str, part: str) -> None:
             _die()
         return real_commit(self)
 
-    def commit_metadata(storage, meta):
+    def commit_metadata(storage, meta, lock):
         if point == "after_rank_files_before_metadata" and ours(storage.url):
             _die()
-        return real_commit_md(storage, meta)
+        return real_commit_md(storage, meta, lock)
 
-    def release(storage):
+    def release(storage, lock):
         if point == "after_metadata_before_unlock" and ours(storage.url) and storage.exists(METADATA_FILENAME):
             _die()
-        return real_release(storage)
+        return real_release(storage, lock)
 
     local.LocalWriter.write, local.LocalWriter.commit = write, commit
     save_mod._commit, save_mod._release_lock = commit_metadata, release
