@@ -249,7 +249,7 @@ def _plan_optim_load(
     for key in ("num_param_groups", "state_keys"):
         if key not in metadata.tensors:
             raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
-    headers = HeaderCache(open_storage(dir))
+    headers = HeaderCache(open_storage(dir), metadata.file_ids)
     small = read_full(headers.storage, metadata, [k for k in metadata.tensors if not k.startswith("state.")], headers=headers)
     num_groups = int(small["num_param_groups"].item())
     if num_groups != len(optim.param_groups):

@@ -258,7 +258,7 @@ class CheckpointTensors:
     ):
         self.storage = storage
         self.metadata = metadata
-        self.headers = HeaderCache(storage)
+        self.headers = HeaderCache(storage, metadata.file_ids)
         self.verify_chunk = metadata.checksum_chunk_bytes if verify else None
         self.num_threads = num_threads
         self._staging = Staging() if reuse_memory else None

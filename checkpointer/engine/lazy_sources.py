@@ -110,7 +110,7 @@ def read_box(
 
 def checkpoint_tensors(storage: Storage, metadata: StorageMetadata) -> Iterator[LazyTensor]:
     """The tensors of a checkpoint directory (tied keys after the key they share memory with)."""
-    headers = HeaderCache(storage)
+    headers = HeaderCache(storage, metadata.file_ids)
     aliases: dict[str, list[str]] = {}
     for alias, target in (metadata.aliases or {}).items():
         aliases.setdefault(target, []).append(alias)

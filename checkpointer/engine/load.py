@@ -129,16 +129,22 @@ def load_state_dict(
     try:
         with torch.no_grad():
             chunk = metadata.checksum_chunk_bytes if verify else None
-            fill_in_place(storage, plan_local_loads(storage, metadata, state_dict), num_threads=num_threads, verify_chunk_bytes=chunk)
+            loads = plan_local_loads(storage, metadata, state_dict)
+            fill_in_place(storage, loads, num_threads=num_threads, verify_chunk_bytes=chunk, file_ids=metadata.file_ids)
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "load", no_dist=no_dist)
 
 
 def fill_in_place(
-    storage: Storage, loads: list[LocalLoad], *, num_threads: int | None = None, verify_chunk_bytes: int | None = None
+    storage: Storage,
+    loads: list[LocalLoad],
+    *,
+    num_threads: int | None = None,
+    verify_chunk_bytes: int | None = None,
+    file_ids: Mapping[str, str] | None = None,
 ) -> None:
-    headers = HeaderCache(storage)
+    headers = HeaderCache(storage, file_ids)
     options = dict(headers=headers, num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
     direct, staged = [], []
     for load in loads:

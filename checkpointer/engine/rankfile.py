@@ -6,7 +6,7 @@ import os
 import threading
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -14,6 +14,7 @@ from ..buffers import memoryview_of
 from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c, crc32c_extend
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
+from ..format.layout import FILE_ID_KEY, METADATA_FILENAME
 from ..format.metadata import TensorStorageMetadata
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
 from ..planning.plan import TensorLoadPlan
@@ -44,11 +45,16 @@ def io_threads() -> int:
 
 
 def write_rank_file(
-    storage: Storage, name: str, tensors: Sequence[tuple[str, LocalTensor]], *, checksums: bool = True
+    storage: Storage,
+    name: str,
+    tensors: Sequence[tuple[str, LocalTensor]],
+    *,
+    checksums: bool = True,
+    file_id: str | None = None,
 ) -> dict[str, list[int]]:
     """Write the local pieces as one safetensors file, streaming from tensor memory.
 
-    Returns each key's CRC32C per :data:`~checkpointer.checksums.CHUNK_BYTES` of its piece.
+    ``file_id`` goes into the header's ``__metadata__``, for ``metadata.json`` to list. Returns each key's CRC32C per :data:`~checkpointer.checksums.CHUNK_BYTES` of its piece.
     Each block is checksummed right after it is written, while it is still in the CPU cache:
     on a machine whose memory bandwidth is the limit, that costs almost nothing extra.
 
@@ -58,7 +64,9 @@ def write_rank_file(
     another device or layout is a temporary, written with ``write`` (the writer copies what
     it keeps past the call).
     """
-    header, _ = build_header([(key, lt.dtype, lt.numel) for key, lt in tensors])
+    header, _ = build_header(
+        [(key, lt.dtype, lt.numel) for key, lt in tensors], user_metadata={FILE_ID_KEY: file_id} if file_id else None
+    )
     result: dict[str, list[int]] = {}
     with storage.open_writer(name) as writer:
         pending: list[memoryview] = [memoryview(header)]
@@ -168,10 +176,14 @@ def _write_hashed(write: Callable[[Sequence[memoryview]], None], view: memoryvie
 
 
 class HeaderCache:
-    """Each rank file's safetensors header, read once per load (two small reads at most)."""
+    """Each rank file's safetensors header, read once per load (two small reads at most).
 
-    def __init__(self, storage: Storage):
+    With ``file_ids`` (``metadata.json``'s), a file whose header names another id is refused:
+    it was written by another save than the metadata describes."""
+
+    def __init__(self, storage: Storage, file_ids: Mapping[str, str] | None = None):
         self.storage = storage
+        self.file_ids = file_ids or {}
         self._headers: dict[str, SafetensorsHeader] = {}
         self._lock = threading.Lock()
 
@@ -198,6 +210,14 @@ class HeaderCache:
         else:
             header_json = prefix[PREFIX_BYTES:] + self.storage.read(name, len(prefix), PREFIX_BYTES + n)
         header = parse_header(header_json, where=where, file_size=size)
+        expected = self.file_ids.get(name)
+        if expected is not None:
+            found = (header.user_metadata or {}).get(FILE_ID_KEY)
+            if found != expected:
+                raise CorruptCheckpointError(
+                    f"{where}: written by another save than {self.storage.join(METADATA_FILENAME)} describes "
+                    f"(file id {found!r}, expected {expected!r}): did two saves write this directory at once?"
+                )
         with self._lock:
             self._headers[name] = header
         return header

@@ -10,9 +10,9 @@ The recipe:
    share, travels only when it differs from rank 0's) and builds the same plan from them
    (each distinct piece gets one writer). A cached plan skips this: one all-reduce
    confirms every rank's structure is unchanged.
-4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename).
+4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename), with a new id in its header.
 5. All ranks agree the files are written; rank 0 removes stale rank files and writes
-   ``metadata.json`` atomically; all ranks agree again.
+   ``metadata.json`` (listing every file's id) atomically; all ranks agree again.
 
 A failure anywhere reaches every rank at the next agreement.
 """
@@ -33,7 +33,7 @@ import numpy as np
 from .. import dist
 from ..errors import CheckpointError
 from ..checksums import ALGORITHM, CHUNK_BYTES
-from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename, rank_filename
+from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename, new_file_id, rank_filename
 from ..format.metadata import StorageMetadata
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
@@ -288,17 +288,19 @@ def write_and_commit(
     files: list[str] = []
     error: BaseException | None = None
     crcs: dict[str, list[int]] = {}
+    file_id = None
     try:
         if rank != 0:
             storage.prepare()
         pieces = planned.local_pieces() if pieces is None else pieces
         if pieces:
             name = rank_filename(rank)
-            crcs = write_rank_file(storage, name, pieces)
+            file_id = new_file_id()
+            crcs = write_rank_file(storage, name, pieces, file_id=file_id)
             files.append(storage.join(name))
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
-    status = {"ok": error is None, "crcs": crcs}
+    status = {"ok": error is None, "crcs": crcs, "id": file_id}
     gathered = dist.gather_bytes(json.dumps(status, separators=(",", ":")).encode(), dst=0, group=group)
 
     commit_error: BaseException | None = None
@@ -308,6 +310,7 @@ def write_and_commit(
             try:
                 crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
                 committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
+                committed = committed.with_file_ids({rank_filename(r): s["id"] for r, s in enumerate(statuses) if s["id"]})
                 _commit(storage, committed, planned.lock)
                 files.append(storage.join(METADATA_FILENAME))
             except BaseException as ex:  # noqa: BLE001 - reported to every rank

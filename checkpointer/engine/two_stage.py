@@ -110,7 +110,7 @@ def load_two_stage(
     units = assign_readers(needs_per_rank, sizes)
     lap("planning")
 
-    headers = HeaderCache(storage)
+    headers = HeaderCache(storage, metadata.file_ids)
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
 

@@ -63,7 +63,7 @@ def read_full(
     Every piece is checked against its file's header before anything is allocated, so a
     hostile ``metadata.json`` cannot make this allocate more than the files hold.
     """
-    headers = headers or HeaderCache(storage)
+    headers = headers or HeaderCache(storage, metadata.file_ids)
     out: dict[str, torch.Tensor] = {}
     jobs = []
     for key in keys:

@@ -92,7 +92,7 @@ def verify_checkpoint(
 def _read_headers(storage: Storage, metadata: StorageMetadata, problems: list[str]) -> dict[str, SafetensorsHeader]:
     """Steps 2 and 3: the header of every listed file that has a sound one."""
     listed = metadata.files()
-    cache = HeaderCache(storage)
+    cache = HeaderCache(storage, metadata.file_ids)
     good: dict[str, SafetensorsHeader] = {}
     placed: dict[str, set[str]] = {name: set() for name in listed}
     for key, meta in metadata.tensors.items():

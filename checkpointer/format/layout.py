@@ -16,12 +16,16 @@ __all__ = [
     "is_rank_filename",
     "is_save_file",
     "check_filename",
+    "FILE_ID_KEY",
+    "new_file_id",
 ]
 
 METADATA_FILENAME = "metadata.json"
 LOCK_FILENAME = ".checkpointer-save.lock"
 """Held by rank 0 from planning until commit, so two jobs never save into one directory at once."""
 FORMAT_VERSION = 1
+FILE_ID_KEY = "checkpointer_file_id"
+"""The key, in a rank file's safetensors ``__metadata__``, of the id ``metadata.json`` lists for it."""
 _RANK_FILE = re.compile(r"rank_(\d+)\.safetensors")
 _TEMP_FILE = re.compile(r"\.(.+)\.tmp-[0-9a-f]+")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -41,6 +45,11 @@ def is_save_file(name: str) -> bool:
     temp = _TEMP_FILE.fullmatch(name)
     base = temp.group(1) if temp else name
     return is_rank_filename(base) or base == LOCK_FILENAME or (temp is not None and base == METADATA_FILENAME)
+
+
+def new_file_id() -> str:
+    """A random id for one rank file of one save (64 bits: no two files ever share one)."""
+    return uuid.uuid4().hex[:16]
 
 
 def temp_name(name: str) -> str:

@@ -145,6 +145,9 @@ class StorageMetadata(BaseModel):
     """Keys saved once under another name (tied parameters): ``{alias: saved_key}``."""
     checksum_algorithm: str | None = None
     checksum_chunk_bytes: int | None = None
+    file_ids: dict[str, str] | None = None
+    """Each rank file's id, also written in that file's header: a file another save put in
+    its place (two saves into one directory) is refused on load, not read as this one's."""
 
     @field_validator("checksum_chunk_bytes")
     @classmethod
@@ -186,6 +189,10 @@ class StorageMetadata(BaseModel):
         return self.model_copy(
             update={"tensors": tensors, "checksum_algorithm": algorithm, "checksum_chunk_bytes": chunk_bytes}
         )
+
+    def with_file_ids(self, file_ids: dict[str, str]) -> StorageMetadata:
+        """A copy listing each rank file's id (none listed when ``file_ids`` is empty)."""
+        return self.model_copy(update={"file_ids": dict(file_ids) or None})
 
     def files(self) -> list[str]:
         names: set[str] = set()
@@ -262,6 +269,7 @@ def new_metadata(tensors: dict[str, TensorStorageMetadata], *, world_size: int, 
         aliases=aliases or None,
         checksum_algorithm=None,
         checksum_chunk_bytes=None,
+        file_ids=None,
     )
 
 
@@ -302,7 +310,9 @@ def _parse(data: bytes, where: str) -> StorageMetadata:
     return metadata
 
 
-_TOP_FIELDS = ("tensors", "format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes")
+_TOP_FIELDS = (
+    "tensors", "format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes", "file_ids"
+)
 _TENSOR_FIELDS = ("shape", "is_sharded", "dtype", "shard_spec_per_file")
 
 
@@ -320,6 +330,11 @@ def _validate(raw: dict[str, Any], parser: SpecParser) -> StorageMetadata:
         raise ValueError("checksum_algorithm must be a string or null")
     fields["checksum_algorithm"] = algorithm
     parser.count(algorithm)
+    file_ids = raw.get("file_ids")
+    if file_ids is not None and (type(file_ids) is not dict or not all(type(v) is str for v in file_ids.values())):
+        raise ValueError("file_ids must be an object of strings or null")
+    fields["file_ids"] = file_ids
+    parser.count(file_ids)
     extra = {k: v for k, v in raw.items() if k not in _TOP_FIELDS}
     parser.members += len(raw) - len(extra)
     parser.count(extra)

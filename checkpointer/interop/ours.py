@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_code
 from ..engine.save import _check_directory as check_directory
 from ..engine.save import _commit as commit
-from ..format.layout import METADATA_FILENAME, rank_filename
+from ..format.layout import FILE_ID_KEY, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import TensorShardSpec, TensorStorageMetadata, new_metadata
 from ..format.safetensors_header import build_header
 from ..storage.base import open_storage
@@ -48,7 +48,10 @@ def write_checkpoint(
     # As a save does: refuse, or make the old checkpoint read as incomplete from here on.
     lock = check_directory(storage, save_overwrite, retire_old=True)
     name = rank_filename(0)
-    header, _ = build_header([(key, code, math.prod(shape)) for key, shape, code in entries])
+    file_id = new_file_id()
+    header, _ = build_header(
+        [(key, code, math.prod(shape)) for key, shape, code in entries], user_metadata={FILE_ID_KEY: file_id}
+    )
     total = sum(math.prod(shape) * dtype_from_code(code).itemsize for _, shape, code in entries)
     bar = make_progress(total, len(entries)) if make_progress else None
     crcs: dict[str, list[int]] = {}
@@ -82,5 +85,6 @@ def write_checkpoint(
         for key, shape, code in entries
     }
     metadata = new_metadata(tensors, world_size=1, aliases=dict(aliases or {}))
-    commit(storage, metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES), lock)
+    metadata = metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
+    commit(storage, metadata.with_file_ids({name: file_id}), lock)
     return [storage.join(name), storage.join(METADATA_FILENAME)]

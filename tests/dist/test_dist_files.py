@@ -60,6 +60,16 @@ def test_save_returns_the_files_each_rank_created(run_distributed, tmp_path, wor
             assert stored.get(key, 0) == numel, f"{sub}/{key}: {stored.get(key, 0)} elements stored for {numel}"
     # The replicated buffer is held by one file only.
     assert len(read_metadata_json(os.path.join(ckpt, "model"))["tensors"]["scale"]["shard_spec_per_file"]) == 1
+    # metadata.json lists every rank file's id, the one in that file's header, each different.
+    from safetensors import safe_open
+
+    for sub in ("model", "optim"):
+        ids = read_metadata_json(os.path.join(ckpt, sub))["file_ids"]
+        names = sorted(n for n in os.listdir(os.path.join(ckpt, sub)) if n.startswith("rank_"))
+        assert sorted(ids) == names and len(set(ids.values())) == len(names)
+        for name in names:
+            with safe_open(os.path.join(ckpt, sub, name), "pt") as f:
+                assert f.metadata() == {"checkpointer_file_id": ids[name]}
 
 
 def _save_replicated(rank, world_size, ckpt):

@@ -74,12 +74,15 @@ def file_holding(copy: Copy, part: str, key: str) -> str:
 def replace_tensor(copy: Copy, part: str, key: str, value: Any, *, shape: list[int] | None = None, dtype: str | None = None) -> None:
     """Store ``value`` (a tensor) as the whole of ``key`` in one rank file, and say so in metadata."""
     import torch
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     path = file_holding(copy, part, key)
     tensors = load_file(path)
+    with safe_open(path, "pt") as f:
+        user_metadata = f.metadata()  # the file id metadata.json lists
     tensors[key] = value.reshape(-1).clone()
-    save_file(tensors, path)
+    save_file(tensors, path, metadata=user_metadata)
 
     def edit(meta: dict) -> None:
         entry = meta["tensors"][key]

@@ -176,3 +176,49 @@ def test_a_save_leaves_the_lock_another_save_holds(tmp_path, monkeypatch):
     with open(os.path.join(path, LOCK_FILENAME), "rb") as f:
         assert f.read() == theirs
     assert not os.path.exists(os.path.join(path, "metadata.json"))  # retired before any file was written
+
+
+def same_layout_state(job: int) -> dict[str, torch.Tensor]:
+    """The same keys, shapes and dtypes for every job; only the values differ."""
+    return {k: (v + 10 * (job + 1)).to(v.dtype) for k, v in rel_helpers.flat_full().items()}
+
+
+def test_a_rank_file_renamed_in_after_another_save_committed_is_refused_on_every_load(tmp_path, monkeypatch):
+    """Two saves with save_overwrite=True: job 1 saves and commits while job 0 is still writing;
+    job 0's rank file then lands over job 1's (its rename is the last thing job 0 does before it
+    finds it lost the lock). The files have one layout, so only the file id tells them apart:
+    every load, with or without verify, and ``checkpointer verify`` must refuse the directory
+    rather than read job 0's bytes as job 1's checkpoint."""
+    from checkpointer import CorruptCheckpointError
+    from checkpointer.cli import main as cli_main
+
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, same_layout_state(2))
+    winner = same_layout_state(1)
+
+    def before_write_commit_the_winner() -> None:
+        Checkpointer().save(path, winner, save_overwrite=True)
+
+    from checkpointer.engine import save as save_module
+
+    real = save_module.write_rank_file
+    calls = []
+
+    def write_after_the_winner(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            before_write_commit_the_winner()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_rank_file", write_after_the_winner)
+    with pytest.raises(FileExistsError, match="took over its lock"):
+        Checkpointer().save(path, same_layout_state(0), save_overwrite=True)
+    monkeypatch.undo()
+
+    assert Checkpointer().get_metadata(path).tensors.keys() == winner.keys()
+    for verify in (False, True):
+        with pytest.raises(CorruptCheckpointError, match=r"rank_0\.safetensors: written by another save"):
+            rel_helpers.load_part(path, winner, verify=verify)
+    with pytest.raises(CorruptCheckpointError, match="written by another save"):
+        Checkpointer().unshard(path)
+    assert cli_main(["verify", path]) != 0

@@ -106,6 +106,14 @@ def test_round_trip_with_new_fields_and_aliases():
     assert parse_metadata(md.to_json_bytes(), where=WHERE) == md
 
 
+def test_round_trip_with_file_ids():
+    md = parse(valid_doc()).with_file_ids({"rank_0.safetensors": "0123456789abcdef"})
+    again = parse_metadata(md.to_json_bytes(), where=WHERE)
+    assert again.file_ids == {"rank_0.safetensors": "0123456789abcdef"} and again == md
+    assert StorageMetadata.model_validate_json(md.to_json_bytes()).file_ids == again.file_ids
+    assert parse(valid_doc()).with_file_ids({}).file_ids is None
+
+
 def test_round_trip_of_constructed_metadata():
     md = StorageMetadata(
         tensors={
@@ -291,6 +299,8 @@ BAD_DOCS = {
     "url filename": mutate(_rename_file("w", "rank_0.safetensors", "s3://bucket/rank_0.safetensors")),
     "metadata.json as a rank file": mutate(_rename_file("w", "rank_0.safetensors", "metadata.json")),
     "alias to nothing": mutate(_set(("aliases",), {"tied": "missing"})),
+    "file ids a list": mutate(_set(("file_ids",), ["abc"])),
+    "file id a number": mutate(_set(("file_ids",), {"rank_0.safetensors": 7})),
     "alias shadows a tensor": mutate(_set(("aliases",), {"flat": "w"})),
     "nested lists": b"[" * 100_000 + b"]" * 100_000,
     "nested objects": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from checkpointer import Checkpointer
+from checkpointer import Checkpointer, CorruptCheckpointError
 from checkpointer.buffers import memoryview_of
 from checkpointer.checksums import CHUNK_BYTES, chunk_crcs
 from checkpointer.engine import rankfile
@@ -106,3 +106,20 @@ def test_contiguous_cpu_pieces_are_written_stable_and_temporaries_copied():
     assert set(kinds[:-1]) == {"stable"}
     data = storage.read("rank_0.safetensors")
     assert data.endswith(contiguous.numpy().tobytes() + strided.contiguous().numpy().tobytes())
+
+
+def test_header_cache_refuses_a_file_whose_id_is_not_the_one_metadata_lists(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    pieces = [("w", piece(torch.arange(10, dtype=torch.float32)))]
+    write_rank_file(storage, "rank_0.safetensors", pieces, file_id="aaaa")
+    write_rank_file(storage, "rank_1.safetensors", pieces)  # no id, as files of other writers
+    with safe_open(str(tmp_path / "rank_0.safetensors"), "pt") as f:
+        assert f.metadata() == {"checkpointer_file_id": "aaaa"}
+
+    assert rankfile.HeaderCache(storage, {"rank_0.safetensors": "aaaa"}).get("rank_0.safetensors").entries["w"].numel == 10
+    assert rankfile.HeaderCache(storage).get("rank_0.safetensors").user_metadata == {"checkpointer_file_id": "aaaa"}
+    assert rankfile.HeaderCache(storage, {"rank_0.safetensors": "aaaa"}).get("rank_1.safetensors").user_metadata is None
+    for ids, found in (({"rank_0.safetensors": "bbbb"}, "'aaaa'"), ({"rank_1.safetensors": "aaaa"}, "None")):
+        name = next(iter(ids))
+        with pytest.raises(CorruptCheckpointError, match=rf"{name}: written by another save .* \(file id {found}, expected"):
+            rankfile.HeaderCache(storage, ids).get(name)
