@@ -290,9 +290,10 @@ def execute_reads(
 
     Reads for one file are sorted by offset (adjacent ones become one ``preadv``) and split
     into chunks spread over a small thread pool. With ``verify_chunk_bytes``, every
-    checksummed chunk the reads touch is checked: on local storage each whole chunk is hashed
-    block by block right after each block is read, while it is still in the CPU cache;
-    elsewhere, and for chunks the reads cover only in part, after the reads.
+    checksummed chunk the reads touch is checked: on local storage, whole chunks next to each
+    other are read in one call (up to 32 MiB) and each is hashed right after it, by the thread
+    that read it; elsewhere, and for chunks the reads cover only in part, after all the reads.
+    (Reading and hashing 1 MiB at a time measured twice as slow as this.)
     """
     headers = headers or HeaderCache(storage)
     fused = bool(verify_chunk_bytes) and storage.is_local()
