@@ -54,9 +54,10 @@ def write_rank_file(
 ) -> dict[str, list[int]]:
     """Write the local pieces as one safetensors file, streaming from tensor memory.
 
-    ``file_id`` goes into the header's ``__metadata__``, for ``metadata.json`` to list. Returns each key's CRC32C per :data:`~checkpointer.checksums.CHUNK_BYTES` of its piece.
+    Returns each key's CRC32C per :data:`~checkpointer.checksums.CHUNK_BYTES` of its piece.
     Each block is checksummed right after it is written, while it is still in the CPU cache:
     on a machine whose memory bandwidth is the limit, that costs almost nothing extra.
+    ``file_id`` goes into the header's ``__metadata__``, for ``metadata.json`` to list.
 
     Pieces already in contiguous CPU memory (and the header) stay alive and unchanged until
     the writer commits, so they go to :meth:`~checkpointer.storage.base.Writer.write_stable`:
