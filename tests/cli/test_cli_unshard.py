@@ -176,9 +176,23 @@ def _flip_byte_of(path: str, key: str, at: float) -> None:
         f.write(bytes([byte ^ 0x04]))
 
 
+@pytest.mark.parametrize("block", [100, 4096])
+@pytest.mark.parametrize("ws", [1, 3])
+def test_export_in_many_blocks_per_tensor_equals_the_checkpoint(ckpts, tmp_path, monkeypatch, ws, block):
+    """Tensors streamed in several blocks each (the tests' tensors fit in one 4 MiB block)."""
+    monkeypatch.setattr(export_module, "_STREAM_BLOCK", block)
+    out = str(tmp_path / "model.safetensors")
+    export_safetensors(top_dir(ckpts, ws), out)
+    assert_same_tensors(load_file(out), without(ckpts.ws1_full if ws == 1 else ckpts.ws3_full, TIED))
+
+
+@pytest.mark.parametrize("block", [None, 100])
 @pytest.mark.parametrize("at", [0.0, 0.5, 1.0])
-def test_export_catches_a_flipped_bit_while_streaming(ckpts, tmp_path, at):
+def test_export_catches_a_flipped_bit_while_streaming(ckpts, tmp_path, monkeypatch, at, block):
     import shutil
+
+    if block is not None:
+        monkeypatch.setattr(export_module, "_STREAM_BLOCK", block)
 
     src = str(tmp_path / "ckpt")
     shutil.copytree(ckpts.ws3, src)
