@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import code_from_dtype, dtype_from_code
 
 __all__ = ["DCPTensors", "read_dcp_metadata", "write_dcp", "is_dcp", "DCP_METADATA", "local_path"]
@@ -54,7 +54,15 @@ def read_dcp_metadata(path: str, *, allow_pickle: bool = False) -> Any:
         raise CheckpointError(PICKLE_WARNING.format(where=where))
     if not os.path.isfile(where):
         raise CheckpointError(f"{where} is missing: {path} is not a complete torch DCP checkpoint")
-    return _read_trusted_dcp_metadata(path)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _read_trusted_dcp_metadata(path)
+    except Exception as ex:  # noqa: BLE001 - whatever a damaged pickle raises
+        raise CorruptCheckpointError(f"{where}: not a torch DCP metadata file ({type(ex).__name__}: {ex})") from ex
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{where}: not a torch DCP metadata file (it holds a {type(metadata).__name__})")
+    return metadata
 
 
 def _read_trusted_dcp_metadata(path: str) -> Any:

@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from cli_helpers import assert_same_tensors, cli, without
 from safetensors.torch import load_file
 
-from checkpointer import Checkpointer
+from checkpointer import Checkpointer, CorruptCheckpointError
+from checkpointer.interop.dcp import read_dcp_metadata
 
 TIED = ["head.weight"]
 
@@ -178,5 +179,25 @@ def test_only_the_dcp_reader_unpickles(monkeypatch, tmp_path):
     (tmp_path / ".metadata").write_bytes(b"not read")
     with pytest.raises(CheckpointError, match="allow-pickle"):
         dcp_module.read_dcp_metadata(str(tmp_path))
-    with pytest.raises(AssertionError, match="unpickled without"):
+    with pytest.raises(CheckpointError, match="unpickled without") as raised:  # the reader ran, its error wrapped
         dcp_module.read_dcp_metadata(str(tmp_path), allow_pickle=True)
+    assert isinstance(raised.value.__cause__, AssertionError)
+
+
+@pytest.mark.parametrize("damage", ["dict", "truncated", "text"])
+def test_damaged_dcp_metadata_is_one_line_error(dcp1, capsys, tmp_path, damage):
+    """With --allow-pickle, a .metadata that does not unpickle to DCP's Metadata is a one-line
+    CorruptCheckpointError naming the file, not a traceback."""
+    import pickle
+
+    src = tmp_path / "dcp"
+    src.mkdir()
+    real = (pathlib.Path(dcp1) / ".metadata").read_bytes()
+    data = {"dict": pickle.dumps({"state_dict_metadata": {}}), "truncated": real[: len(real) // 2], "text": b"garbage\n"}
+    (src / ".metadata").write_bytes(data[damage])
+    code, out, err = cli(capsys, "convert", str(src), str(tmp_path / "ours"), "--to", "checkpointer", "--allow-pickle")
+    assert (code, out) == (1, "")
+    assert err.startswith(f"checkpointer: error: {src}/.metadata: not a torch DCP metadata file (")
+    assert err.count("\n") == 1
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{src}/.metadata: not a torch DCP metadata file")):
+        read_dcp_metadata(str(src), allow_pickle=True)
