@@ -105,12 +105,27 @@ class DCPTensors:
 
     def fetch(self, key: str) -> torch.Tensor:
         from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.api import CheckpointException
 
         meta = self.metadata.state_dict_metadata[key]
         out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        with _single_process():
-            load({key: out}, storage_reader=self._reader, no_dist=True)
+        try:
+            with _single_process():
+                load({key: out}, storage_reader=self._reader, no_dist=True)
+        except (Exception, CheckpointException) as ex:  # DCP's CheckpointException is a BaseException
+            cause = _unwrap(ex)
+            raise CorruptCheckpointError(f"{self.path}: cannot read tensor {key!r} ({type(cause).__name__}: {cause})") from ex
         return out
+
+
+def _unwrap(ex: BaseException) -> BaseException:
+    """The error behind DCP's ``CheckpointException`` (which holds each rank's error and traceback)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(ex, CheckpointException) and ex.failures:
+        failure = next(iter(ex.failures.values()))
+        return failure[0] if isinstance(failure, tuple) else failure
+    return ex
 
 
 @contextlib.contextmanager
@@ -146,6 +161,7 @@ def write_dcp(
         FileExistsError: ``dst`` already holds a DCP checkpoint and ``save_overwrite`` is False.
     """
     from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -181,6 +197,11 @@ def write_dcp(
         writer = FileSystemWriter(path, single_file_per_rank=False, thread_count=1)
         with _single_process():
             save(state, storage_writer=writer, planner=_FetchingPlanner(), no_dist=True)
+    except CheckpointException as ex:  # a BaseException: an error of ours (fetch) or DCP's own
+        cause = _unwrap(ex)
+        if isinstance(cause, CheckpointError):
+            raise cause from ex
+        raise CheckpointError(f"{path}: cannot write the DCP checkpoint ({type(cause).__name__}: {cause})") from ex
     finally:
         if bar is not None:
             bar.close()

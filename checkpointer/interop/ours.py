@@ -18,6 +18,7 @@ from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_code
 from ..engine.save import _check_directory as check_directory
 from ..engine.save import _commit as commit
+from ..engine.save import _release_lock as release_lock
 from ..format.layout import FILE_ID_KEY, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import TensorShardSpec, TensorStorageMetadata, new_metadata
 from ..format.safetensors_header import build_header
@@ -72,6 +73,9 @@ def write_checkpoint(
                 if bar is not None:
                     bar.advance(math.prod(shape) * dtype_from_code(code).itemsize, 1)
             writer.commit()
+    except BaseException:
+        release_lock(storage, lock)  # as a failed save does: a failure here is not a crashed save
+        raise
     finally:
         if bar is not None:
             bar.close()

@@ -201,3 +201,46 @@ def test_damaged_dcp_metadata_is_one_line_error(dcp1, capsys, tmp_path, damage):
     assert err.count("\n") == 1
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"{src}/.metadata: not a torch DCP metadata file")):
         read_dcp_metadata(str(src), allow_pickle=True)
+
+
+def test_damaged_dcp_data_is_one_line_error(dcp1, capsys, tmp_path):
+    """A DCP data file that cannot be read is a one-line error naming the source (DCP raises a
+    BaseException for it), and the failed convert leaves DST free for the next one."""
+    import shutil
+
+    src, dst = tmp_path / "dcp", str(tmp_path / "ours")
+    shutil.copytree(dcp1, src)
+    for data in src.glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[:10])
+    code, out, err = cli(capsys, "convert", str(src), dst, "--to", "checkpointer", "--allow-pickle")
+    assert (code, out) == (1, "")
+    assert err.startswith(f"checkpointer: error: {src}: cannot read tensor ")
+    assert err.count("\n") == 1
+    for to, out_path in (("dcp", tmp_path / "dcp-out"), ("hf", tmp_path / "out.safetensors")):
+        code, out, again = cli(capsys, "convert", str(src), str(out_path), "--to", to, "--allow-pickle")
+        assert (code, out) == (1, ""), to
+        assert again.startswith(f"checkpointer: error: {src}: cannot read tensor ") and again.count("\n") == 1, to
+    shutil.rmtree(src)
+    shutil.copytree(dcp1, src)
+    assert cli(capsys, "convert", str(src), dst, "--to", "checkpointer", "--allow-pickle", "-q") == (0, "", "")
+    assert_same_tensors(unshard(dst), load_dcp(dcp1))
+
+
+def test_failed_convert_leaves_no_lock(ckpts, capsys, tmp_path):
+    """A convert that fails while writing (a source tensor fails its checksum) releases DST's save
+    lock, as a failed save does: the next convert into DST needs no --overwrite."""
+    import shutil
+
+    src, dst = tmp_path / "src", str(tmp_path / "ours")
+    shutil.copytree(ckpts.flat3, src)
+    rank_file = src / "rank_0.safetensors"
+    good = rank_file.read_bytes()
+    rank_file.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    code, _, err = cli(capsys, "convert", str(src), dst, "--to", "checkpointer")
+    assert code == 1 and err.startswith(f"checkpointer: error: {rank_file}: checksum mismatch")
+    assert os.listdir(dst) == []
+    code, _, err = cli(capsys, "convert", str(src), str(tmp_path / "dcp"), "--to", "dcp")
+    assert code == 1 and re.fullmatch(f"checkpointer: error: {re.escape(str(rank_file))}: checksum mismatch in tensor '[^']+', chunk 0\n", err)
+    rank_file.write_bytes(good)
+    assert cli(capsys, "convert", str(src), dst, "--to", "checkpointer", "-q") == (0, "", "")
+    assert_same_tensors(unshard(dst), ckpts.flat3_full)
