@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 from ..errors import IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename
@@ -29,6 +30,10 @@ def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:
         names = {name for name in PARTS if storage.child(name).exists(METADATA_FILENAME)}
     parts = [(name, storage.child(name)) for name in PARTS if name in names]
     if not names:
+        if storage.is_local() and os.path.isfile(storage.url):
+            raise IncompleteCheckpointError(
+                f"{storage.url} is a file, not a checkpoint directory (one holding {METADATA_FILENAME}, or model/ and optim/)"
+            )
         raise IncompleteCheckpointError(f"{storage.url} does not exist or is empty: no checkpoint there")
     if not parts and any(is_rank_filename(n) for n in names):
         raise IncompleteCheckpointError(

@@ -107,3 +107,16 @@ def test_inspect_not_a_checkpoint(tmp_path, capsys):
     code, out, err = cli(capsys, "inspect", str(tmp_path / "nowhere"))
     assert (code, out) == (1, "")
     assert err == f"checkpointer: error: {tmp_path / 'nowhere'} does not exist or is empty: no checkpoint there\n"
+
+
+def test_inspect_a_file_says_it_is_a_file(ckpts, capsys, tmp_path):
+    """DIR naming a file (a rank file, an exported .safetensors) is refused with the right reason."""
+    rank_file = os.path.join(ckpts.ws1, "model", "rank_0.safetensors")
+    for command in ("inspect", "verify"):
+        code, out, err = cli(capsys, command, rank_file)
+        reason = f"{rank_file} is a file, not a checkpoint directory (one holding metadata.json, or model/ and optim/)\n"
+        assert code == 1
+        if command == "inspect":
+            assert (out, err) == ("", f"checkpointer: error: {reason}")
+        else:  # verify lists its problems, then sums them up
+            assert (out, err) == (reason, f"checkpointer: error: 1 problem found in {rank_file}\n")
