@@ -153,18 +153,29 @@ def select_tensors(
     entries: Iterable[tuple[str, Sequence[int], str]],
     *,
     aliases: dict[str, str] | None = None,
-    keys: str | re.Pattern[str] | None = None,
+    keys: str | re.Pattern[str] | Iterable[str] | None = None,
     dtype: str | None = None,
+    where: str = "",
 ) -> list[ExportTensor]:
     """The tensors to write, in ``entries`` order: ``(key, shape, dtype_code)`` filtered by the
     regular expression ``keys`` (``re.search`` on each name). A tied tensor is written once, under
     its saved key, or under its first matching alias when only aliases match. Floating-point
-    tensors are cast to ``dtype`` when given; others keep theirs."""
-    try:
-        pattern = re.compile(keys) if isinstance(keys, str) else keys
-    except re.error as ex:
-        raise ValueError(f"--keys {keys!r} is not a valid regular expression: {ex}") from None
-    wanted = (lambda name: True) if pattern is None else (lambda name: pattern.search(name) is not None)
+    tensors are cast to ``dtype`` when given; others keep theirs. ``keys`` may instead be a
+    collection of exact names, each of which must be in ``entries`` or ``aliases``."""
+    entries = list(entries)
+    if keys is not None and not isinstance(keys, (str, re.Pattern)):
+        names = set(keys)
+        known = {key for key, _, _ in entries} | set(aliases or {})
+        unknown = sorted(map(str, names - known))
+        if unknown:
+            raise ValueError(f"keys not in the checkpoint{where}: {unknown}")
+        wanted = names.__contains__
+    else:
+        try:
+            pattern = re.compile(keys) if isinstance(keys, str) else keys
+        except re.error as ex:
+            raise ValueError(f"--keys {keys!r} is not a valid regular expression: {ex}") from None
+        wanted = (lambda name: True) if pattern is None else (lambda name: pattern.search(name) is not None)
     aliases_of: dict[str, list[str]] = {}
     for alias, target in sorted((aliases or {}).items()):
         aliases_of.setdefault(target, []).append(alias)
@@ -479,7 +490,7 @@ def export_checkpoint(
     *,
     max_shard_size: int | str = "5GB",
     dtype: str | torch.dtype | None = None,
-    keys: str | re.Pattern[str] | None = None,
+    keys: str | re.Pattern[str] | Iterable[str] | None = None,
     no_dist: bool = False,
     make_progress: Callable[[int, int], Any] | None = None,
 ) -> list[str]:
@@ -492,7 +503,9 @@ def export_checkpoint(
         storage = model_checkpoint(open_storage(dir))
         metadata = read_metadata(storage, no_dist=True)
         source = CheckpointTensors(storage, metadata, reuse_memory=True)
-        tensors = select_tensors(source.entries(), aliases=metadata.aliases, keys=keys, dtype=parse_dtype(dtype))
+        tensors = select_tensors(
+            source.entries(), aliases=metadata.aliases, keys=keys, dtype=parse_dtype(dtype), where=f" at {storage.url}"
+        )
         if not tensors:
             raise ValueError(f"no tensor of {storage.url} matches --keys {getattr(keys, 'pattern', keys)!r}")
         plan = plan_export(tensors, single_file=str(out).endswith(".safetensors"), max_shard_size=max_shard_size, world_size=world)
@@ -514,7 +527,7 @@ def export_safetensors(
     *,
     max_shard_size: int | str = "5GB",
     dtype: str | torch.dtype | None = None,
-    keys: str | re.Pattern[str] | None = None,
+    keys: str | re.Pattern[str] | Iterable[str] | None = None,
 ) -> list[str]:
     """Write a checkpoint's model tensors as Hugging Face safetensors, streaming one tensor at a time.
 
@@ -527,6 +540,8 @@ def export_safetensors(
             larger tensor gets a shard of its own. Ignored for a single file.
         dtype: cast floating-point tensors to it (``"bf16"``, ``torch.float16``...).
         keys: a regular expression; only tensors whose name it matches (``re.search``) are written.
+            Or a list (any collection) of names: exactly those are written; a name that is not in
+            the checkpoint raises ``ValueError``.
 
     Returns:
         The files this process wrote. Called on every rank of a process group (e.g. under

@@ -205,3 +205,16 @@ def test_export_catches_a_flipped_bit_while_streaming(ckpts, tmp_path, monkeypat
         export_safetensors(src, out)
     assert not os.path.exists(out)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".model.safetensors")]
+
+
+def test_export_keys_as_a_list_of_names(ckpts, tmp_path):
+    """``keys`` may also be the names to export (as a user of ``keys=`` expects), not only a regex."""
+    out = str(tmp_path / "two.safetensors")
+    export_safetensors(ckpts.ws3, out, keys=["up.weight", "scale"])
+    assert_same_tensors(load_file(out), {k: ckpts.ws3_full[k] for k in ("up.weight", "scale")})
+    out = str(tmp_path / "head.safetensors")  # only the tied name: its data under that name
+    export_safetensors(ckpts.ws1, out, keys=("head.weight",))
+    assert_same_tensors(load_file(out), {"head.weight": ckpts.ws1_full["embed.weight"]})
+    with pytest.raises(ValueError, match=r"^keys not in the checkpoint at .*: \['nope'\]$"):
+        export_safetensors(ckpts.ws1, str(tmp_path / "x.safetensors"), keys=["up.weight", "nope"])
+    assert not os.path.exists(tmp_path / "x.safetensors")
