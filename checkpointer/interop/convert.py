@@ -8,6 +8,7 @@ other ranks wait for its result.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Protocol
 
 import torch
@@ -55,6 +56,11 @@ def detect_format(src: str) -> str:
         )
     if is_hf(src, names):
         return "hf"
+    if not names and storage.is_local() and os.path.isfile(storage.url):
+        raise CheckpointError(
+            f"cannot tell the format of {storage.url}: it is a file; expected a directory "
+            "(checkpointer, torch DCP, Hugging Face) or a .safetensors file"
+        )
     if not names:
         raise CheckpointError(f"{storage.url} does not exist or is empty")
     raise CheckpointError(

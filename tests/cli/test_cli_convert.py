@@ -244,3 +244,15 @@ def test_failed_convert_leaves_no_lock(ckpts, capsys, tmp_path):
     rank_file.write_bytes(good)
     assert cli(capsys, "convert", str(src), dst, "--to", "checkpointer", "-q") == (0, "", "")
     assert_same_tensors(unshard(dst), ckpts.flat3_full)
+
+
+def test_convert_a_file_it_cannot_read_says_so(capsys, tmp_path):
+    """A SRC file that is not .safetensors is named as such, not as missing."""
+    src = tmp_path / "weights.pt"
+    torch.save({"w": torch.arange(4.0)}, src)
+    code, out, err = cli(capsys, "convert", str(src), str(tmp_path / "x"), "--to", "checkpointer")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"checkpointer: error: cannot tell the format of {src}: it is a file; expected a directory "
+        "(checkpointer, torch DCP, Hugging Face) or a .safetensors file\n"
+    )
