@@ -199,7 +199,7 @@ def write_dcp(
             save(state, storage_writer=writer, planner=_FetchingPlanner(), no_dist=True)
     except CheckpointException as ex:  # a BaseException: an error of ours (fetch) or DCP's own
         cause = _unwrap(ex)
-        if isinstance(cause, CheckpointError):
+        if isinstance(cause, (CheckpointError, OSError)):
             raise cause from ex
         raise CheckpointError(f"{path}: cannot write the DCP checkpoint ({type(cause).__name__}: {cause})") from ex
     finally:
