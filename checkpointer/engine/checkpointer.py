@@ -56,7 +56,9 @@ class Checkpointer:
             save_overwrite: replace a checkpoint already saved in ``dir``.
 
         Returns:
-            The metadata written, and the files this rank created.
+            The metadata planned (every tensor's layout, the same on every rank; the checksums
+            and file ids that rank 0 adds at commit are in ``metadata.json`` only), and the
+            files this rank created.
 
         Raises:
             FileExistsError: ``dir`` holds a checkpoint and ``save_overwrite`` is False.
@@ -107,7 +109,8 @@ class Checkpointer:
             dir: the checkpoint directory (path or URL).
             state_dict: tensors to fill; any sharding, independent of the one saved.
             no_dist: read and check alone, with no collective even inside a process group.
-            metadata: the checkpoint's metadata, if already read.
+            metadata: the checkpoint's metadata, if already read. With ``verify``, one without
+                checksums (as ``save`` returns) is read again from ``metadata.json``.
             strategy: ``"default"`` (every rank reads what it needs) or ``"two_stage"``.
             verify: check the checksums of the bytes read, where the checkpoint has them.
 
@@ -119,6 +122,8 @@ class Checkpointer:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown load strategy {strategy!r}; expected one of {STRATEGIES}")
         storage = open_storage(dir)
+        if verify and metadata is not None and metadata.checksum_algorithm is None:
+            metadata = None  # the checksums are in metadata.json: verifying must not skip them
         if strategy == "two_stage" and not no_dist and dist.is_distributed():
             metadata = metadata or read_metadata(storage)
             self.last_load_stats = load_two_stage(storage, state_dict, metadata, verify=verify)

@@ -176,3 +176,18 @@ def test_verify_in_a_process_group(run_distributed, ckpt, strategy):
         assert "rank_2.safetensors" in r["msg"] and "flat.bf16" in r["msg"], r["msg"]
         if strategy == "default" and rank != 2:
             assert "on rank 2" in r["msg"], f"rank {rank} does not name rank 2: {r['msg']}"
+
+
+@pytest.mark.parametrize("strategy", ["default", "two_stage"])
+def test_verify_with_the_metadata_save_returned(tmp_path, strategy):
+    """``save`` returns the metadata it planned, which has no checksums (only metadata.json gets
+    them, at commit); passing it back with verify=True still checks the bytes read."""
+    path = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    metadata, _ = Checkpointer().save(path, state)
+    flip(os.path.join(path, "rank_0.safetensors"), "w", 5)
+    target = {"w": torch.zeros(64)}
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'w'"):
+        Checkpointer().load(path, target, metadata=metadata, strategy=strategy, verify=True)
+    Checkpointer().load(path, target, metadata=metadata, strategy=strategy, verify=False)
+    assert (target["w"] != state["w"]).sum() == 1
