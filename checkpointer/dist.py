@@ -42,6 +42,7 @@ __all__ = [
     "gather_bytes",
     "scatter_bytes",
     "all_reduce_min",
+    "all_equal",
     "agree",
     "barrier",
     "share_from",
@@ -253,6 +254,16 @@ def all_reduce_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=_device())
     _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), "all-reduce", arrival)
     return int(t.item())
+
+
+def all_equal(value: int) -> bool:
+    """Whether every rank passed the same ``value`` (one all-reduce; ``|value| < 2**63``)."""
+    if not is_distributed():
+        return True
+    arrival = _Arrival()
+    t = torch.tensor([value, -value], dtype=torch.int64, device=_device())
+    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), "all-reduce", arrival)
+    return int(t[0].item()) == -int(t[1].item())
 
 
 def barrier() -> None:

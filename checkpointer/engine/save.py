@@ -9,7 +9,7 @@ The recipe:
 3. Every rank gets every rank's pieces (as columns: the structure, which ranks of one model
    share, travels only when it differs from rank 0's) and builds the same plan from them
    (each distinct piece gets one writer). A cached plan skips this: one all-reduce
-   confirms every rank's structure is unchanged.
+   confirms every rank's pieces are those of one earlier save, planned together.
 4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename), with a new id in its header.
 5. All ranks agree the files are written; rank 0 removes stale rank files and writes
    ``metadata.json`` (listing every file's id) atomically; all ranks agree again.
@@ -52,6 +52,9 @@ class SavePlanCache:
     fingerprint: str
     keys: tuple[str, ...]
     metadata: StorageMetadata
+    plan_id: int
+    """The same on every rank for one plan: this rank's pieces recurring is not enough, the
+    other ranks' entries must come from the same save (pieces may move between ranks)."""
 
 
 def describe_state_dict(
@@ -160,8 +163,9 @@ def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool
 
 def _plan(
     storage: Storage, described, aliases, local_error, save_overwrite
-) -> tuple[tuple[str, ...], StorageMetadata, bytes | None]:
-    """Steps 2-3 without a cached plan. Returns this rank's keys, the metadata and (rank 0) the lock.
+) -> tuple[tuple[str, ...], StorageMetadata, bytes | None, int]:
+    """Steps 2-3 without a cached plan. Returns this rank's keys, the metadata, (rank 0) the lock,
+    and the plan's id (a digest of every rank's pieces, the same on every rank).
 
     Every rank gets every rank's pieces and makes the same plan from them: far fewer bytes
     and far less work than rank 0 sending the metadata it planned, as JSON, to be parsed."""
@@ -203,7 +207,15 @@ def _plan(
             error = ex
     dist.agree(error, "save")
     assert plan is not None
-    return plan.keys_for(rank), plan.metadata, lock
+    return plan.keys_for(rank), plan.metadata, lock, _plan_id(gathered)
+
+
+def _plan_id(gathered: list[bytes]) -> int:
+    digest = hashlib.sha256()
+    for payload in gathered:
+        digest.update(len(payload).to_bytes(8, "little"))
+        digest.update(payload)
+    return int.from_bytes(digest.digest()[:7], "little")
 
 
 def _error_json(error: BaseException) -> bytes:
@@ -264,16 +276,19 @@ def plan_save(
                 lock = _check_directory(storage, save_overwrite, retire_old=True)
             except BaseException:  # noqa: BLE001 - the full path below reports it
                 ok = False
-        if dist.all_reduce_min(int(ok)) == 1:
+        # Every rank's entry must be the same plan: each rank's own pieces can recur while
+        # another rank's did not (they moved between ranks), or recur from another save.
+        plan_id = cached.plan_id if ok and cached is not None else -1
+        if dist.all_equal(plan_id) and plan_id >= 0:
             assert cached is not None
             return PlannedSave(storage, described, cached.keys, cached.metadata, fingerprint, lock)
         if lock is not None:
             _release_lock(storage, lock)  # the full path below takes it again
-    keys, metadata, lock = _plan(storage, described, aliases, local_error, save_overwrite)
+    keys, metadata, lock, plan_id = _plan(storage, described, aliases, local_error, save_overwrite)
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
             cache.pop(next(iter(cache)))
-        cache[fingerprint] = SavePlanCache(fingerprint, keys, metadata)
+        cache[fingerprint] = SavePlanCache(fingerprint, keys, metadata, plan_id)
     return PlannedSave(storage, described, keys, metadata, fingerprint, lock)
 
 

@@ -107,6 +107,31 @@ def test_ranks_holding_different_keys(run_distributed, tmp_path):
         assert list(tensors[f"stage{rank}"]["shard_spec_per_file"]) == [f"rank_{rank}.safetensors"]
 
 
+def _pieces_move_between_saves(rank, world_size, base):
+    """One checkpointer saving thrice: rank 0 holds the same thing each time, ranks 1 and 2
+    swap their halves of ``b`` and swap back. Each rank's own structure has been saved before,
+    but in the third save not together with the other ranks' (rank 0 last saw the second)."""
+    from checkpointer import FlatShardedTensor
+
+    b = torch.arange(6.0)
+    halves = {1: (0, 3), 2: (3, 6)}
+    ckpt = Checkpointer()
+    for i, swap in enumerate((False, True, False)):
+        state = {"a": torch.ones(2)}
+        if rank:
+            start, end = halves[3 - rank if swap else rank]
+            state["b"] = FlatShardedTensor(b[start:end].clone(), (6,), ((start, end),))
+        ckpt.save(f"{base}/save{i}", state)
+    target = {"a": torch.zeros(2), "b": torch.zeros(6)}
+    Checkpointer().load(f"{base}/save2", target)
+    assert_same({"a": torch.ones(2), "b": b}, target, f"third save, loaded on rank {rank}")
+    return True
+
+
+def test_repeated_saves_whose_pieces_move_between_ranks(run_distributed, tmp_path):
+    assert run_distributed(_pieces_move_between_saves, 3, str(tmp_path)) == [True] * 3
+
+
 def _views(rank, world_size, ckpt):
     base = torch.arange(60.0).reshape(6, 10)
     state = {
