@@ -98,12 +98,34 @@ def build_save_plan(
     Each rank's pieces come as :class:`PieceDesc` s or as columns (:class:`RankPieces`).
     Raises ``ValueError`` naming the key when ranks disagree on a tensor's shape or dtype,
     or when the distinct pieces of a tensor overlap or leave elements out.
+
+    ``aliases`` (key -> the key it shares memory with) are what any rank found: a rank whose
+    piece of a tied tensor is empty cannot tell that it shares memory, so it may still list
+    the alias as a key of its own; such empty pieces are dropped here.
     """
     with gc_paused():
         columns = [d if isinstance(d, RankPieces) else RankPieces.from_descs(d) for d in descs_per_rank]
+        if aliases:
+            columns = [_without_aliases(c, aliases) for c in columns]
+            descs_per_rank = columns
         if columns and all(c.structure == columns[0].structure for c in columns):
             return _plan_uniform(columns[0].structure, np.stack([c.values for c in columns]), aliases)
         return _plan_general([d.descs() if isinstance(d, RankPieces) else d for d in descs_per_rank], aliases)
+
+
+def _without_aliases(columns: RankPieces, aliases: dict[str, str]) -> RankPieces:
+    """A rank's pieces less the keys other ranks found to be aliases (which must be empty here)."""
+    if not any(key in aliases for key in columns.structure.keys):
+        return columns
+    kept = []
+    for desc in columns.descs():
+        if desc.key not in aliases:
+            kept.append(desc)
+        elif desc.piece.numel:
+            raise ValueError(
+                f"tensor {desc.key!r} shares memory with {aliases[desc.key]!r} on some ranks but not on others"
+            )
+    return RankPieces.from_descs(kept)
 
 
 class _Planned:

@@ -11,20 +11,21 @@ from checkpointer import load_model_and_optim_state, save_model_and_optim_state,
 
 
 class TiedLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 11) -> None:
         super().__init__()
-        self.embed = nn.Embedding(11, 6)
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, 6)
         self.mid = nn.Linear(6, 6)
-        self.lm_head = nn.Linear(6, 11, bias=False)
+        self.lm_head = nn.Linear(6, vocab, bias=False)
         self.lm_head.weight = self.embed.weight
 
     def forward(self, ids):
         return self.lm_head(torch.tanh(self.mid(self.embed(ids))))
 
 
-def _build(world_size, seed):
+def _build(world_size, seed, vocab=11):
     torch.manual_seed(seed)
-    model = TiedLM()
+    model = TiedLM(vocab)
     if world_size > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -35,16 +36,16 @@ def _build(world_size, seed):
 
 def _step(model, optim, step):
     g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, 11, (3, 4), generator=g)
-    loss = nn.functional.cross_entropy(model(ids).reshape(-1, 11), ids.reshape(-1))
+    ids = torch.randint(0, model.vocab, (3, 4), generator=g)
+    loss = nn.functional.cross_entropy(model(ids).reshape(-1, model.vocab), ids.reshape(-1))
     loss.backward()
     optim.step()
     optim.zero_grad()
     return loss.item()
 
 
-def _save(rank, world_size, ckpt):
-    model = _build(world_size, 0)
+def _save(rank, world_size, ckpt, vocab=11):
+    model = _build(world_size, 0, vocab)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, optim, 0)
     save_model_and_optim_state(ckpt, model, optim)
@@ -52,8 +53,8 @@ def _save(rank, world_size, ckpt):
     return model_full_state(model), optim_full_state(model, optim)
 
 
-def _load(rank, world_size, ckpt, expected_model, expected_optim):
-    model = _build(world_size, 1)
+def _load(rank, world_size, ckpt, expected_model, expected_optim, vocab=11):
+    model = _build(world_size, 1, vocab)
     optim = torch.optim.AdamW(model.parameters(), lr=0.5)
     load_model_and_optim_state(ckpt, model, optim)
     assert model.lm_head.weight is model.embed.weight, "load untied lm_head.weight from embed.weight"
@@ -81,4 +82,13 @@ def test_tied_embeddings(run_distributed, tmp_path, save_ws):
     assert "lm_head.weight" in expected_model and "embed.weight" in expected_model
     for load_ws in (1, 2, 3):
         assert run_distributed(_load, load_ws, ckpt, expected_model, expected_optim) == [True] * load_ws
+    assert run_distributed(_unshard, 2, ckpt, expected_model) == [True, True]
+
+
+def test_tied_weight_with_an_empty_shard(run_distributed, tmp_path):
+    """A vocabulary of 2 over 3 ranks: rank 2's shard of the tied weight is empty (0 x 6)."""
+    ckpt = str(tmp_path / "ckpt")
+    expected_model, expected_optim = run_distributed(_save, 3, ckpt, 2)[0]
+    for load_ws in (1, 3):
+        assert run_distributed(_load, load_ws, ckpt, expected_model, expected_optim, 2) == [True] * load_ws
     assert run_distributed(_unshard, 2, ckpt, expected_model) == [True, True]

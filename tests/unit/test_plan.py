@@ -444,6 +444,20 @@ def test_aliases_are_recorded():
     assert again.aliases == {"b": "a"}
 
 
+def test_alias_listed_as_a_key_by_a_rank_with_an_empty_piece():
+    """Rank 1's pieces of tied ``a``/``b`` are empty, so it cannot see that they share memory."""
+    rows = lambda lo, hi: Piece(local_shape=(hi - lo, 3), global_offset=(lo, 0))  # noqa: E731
+    rank0 = [desc("a", (2, 3), piece=rows(0, 2))]
+    rank1 = [desc("a", (2, 3), piece=rows(2, 2)), desc("b", (2, 3), piece=rows(2, 2))]
+    plan = build_save_plan([rank0, rank1], aliases={"b": "a"})
+    assert set(plan.metadata.tensors) == {"a"} and plan.metadata.aliases == {"b": "a"}
+    assert plan.keys_per_rank == (("a",), ())
+    # A rank that holds elements of ``b`` in memory of its own: the tie is not real.
+    rank1[1] = desc("b", (2, 3), piece=rows(0, 2))
+    with pytest.raises(ValueError, match="'b' shares memory with 'a' on some ranks but not on others"):
+        build_save_plan([rank0, rank1], aliases={"b": "a"})
+
+
 # ---------------------------------------------------------------------------------------------
 # Property test: random shape, random save and load topologies, oracle = element copy
 # ---------------------------------------------------------------------------------------------
