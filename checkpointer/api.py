@@ -308,9 +308,10 @@ def _fits(dest: Any, meta: TensorStorageMetadata, param: Any) -> bool:
 
 def _allocate_state(key: str, meta: TensorStorageMetadata, param: Any, headers: HeaderCache) -> torch.Tensor:
     """A state tensor for the checkpoint's values: sharded like ``param`` when it has its shape
-    (the model justifies that size), else of the checkpoint's shape once the files are seen to hold it."""
+    (the model justifies that size), else of the checkpoint's shape once the files are seen to hold it.
+    A 0-dim state is like a 0-dim param only where it was saved sharded, as a DTensor (``step`` never is)."""
     dtype = dtype_from_code(meta.dtype)
-    if meta.shape and tuple(meta.shape) == tuple(param.shape):
+    if tuple(meta.shape) == tuple(param.shape) and (meta.shape or meta.is_sharded):
         like = param if isinstance(param, torch.Tensor) else local_data(param)
         return torch.empty_like(like.detach(), dtype=dtype)
     check_files_hold(headers, key, meta)

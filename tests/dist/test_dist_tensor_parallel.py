@@ -174,6 +174,68 @@ def test_dim_sharded_twice(run_distributed, tmp_path):
     assert run_distributed(_same_dim_twice, 4, str(tmp_path / "ckpt")) == [True] * 4
 
 
+# A 0-dim parameter replicated as a DTensor (``distribute_module``'s default for a learned scale).
+
+
+class ScaledModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.w = nn.Parameter(torch.randn(5, 3))
+
+
+def _scaled_model(world_size, seed):
+    from torch.distributed.tensor import Replicate
+
+    torch.manual_seed(seed)
+    model = ScaledModel()
+    m = mesh((world_size,))
+    model.scale = nn.Parameter(DTensor.from_local(model.scale.detach().clone(), m, [Replicate()], run_check=False))
+    model.w = nn.Parameter(to_layout(model.w.detach(), f"shard0@{world_size}"))
+    return model
+
+
+def _scaled_step(model, optim, world_size, step):
+    from torch.distributed.tensor import Replicate
+
+    g = torch.Generator().manual_seed(70 + step)
+    model.scale.grad = DTensor.from_local(torch.randn((), generator=g), mesh((world_size,)), [Replicate()], run_check=False)
+    model.w.grad = to_layout(torch.randn(5, 3, generator=g), f"shard0@{world_size}")
+    optim.step()
+    optim.zero_grad()
+    return {k: full(v) for k, v in model.state_dict().items()}
+
+
+def _save_scaled(rank, world_size, ckpt):
+    model = _scaled_model(world_size, 0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        _scaled_step(model, optim, world_size, step)
+    save_model_and_optim_state(ckpt, model, optim)
+    expected_optim = optim_full_state(model, optim)
+    return expected_optim, _scaled_step(model, optim, world_size, 2)
+
+
+def _load_scaled(rank, world_size, ckpt, expected_optim, after_next_step):
+    model = _scaled_model(world_size, 1)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.1)
+    load_model_and_optim_state(ckpt, model, optim)
+    assert_same(expected_optim, optim_full_state(model, optim), f"optimizer on rank {rank}")
+    for p, state in optim.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(state[key], DTensor) and state[key].placements == p.placements, (key, type(state[key]))
+    assert_same(after_next_step, _scaled_step(model, optim, world_size, 2), f"model after a step on rank {rank}")
+    return True
+
+
+def test_zero_dim_dtensor_parameter_with_fresh_optimizer(run_distributed, tmp_path):
+    """Its AdamW state is 0-dim DTensors; a load into an optimizer without state must make them
+    DTensors again (plain tensors make the next step fail: DTensor and Tensor mixed)."""
+    ckpt = str(tmp_path / "ckpt")
+    expected_optim, after_next_step = run_distributed(_save_scaled, 2, ckpt)[0]
+    assert run_distributed(_load_scaled, 3, ckpt, expected_optim, after_next_step) == [True] * 3
+
+
 # FSDP2 composed with tensor parallelism, and FSDP2 sharding on dim 1.
 
 
