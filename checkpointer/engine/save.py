@@ -72,6 +72,11 @@ def describe_state_dict(
         except (TypeError, ValueError) as ex:
             raise CheckpointError(f"cannot {action} {key!r}: {ex}") from ex
         data = lt.data
+        if data.device.type == "meta":
+            raise CheckpointError(
+                f"cannot {action} {key!r}: it is on the meta device and holds no data "
+                "(materialise the model first, e.g. model.to_empty(device=...))"
+            )
         if data.numel() > 0:
             ident = (data.device, data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.dtype, lt.shape, lt.piece)
             if ident in seen:

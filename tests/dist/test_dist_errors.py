@@ -185,6 +185,9 @@ def _mismatches(rank, world_size, ckpt):
         ),
         "dtype": _load_flat(rank, world_size, ckpt, {"beta_bias": torch.zeros(5, dtype=torch.float16)}),
         "dtype_int": _load_flat(rank, world_size, ckpt, {"beta_bias": torch.zeros(5, dtype=torch.int64)}),
+        # A model built on the meta device and never materialised: nothing can be loaded into it.
+        "meta": _load_flat(rank, world_size, ckpt, {"beta_bias": torch.zeros(5, device="meta")}),
+        "meta_save": catch(Checkpointer().save, f"{ckpt}-meta", {"meta_weight": torch.zeros(2, 3, device="meta")}),
     }
 
 
@@ -199,6 +202,8 @@ def test_state_dict_mismatches(run_distributed, flat_ckpt):
         for rank, r in enumerate(results):
             msg = r[what]["msg"]
             assert any(s in msg for s in other) and any(s in msg for s in ("float32", "F32")), (rank, msg)
+    check_all_raised([r["meta"] for r in results], checkpointer.CheckpointError, "beta_bias", "meta")
+    check_all_raised([r["meta_save"] for r in results], checkpointer.CheckpointError, "meta_weight", "meta")
 
 
 def _model_mismatch(rank, world_size, ckpt):
