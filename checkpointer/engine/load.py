@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import dist
-from ..errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, parse_metadata
 from ..planning.plan import TensorLoadPlan, build_load_plan, piece_ranges
@@ -28,7 +28,15 @@ from ..storage.base import Storage
 from .rankfile import HeaderCache, ReadJob, execute_reads
 from .save import describe_state_dict
 
-__all__ = ["read_metadata", "load_state_dict", "plan_local_loads", "fill_in_place", "LocalLoad", "MAX_METADATA_BYTES"]
+__all__ = [
+    "read_metadata",
+    "load_state_dict",
+    "plan_local_loads",
+    "fill_in_place",
+    "copy_into",
+    "LocalLoad",
+    "MAX_METADATA_BYTES",
+]
 
 MAX_METADATA_BYTES = 1 << 30
 """The default limit on ``metadata.json``; ``CHECKPOINTER_MAX_METADATA_MIB`` changes it."""
@@ -168,5 +176,15 @@ def fill_in_place(
         if batch and (load is None or batch_bytes >= _STAGE_BYTES):
             execute_reads(storage, [ld.job(host) for ld, host in batch], **options)
             for ld, host in batch:
-                ld.local.data.copy_(host.view(ld.local.data.shape))
+                copy_into(ld.key, ld.local.data, host)
             batch, batch_bytes = [], 0
+
+
+def copy_into(key: str, dest: torch.Tensor, flat: torch.Tensor) -> None:
+    """Copy ``key``'s loaded elements (``flat``, in row-major order) into its tensor ``dest``, which
+    could not be read into directly; a tensor that cannot take them (an expanded view, whose
+    elements share memory) is an error naming the key."""
+    try:
+        dest.copy_(flat.view(dest.shape))
+    except RuntimeError as ex:
+        raise CheckpointError(f"cannot load {key!r} into its tensor: {ex}") from ex

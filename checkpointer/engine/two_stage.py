@@ -30,7 +30,7 @@ from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
-from .load import plan_local_loads
+from .load import copy_into, plan_local_loads
 from .rankfile import HeaderCache, ReadJob, piece_start, read_file_ranges, verify_reads
 
 __all__ = ["LoadStats", "load_two_stage"]
@@ -81,7 +81,7 @@ def load_two_stage(
     error: BaseException | None = None
     needs: list[Need] = []
     dests: dict[tuple[str, str], list[_Dest]] = defaultdict(list)
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    staged: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     jobs: list[ReadJob] = []
     try:
         for load in plan_local_loads(storage, metadata, state_dict):
@@ -92,7 +92,7 @@ def load_two_stage(
                 flat = data.view(-1)
             else:
                 flat = torch.empty(load.local.numel, dtype=data.dtype)
-                staged.append((flat, data))
+                staged.append((load.key, flat, data))
             jobs.append(load.job(flat))
             for item in load.plan.items:
                 needs.append(Need(item.file, load.plan.key, item.src_offset, item.src_offset + item.numel))
@@ -146,8 +146,11 @@ def load_two_stage(
                 else:
                     stats.bytes_received += bufs[u].numel()
             lap("broadcasts")
-            for u in batch:
-                _scatter_unit(u, bufs[u], dests[(u.file, u.key)], sizes[u.key])
+            try:
+                for u in batch:
+                    _scatter_unit(u, bufs[u], dests[(u.file, u.key)], sizes[u.key])
+            except BaseException as ex:  # noqa: BLE001 - raised after the exchanges
+                error = error or ex
             lap("copies")
     if verify and metadata.checksum_chunk_bytes and error is None:
         try:
@@ -155,8 +158,11 @@ def load_two_stage(
         except BaseException as ex:  # noqa: BLE001 - reported to every rank
             error = ex
         lap("verify")
-    for flat, data in staged:
-        data.copy_(flat.view(data.shape))
+    try:
+        for key, flat, data in staged:
+            copy_into(key, data, flat)
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank
+        error = error or ex
     lap("copies")
     dist.agree(error, "two-stage load")
     log.debug("two-stage load on rank %d: %s", rank, stats)

@@ -263,6 +263,21 @@ def test_one_rank_with_a_wrong_shape(run_distributed, tmp_path, world_size):
             assert names_rank(r["msg"], 1), f"rank {rank}'s error does not name rank 1: {r['msg']!r}"
 
 
+def _unfillable_destination_on_rank1(rank, world_size, ckpt, strategy):
+    """Rank 1's tensor is an expanded view (its elements share memory): it cannot be filled,
+    which shows only when the bytes read (or received) are copied into it, at the very end."""
+    state = flat_state(world_size)
+    if rank == 1:
+        state["beta_bias"] = torch.zeros(1).expand(5)
+    return catch(Checkpointer().load, ckpt, state, strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["default", "two_stage"])
+def test_destination_that_cannot_be_filled_on_one_rank(run_distributed, flat_ckpt, strategy):
+    results = run_distributed(_unfillable_destination_on_rank1, 3, flat_ckpt, strategy, timeout=60)
+    check_all_raised(results, checkpointer.CheckpointError, "beta_bias")
+
+
 def _reader_fails_on_rank1(rank, world_size, ckpt, api):
     from unittest import mock
 
