@@ -10,9 +10,16 @@ from checkpointer import Checkpointer
 
 CODES = {
     torch.float32: "F32",
+    torch.float64: "F64",
     torch.bfloat16: "BF16",
     torch.float16: "F16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
     torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 
@@ -26,6 +33,11 @@ def full_tensors() -> dict[str, torch.Tensor]:
             make = lambda *shape: torch.rand(*shape, generator=g) > 0.5  # noqa: E731
         elif dtype is torch.int64:
             make = lambda *shape: torch.randint(-(2**40), 2**40, shape, generator=g)  # noqa: E731
+        elif not dtype.is_floating_point:
+            info = torch.iinfo(dtype)
+            make = lambda *shape, dt=dtype, lo=info.min, hi=info.max: torch.randint(  # noqa: E731
+                lo, hi + 1, shape, generator=g
+            ).to(dt)
         else:
             make = lambda *shape, dt=dtype: torch.randn(*shape, generator=g).to(dt)  # noqa: E731
         out[f"plain.{name}"] = make(4, 3)
