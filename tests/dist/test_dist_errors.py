@@ -415,6 +415,7 @@ def test_hostile_pickle_in_param_group_is_refused(run_distributed, tmp_path):
     import json
     import pickle
 
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     ckpt = str(tmp_path / "ckpt")
@@ -424,8 +425,10 @@ def test_hostile_pickle_in_param_group_is_refused(run_distributed, tmp_path):
     evil = torch.frombuffer(bytearray(pickle.dumps({"lr": _Evil(marker)}, protocol=2)), dtype=torch.uint8)
     rank0 = os.path.join(optim_dir, "rank_0.safetensors")
     tensors = load_file(rank0)
+    with safe_open(rank0, framework="pt") as f:
+        header_metadata = f.metadata()  # the file's id, which metadata.json lists: the file stays "ours"
     tensors["param_group0"] = evil.clone()
-    save_file(tensors, rank0)
+    save_file(tensors, rank0, metadata=header_metadata)
     with open(os.path.join(optim_dir, "metadata.json")) as f:
         meta = json.load(f)
     entry = meta["tensors"]["param_group0"]
