@@ -106,8 +106,13 @@ def build_save_plan(
     with gc_paused():
         columns = [d if isinstance(d, RankPieces) else RankPieces.from_descs(d) for d in descs_per_rank]
         if aliases:
-            columns = [_without_aliases(c, aliases) for c in columns]
-            descs_per_rank = columns
+            listed: dict[int, bool] = {}  # per structure (ranks of one model share one): lists an alias?
+            for c in columns:
+                if id(c.structure) not in listed:
+                    listed[id(c.structure)] = any(key in aliases for key in c.structure.keys)
+            if any(listed.values()):
+                columns = [_without_aliases(c, aliases) if listed[id(c.structure)] else c for c in columns]
+                descs_per_rank = columns
         if columns and all(c.structure == columns[0].structure for c in columns):
             return _plan_uniform(columns[0].structure, np.stack([c.values for c in columns]), aliases)
         return _plan_general([d.descs() if isinstance(d, RankPieces) else d for d in descs_per_rank], aliases)
@@ -115,8 +120,6 @@ def build_save_plan(
 
 def _without_aliases(columns: RankPieces, aliases: dict[str, str]) -> RankPieces:
     """A rank's pieces less the keys other ranks found to be aliases (which must be empty here)."""
-    if not any(key in aliases for key in columns.structure.keys):
-        return columns
     kept = []
     for desc in columns.descs():
         if desc.key not in aliases:
