@@ -101,20 +101,24 @@ def _columns(described: Mapping[str, LocalTensor]) -> RankPieces:
     )
 
 
-def _pieces_payload(columns: RankPieces, aliases: Mapping[str, str], *, with_structure: bool) -> bytes:
+def _pieces_payload(
+    columns: RankPieces, aliases: Mapping[str, str], *, with_structure: bool, fingerprint: str = ""
+) -> bytes:
     """A rank's pieces for the others: a JSON header, then the piece numbers as raw ``int64``.
     The structure travels from rank 0, and from a rank whose structure differs from rank 0's
-    (ranks of one model share it); the others name it by its digest."""
+    (ranks of one model share it); the others name it by its digest. ``fingerprint`` (the key
+    of the rank's plan cache, a digest of what it described) goes into the plan's id."""
     structure = columns.structure
-    header: dict[str, Any] = {"digest": structure.digest, "aliases": aliases}
+    header: dict[str, Any] = {"digest": structure.digest, "aliases": aliases, "fingerprint": fingerprint}
     if with_structure:
         header["structure"] = structure.json_bytes.decode()
     head = json.dumps(header, separators=(",", ":")).encode()
     return b"P" + len(head).to_bytes(8, "little") + head + columns.values.astype("<i8", copy=False).tobytes()
 
 
-def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPieces, dict[str, str]]:
-    """One rank's payload; ``known`` (digest -> structure) gains the structures it carries."""
+def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPieces, dict[str, str], str]:
+    """One rank's payload: its pieces, aliases and fingerprint; ``known`` (digest -> structure)
+    gains the structures it carries."""
     n = int.from_bytes(payload[1:9], "little")
     header = json.loads(payload[9 : 9 + n])
     digest = header["digest"]
@@ -127,7 +131,7 @@ def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPiec
             raise CheckpointError(f"a rank's structure does not match its digest {digest}")
         known[digest] = structure
     values = np.frombuffer(payload, dtype="<i8", offset=9 + n).astype(np.int64, copy=False)
-    return RankPieces(structure, values), header["aliases"]
+    return RankPieces(structure, values), header["aliases"], header["fingerprint"]
 
 
 def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> bytes | None:
@@ -167,10 +171,10 @@ def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool
 
 
 def _plan(
-    storage: Storage, described, aliases, local_error, save_overwrite
+    storage: Storage, described, aliases, local_error, save_overwrite, fingerprint: str
 ) -> tuple[tuple[str, ...], StorageMetadata, bytes | None, int]:
     """Steps 2-3 without a cached plan. Returns this rank's keys, the metadata, (rank 0) the lock,
-    and the plan's id (a digest of every rank's pieces, the same on every rank).
+    and the plan's id (a digest of every rank's fingerprint, the same on every rank).
 
     Every rank gets every rank's pieces and makes the same plan from them: far fewer bytes
     and far less work than rank 0 sending the metadata it planned, as JSON, to be parsed."""
@@ -188,7 +192,12 @@ def _plan(
     mine = (
         _error_json(error)
         if columns is None
-        else _pieces_payload(columns, aliases, with_structure=rank == 0 or columns.structure.digest != rank0_digest)
+        else _pieces_payload(
+            columns,
+            aliases,
+            with_structure=rank == 0 or columns.structure.digest != rank0_digest,
+            fingerprint=fingerprint,
+        )
     )
     gathered = dist.all_gather_bytes(mine)
     failed = [r for r, payload in enumerate(gathered) if payload[:1] != b"P"]
@@ -196,9 +205,9 @@ def _plan(
         dist.agree(error, "save")  # re-raises this rank's own error, or the failing rank's
         raise CheckpointError(f"save failed on rank {failed[0]}: {json.loads(gathered[failed[0]])['error']}")
     assert columns is not None
-    plan = None
+    plan, plan_id = None, -1
     try:
-        plan = _plan_from(gathered, columns)
+        plan, plan_id = _plan_from(gathered, columns)
     except (ValueError, CheckpointError) as ex:
         error = CheckpointError(f"cannot save: {ex}")  # the same on every rank: the same inputs
     except BaseException as ex:  # noqa: BLE001 - reported to every rank below
@@ -212,31 +221,26 @@ def _plan(
             error = ex
     dist.agree(error, "save")
     assert plan is not None
-    return plan.keys_for(rank), plan.metadata, lock, _plan_id(gathered)
-
-
-def _plan_id(gathered: list[bytes]) -> int:
-    digest = hashlib.sha256()
-    for payload in gathered:
-        digest.update(len(payload).to_bytes(8, "little"))
-        digest.update(payload)
-    return int.from_bytes(digest.digest()[:7], "little")
+    return plan.keys_for(rank), plan.metadata, lock, plan_id
 
 
 def _error_json(error: BaseException) -> bytes:
     return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
 
 
-def _plan_from(gathered: list[bytes], mine: RankPieces) -> SavePlan:
-    """The save plan from every rank's payload (this rank's structure is known already)."""
+def _plan_from(gathered: list[bytes], mine: RankPieces) -> tuple[SavePlan, int]:
+    """The save plan from every rank's payload (this rank's structure is known already), and its
+    id: a digest of every rank's fingerprint in rank order, the same on every rank."""
     columns: list[RankPieces] = []
     aliases: dict[str, str] = {}
     known: dict[str, Structure] = {mine.structure.digest: mine.structure}
+    plan_id = hashlib.sha256()
     for payload in gathered:
-        rank_columns, rank_aliases = _parse_pieces(payload, known)
+        rank_columns, rank_aliases, fingerprint = _parse_pieces(payload, known)
         columns.append(rank_columns)
         aliases.update(rank_aliases)
-    return build_save_plan(columns, aliases=aliases)
+        plan_id.update(fingerprint.encode() + b"\n")
+    return build_save_plan(columns, aliases=aliases), int.from_bytes(plan_id.digest()[:7], "little")
 
 
 @dataclass
@@ -289,7 +293,7 @@ def plan_save(
             return PlannedSave(storage, described, cached.keys, cached.metadata, fingerprint, lock)
         if lock is not None:
             _release_lock(storage, lock)  # the full path below takes it again
-    keys, metadata, lock, plan_id = _plan(storage, described, aliases, local_error, save_overwrite)
+    keys, metadata, lock, plan_id = _plan(storage, described, aliases, local_error, save_overwrite, fingerprint)
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
             cache.pop(next(iter(cache)))

@@ -159,7 +159,7 @@ def test_payload_round_trip_and_structure_only_when_sent():
     named = _pieces_payload(ours, {"tied": "w"}, with_structure=False)
     assert b'"structure"' not in named
     known = {ours.structure.digest: ours.structure}
-    parsed, aliases = _parse_pieces(named, known)
+    parsed, aliases, _ = _parse_pieces(named, known)
     assert parsed.structure is ours.structure and parsed.values.tolist() == [2, 2, 2, 0] and aliases == {"tied": "w"}
     differs = _parse_pieces(_pieces_payload(other, {}, with_structure=True), known)[0]
     assert differs.structure == other.structure and differs.descs() == other.descs()
