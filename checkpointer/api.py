@@ -153,9 +153,34 @@ def save_model_and_optim_state(
     dir = str(dir).rstrip("/")
     model_state = model_state_dict(model)
     optim_state = flatten_optim_state(model, optim, model_state)
+    _DEFAULT.wait()
+    _claim_parts(dir, save_overwrite)
     _, model_files = _DEFAULT.save(f"{dir}/model", model_state, save_overwrite=save_overwrite)
     _, optim_files = _DEFAULT.save(f"{dir}/optim", optim_state, save_overwrite=save_overwrite)
     return model_files + optim_files
+
+
+def _claim_parts(dir: str, save_overwrite: bool) -> None:
+    """Before either part is written. Without ``save_overwrite``, every rank raises
+    ``FileExistsError`` when ``model/`` or ``optim/`` holds a checkpoint, so a refused save
+    writes neither. With it, rank 0 first makes the old ``optim/`` incomplete: the optimizer
+    is committed last, so a save that dies between the parts leaves the directory incomplete,
+    never the new model beside the old optimizer state, both complete."""
+
+    def check() -> bytes:
+        model, optim = open_storage(f"{dir}/model"), open_storage(f"{dir}/optim")
+        if not save_overwrite:
+            for part in (model, optim):
+                if part.exists(METADATA_FILENAME):
+                    raise FileExistsError(
+                        f"{part.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
+                        "(pass save_overwrite=True to replace it)"
+                    )
+        elif optim.exists(METADATA_FILENAME):
+            optim.delete(METADATA_FILENAME)
+        return b""
+
+    dist.share_from(0, check, "save")
 
 
 def async_save_model_and_optim_state(
@@ -170,10 +195,16 @@ def async_save_model_and_optim_state(
     with torch.no_grad():
         model_state = model_state_dict(model)
         optim_state = flatten_optim_state(model, optim, model_state)
+        _DEFAULT.wait()
+        files: Future[list[str]] = Future()
+        try:
+            _claim_parts(dir, save_overwrite)
+        except Exception as ex:  # noqa: BLE001 - an async save's errors surface from .result()
+            files.set_exception(ex)
+            return files
         both = _DEFAULT.async_save_many(
             [(f"{dir}/model", model_state), (f"{dir}/optim", optim_state)], save_overwrite=save_overwrite
         )
-    files: Future[list[str]] = Future()
 
     def done(f: Future) -> None:
         if f.exception() is not None:

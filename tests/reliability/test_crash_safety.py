@@ -181,6 +181,7 @@ KILLS = [
     ("rank_file_mid_write", "model", True),
     ("after_rank_files_before_metadata", "model", True),
     ("metadata_before_rename", "model", True),
+    ("after_metadata_before_unlock", "model", True),
 ]
 
 
@@ -204,6 +205,8 @@ def test_save_killed_with_sigkill(ckpt, point, part, overwrite):
     if not whole:
         with pytest.raises(FileExistsError):
             checkpointer.save_model_and_optim_state(top, model, optim)
+        latest = checkpointer.latest_checkpoint(ckpt.run_dir)
+        assert latest == ckpt.top, f"a refused save left {latest} complete (a new part beside an old one?)"
         checkpointer.save_model_and_optim_state(top, model, optim, save_overwrite=True)
         assert check_after_crash(top, saved_model, ckpt)
 
