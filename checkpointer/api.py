@@ -256,8 +256,13 @@ def _load_optim(
         error = ex
     dist.agree(error, "load optimizer")
     checkpointer.load(dir, to_fill, metadata=metadata, strategy=strategy)
-    with _malformed(dir):
-        optim.load_state_dict(torch_state)
+    error = None
+    try:
+        with _malformed(dir):
+            optim.load_state_dict(torch_state)
+    except BaseException as ex:  # noqa: BLE001 - a rank left behind would wait in training's next collective
+        error = ex
+    dist.agree(error, "load optimizer")
 
 
 @contextlib.contextmanager

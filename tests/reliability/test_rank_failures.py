@@ -100,6 +100,23 @@ def _load_task(rank, world_size, path, failing, how, strategy):
         return "did not die"
 
 
+def _load_optim_task(rank, world_size, top, failing):
+    """load_model_and_optim_state, with the optimizer refusing its state on rank ``failing``
+    only: the last step of the load, after every tensor has been read."""
+    from dist_helpers import build_model, build_optim
+
+    with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": str(TIMEOUT_S)}):
+        model = build_model(world_size, seed=1)
+        optim = build_optim(model, "adamw", fresh=True)
+        if rank == failing:
+
+            def refuse(state_dict):
+                raise ValueError(f"injected optimizer error on rank {rank}")
+
+            optim.load_state_dict = refuse
+        return catch(checkpointer.load_model_and_optim_state, top, model, optim)
+
+
 # --------------------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------------------
@@ -164,6 +181,11 @@ def test_save_with_a_rank_that_raises(run_distributed, tmp_path, failing):
 def test_load_with_a_rank_that_raises(run_distributed, saved_flat, strategy):
     results = run_distributed(_load_task, 3, saved_flat, 2, "raise", strategy, timeout=120)
     check_raised_rank(results, 2, "injected I/O error")
+
+
+def test_optimizer_load_with_a_rank_that_raises(run_distributed, ckpt):
+    results = run_distributed(_load_optim_task, 3, ckpt.top, 1, timeout=120)
+    check_raised_rank(results, 1, "injected optimizer error")
 
 
 # --------------------------------------------------------------------------------------
