@@ -21,6 +21,7 @@ from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .save import PlannedSave, SavePlanCache, plan_save, write_and_commit
+from .save import _release_lock as release_lock
 
 __all__ = ["AsyncSaver"]
 
@@ -56,14 +57,24 @@ class AsyncSaver:
         with self._lock:
             self.wait()
             result: Future[list[tuple[StorageMetadata, list[str]]]] = Future()
+            planned: list[PlannedSave] = []
             try:
                 if not self._group_made:
                     self._group = dist.new_cpu_group()
                     self._group_made = True
-                planned = [plan_save(st, sd, save_overwrite=save_overwrite, cache=cache) for st, sd in targets]
-                self._drop_unused({(i, key) for i, p in enumerate(planned) for key in p.keys})
-                staged = [self._stage(i, p) for i, p in enumerate(planned)]
+                for st, sd in targets:  # each plan ends with an agreement: its errors reach every rank
+                    planned.append(plan_save(st, sd, save_overwrite=save_overwrite, cache=cache))
+                staging_error: BaseException | None = None
+                try:
+                    self._drop_unused({(i, key) for i, p in enumerate(planned) for key in p.keys})
+                    staged = [self._stage(i, p) for i, p in enumerate(planned)]
+                except BaseException as ex:  # noqa: BLE001 - one rank's: the agreement tells the others
+                    staging_error = ex
+                dist.agree(staging_error, "async save (staging)")
             except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
+                for p in planned:
+                    if p.lock is not None:  # rank 0's: nothing was written, the next save may go ahead
+                        release_lock(p.storage, p.lock)
                 result.set_exception(ex)
                 return result
             self._inflight = self._executor.submit(self._write, planned, staged, result)

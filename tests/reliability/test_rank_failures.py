@@ -9,6 +9,7 @@ forked processes of its own (``rel_helpers.run_group``), so no pool has to be re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -117,6 +118,22 @@ def _load_optim_task(rank, world_size, top, failing):
         return catch(checkpointer.load_model_and_optim_state, top, model, optim)
 
 
+def _async_stage_task(rank, world_size, path, failing):
+    """An async save whose staging (the copy into host buffers) fails on rank ``failing`` only;
+    then a plain save into the same directory, which a lock left behind would refuse."""
+    from checkpointer.engine.async_save import AsyncSaver
+
+    def no_memory(self, index, planned):
+        raise MemoryError(f"injected staging failure on rank {rank}")
+
+    with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": str(TIMEOUT_S)}):
+        state = rel_helpers.flat_local(rank, world_size)
+        saver = Checkpointer()
+        with mock.patch.object(AsyncSaver, "_stage", no_memory) if rank == failing else contextlib.nullcontext():
+            error = catch(lambda: saver.async_save(path, state).result(timeout=3 * TIMEOUT_S))
+        return error, catch(Checkpointer().save, path, state)
+
+
 # --------------------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------------------
@@ -186,6 +203,14 @@ def test_load_with_a_rank_that_raises(run_distributed, saved_flat, strategy):
 def test_optimizer_load_with_a_rank_that_raises(run_distributed, ckpt):
     results = run_distributed(_load_optim_task, 3, ckpt.top, 1, timeout=120)
     check_raised_rank(results, 1, "injected optimizer error")
+
+
+def test_async_save_with_a_rank_whose_staging_fails(run_distributed, tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = run_distributed(_async_stage_task, 3, path, 1, timeout=120)
+    check_raised_rank([error for error, _ in results], 1, "injected staging failure")
+    assert [again for _, again in results] == [None] * 3, "a save after the failed one was refused"
+    assert torch.equal(rel_helpers.load_part(path, rel_helpers.flat_full())["flat.w"], rel_helpers.flat_full()["flat.w"])
 
 
 # --------------------------------------------------------------------------------------
