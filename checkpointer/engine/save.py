@@ -35,6 +35,7 @@ from ..errors import CheckpointError
 from ..checksums import ALGORITHM, CHUNK_BYTES
 from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename, new_file_id, rank_filename
 from ..format.metadata import StorageMetadata
+from ..format.safetensors_header import RESERVED_KEY
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
@@ -67,6 +68,8 @@ def describe_state_dict(
     for key, value in state_dict.items():
         if not isinstance(key, str):
             raise TypeError(f"state dict keys must be strings, got {key!r}")
+        if key == RESERVED_KEY:
+            raise CheckpointError(f"cannot {action} {key!r}: safetensors reserves the name for a file's own metadata")
         try:
             lt = describe(value)
         except (TypeError, ValueError) as ex:

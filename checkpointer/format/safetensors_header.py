@@ -16,10 +16,19 @@ from ..errors import CorruptCheckpointError
 from .dtypes import DTYPE_CODES, itemsize
 from .metadata import MAX_NDIM, reject_duplicate_keys
 
-__all__ = ["HeaderEntry", "SafetensorsHeader", "parse_header", "build_header", "MAX_HEADER_BYTES", "PREFIX_BYTES"]
+__all__ = [
+    "HeaderEntry",
+    "SafetensorsHeader",
+    "parse_header",
+    "build_header",
+    "MAX_HEADER_BYTES",
+    "PREFIX_BYTES",
+    "RESERVED_KEY",
+]
 
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 PREFIX_BYTES = 8
+RESERVED_KEY = "__metadata__"  # the header's own metadata, never a tensor
 DATA_ALIGNMENT = 64
 
 
@@ -60,7 +69,7 @@ def parse_header(header_json: bytes, *, where: str, file_size: int) -> Safetenso
         raise CorruptCheckpointError(f"{where}: bad safetensors header ({ex})") from ex
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: safetensors header is not a JSON object")
-    user_metadata = raw.pop("__metadata__", None)
+    user_metadata = raw.pop(RESERVED_KEY, None)
     if user_metadata is not None and not (
         isinstance(user_metadata, dict) and all(isinstance(v, str) for v in user_metadata.values())
     ):
@@ -104,11 +113,11 @@ def build_header(pieces: list[tuple[str, str, int]], *, user_metadata: dict[str,
     """
     header: dict[str, Any] = {}
     if user_metadata:
-        header["__metadata__"] = user_metadata
+        header[RESERVED_KEY] = user_metadata
     offsets: list[int] = []
     pos = 0
     for key, dtype, numel in pieces:
-        if key in header or key == "__metadata__":
+        if key in header or key == RESERVED_KEY:
             raise ValueError(f"tensor key {key!r} is given twice or is reserved")
         nbytes = numel * itemsize(dtype)
         header[key] = {"dtype": dtype, "shape": [numel], "data_offsets": [pos, pos + nbytes]}

@@ -188,6 +188,8 @@ def _mismatches(rank, world_size, ckpt):
         # A model built on the meta device and never materialised: nothing can be loaded into it.
         "meta": _load_flat(rank, world_size, ckpt, {"beta_bias": torch.zeros(5, device="meta")}),
         "meta_save": catch(Checkpointer().save, f"{ckpt}-meta", {"meta_weight": torch.zeros(2, 3, device="meta")}),
+        # safetensors keeps this name for the file's own metadata.
+        "reserved_save": catch(Checkpointer().save, f"{ckpt}-reserved", {"__metadata__": torch.zeros(2)}),
     }
 
 
@@ -204,6 +206,7 @@ def test_state_dict_mismatches(run_distributed, flat_ckpt):
             assert any(s in msg for s in other) and any(s in msg for s in ("float32", "F32")), (rank, msg)
     check_all_raised([r["meta"] for r in results], checkpointer.CheckpointError, "beta_bias", "meta")
     check_all_raised([r["meta_save"] for r in results], checkpointer.CheckpointError, "meta_weight", "meta")
+    check_all_raised([r["reserved_save"] for r in results], checkpointer.CheckpointError, "__metadata__", "reserves")
 
 
 def _model_mismatch(rank, world_size, ckpt):
