@@ -397,24 +397,33 @@ def _unflatten_optim(flat: dict[str, torch.Tensor], where: str) -> dict[str, Any
     return {"state": state, "param_groups": groups}
 
 
-_STEP = re.compile(r"(\d+)")
+_NUMBER = re.compile(r"(\d+)")
+_STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
+
+
+def _step_of(name: str) -> int | None:
+    """The number after ``step`` in the name (``epoch2-step900``), else its last number."""
+    step = _STEP.search(name)
+    numbers = [step.group(1)] if step else _NUMBER.findall(name)
+    return int(numbers[-1]) if numbers else None
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
-    """The newest complete checkpoint among the sub-directories of ``run_dir`` (by the number in the name)."""
+    """The newest complete checkpoint among the sub-directories of ``run_dir``: the highest
+    step (the number after ``step`` in the name, else its last number)."""
     storage = open_storage(run_dir)
     best: tuple[int, str] | None = None
     for name in storage.list():
-        numbers = _STEP.findall(name)
-        if not numbers:
+        step = _step_of(name)
+        if step is None:
             continue
         child = storage.child(name)
         if child.exists(METADATA_FILENAME):
             complete = True
         else:
             complete = all(child.child(part).exists(METADATA_FILENAME) for part in ("model", "optim")) if _is_dir(child) else False
-        if complete and (best is None or int(numbers[-1]) > best[0]):
-            best = (int(numbers[-1]), name)
+        if complete and (best is None or step > best[0]):
+            best = (step, name)
     return None if best is None else f"{str(run_dir).rstrip('/')}/{best[1]}"
 
 

@@ -399,3 +399,14 @@ def test_latest_checkpoint_skips_incomplete_ones(ckpt):
     Checkpointer().save(os.path.join(run, "step50"), rel_helpers.flat_full())
     assert checkpointer.latest_checkpoint(run) == os.path.join(run, "step50")
     assert checkpointer.latest_checkpoint(os.path.join(run, "step300")) is None
+
+
+def test_latest_checkpoint_goes_by_the_step_number(ckpt):
+    """A name with a step and other numbers is ranked by its step, wherever the step sits."""
+    run = ckpt.run_dir
+    for name in ("step1000_epoch3", "epoch2-step900", "step950-rank8"):
+        shutil.copytree(ckpt.top, os.path.join(run, name))
+    shutil.rmtree(ckpt.top)
+    assert checkpointer.latest_checkpoint(run) == os.path.join(run, "step1000_epoch3")
+    shutil.rmtree(os.path.join(run, "step1000_epoch3"))
+    assert checkpointer.latest_checkpoint(run) == os.path.join(run, "step950-rank8")
