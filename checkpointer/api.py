@@ -312,6 +312,10 @@ def _plan_optim_load(
                 f"optimizer param group {i}: the checkpoint holds {saved_names}, the optimizer holds {current}"
             )
         saved["params"] = list(range(index, index + len(current)))
+        for k, v in saved.items():
+            now = group.get(k)
+            if isinstance(now, torch.Tensor) and now.numel() == 1 and type(v) in (int, float):
+                saved[k] = torch.full_like(now, v)  # saved as a number: a tensor hyperparameter stays one
         groups.append(saved)
         for param, name in zip(group["params"], current):
             value = model_state.get(name, param)

@@ -122,3 +122,26 @@ def test_unshard_optim_state(run_distributed, tmp_path, optim_kind):
     assert run_distributed(_load_unsharded_into_plain_optimizer, 1, ckpt, optim_kind, by_name, init_pg=False) == [
         True
     ]
+
+
+def _tensor_lr(rank, world_size, ckpt):
+    """An optimizer whose learning rate is a tensor (as compiled or capturable optimizers use) keeps a
+    tensor after a load, holding the saved value; training then goes on as the saver's would."""
+    model = build_model(world_size)
+    optim = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+    train(model, optim, range(2))
+    optim.param_groups[0]["lr"].fill_(0.003)  # as a scheduler moves it
+    save_model_and_optim_state(ckpt, model, optim)
+    expected = train(model, optim, range(2, 4))
+    again = build_model(world_size, seed=1)
+    again_optim = torch.optim.AdamW(again.parameters(), lr=torch.tensor(0.5))
+    load_model_and_optim_state(ckpt, again, again_optim)
+    lr = again_optim.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(0.003), repr(lr)
+    assert train(again, again_optim, range(2, 4)) == expected
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_tensor_learning_rate_stays_a_tensor(run_distributed, tmp_path, world_size):
+    assert run_distributed(_tensor_lr, world_size, str(tmp_path / "ckpt")) == [True] * world_size
