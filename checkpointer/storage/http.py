@@ -64,8 +64,11 @@ def _transport_errors() -> Iterator[None]:
 
 
 def _finish(resp: Any) -> None:
-    """Hand the connection back when the body was read through; otherwise close it."""
-    if resp.length_remaining:
+    """Hand the connection back when the body was read through; otherwise close it.
+
+    A chunked body has no ``length_remaining`` (None): read up to the bytes asked for, its
+    end is still on the connection unless the response says it is closed."""
+    if resp.length_remaining or (resp.length_remaining is None and not resp.closed):
         resp.close()
     resp.release_conn()
 

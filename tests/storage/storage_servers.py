@@ -265,12 +265,15 @@ class FaultProxy:
 class RangeFileServer:
     """Serves the files under ``root`` over HTTP/1.1 with ``Range`` support (or, if
     ``ranges=False``, ignoring ``Range`` like ``python -m http.server``), optionally behind
-    basic auth and a ``?token=`` query parameter, or redirects everything to ``redirect_to``."""
+    basic auth and a ``?token=`` query parameter, or redirects everything to ``redirect_to``.
+    With ``chunked=True`` bodies are sent with ``Transfer-Encoding: chunked`` (no
+    ``Content-Length``), in chunks of 1000 bytes, as dynamic servers and some proxies do."""
 
     def __init__(self, root: str, *, ranges: bool = True, auth: tuple[str, str] | None = None,
-                 token: str | None = None, redirect_to: str | None = None):
+                 token: str | None = None, redirect_to: str | None = None, chunked: bool = False):
         server = self
         self.root, self.ranges, self.token, self.redirect_to = root, ranges, token, redirect_to
+        self.chunked = chunked
         self.authorization_seen: list[str | None] = []
         self.auth = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode() if auth else None
         self.ranges_seen: list[str | None] = []
@@ -295,6 +298,13 @@ class RangeFileServer:
         h.send_response(status)
         for key, value in headers.items():
             h.send_header(key, value)
+        if self.chunked and not head:
+            h.send_header("Transfer-Encoding", "chunked")
+            h.end_headers()
+            for i in range(0, len(body), 1000):
+                h.wfile.write(b"%x\r\n%s\r\n" % (len(body[i : i + 1000]), body[i : i + 1000]))
+            h.wfile.write(b"0\r\n\r\n")
+            return
         h.send_header("Content-Length", headers.get("X-Length", str(len(body))))
         h.end_headers()
         if not head:

@@ -133,3 +133,20 @@ def test_http_beyond_the_budget(served, file_server, fault_proxy, monkeypatch) -
     assert fault.fired == 3
     assert f"{proxy.url}/ckpt/rank_0.bin?***" in str(err.value)
     assert "GET bytes 0-9" in str(err.value) and "abc" not in str(err.value)
+
+
+def test_http_chunked_responses_leave_no_bytes_on_a_pooled_connection(served, file_server) -> None:
+    """A ranged body without Content-Length (chunked), of which a read takes only the bytes it
+    asked for, leaves the chunked body's end unread: the connection must not go back to the
+    pool with it, or the next request on it reads that as its answer. No retries here: each
+    request must succeed the first time."""
+    root, data = served
+    server = file_server(root, chunked=True)
+    store = HTTPStorage(f"{server.url}/ckpt", max_concurrency=1, retry=RetryPolicy(retries=0))
+    for i in range(4):
+        assert store.read("rank_0.bin", 10 * i, 10 * i + 10) == data[10 * i : 10 * i + 10]
+        out = bytearray(5000)
+        store.read_into("rank_0.bin", [(100_000 + i, memoryview(out))])
+        assert bytes(out) == data[100_000 + i : 105_000 + i]
+        assert store.read("metadata.json") == b'{"ok": true}'
+        assert store.size("rank_0.bin") == len(data)
