@@ -21,7 +21,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Union
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
 from torch import Tensor
@@ -225,9 +225,16 @@ def _open(path: str | os.PathLike[str] | Storage, *, mmap: bool, restrict: bool)
 
 
 def _split_url(url: str) -> tuple[str, str]:
-    parts = urlsplit(url)
-    head, _, name = parts.path.rstrip("/").rpartition("/")
-    return urlunsplit(parts._replace(path=head)), name
+    """``(parent URL, file name)``. An http(s) path is percent-encoded and may carry a query
+    (kept on the parent); the name is decoded, as storages take names. An object store's URL
+    is its key as it is: ``#``, ``?`` and ``%`` are part of the name."""
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() in ("http", "https"):
+        parts = urlsplit(url)
+        head, _, name = parts.path.rstrip("/").rpartition("/")
+        return urlunsplit(parts._replace(path=head)), unquote(name)
+    head, slash, name = rest.rstrip("/").rpartition("/")
+    return (f"{scheme}{sep}{head}", name) if slash else (url, "")
 
 
 def _open_dir(storage: Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyTensor] | None:

@@ -301,3 +301,15 @@ def test_gathered_reads_merges_near_ranges(tmp_path):
     wide.read_into("f", [(o, memoryview(b)) for o, b in zip(offsets, bufs)])
     assert [bytes(b) for b in bufs] == [data[o : o + 10] for o in offsets]
     assert all(n <= 64 for _, _, n in inner.data_reads)  # the span limit holds
+
+
+def test_over_http_a_file_whose_name_is_percent_encoded(http_root):
+    """The URL of a file named ``my model+v2%.safetensors`` is percent-encoded; lazy_load must
+    ask for that file, not for one whose name is the encoded text (encoded twice)."""
+    from urllib.parse import quote
+
+    root, server = http_root
+    w = torch.randn(4, 6)
+    save_file({"w": w}, os.path.join(root, "my model+v2%.safetensors"))
+    got = dict(lazy_load(server.url + "/" + quote("my model+v2%.safetensors")))
+    assert list(got) == ["w"] and torch.equal(got["w"], w)

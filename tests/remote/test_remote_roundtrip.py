@@ -105,3 +105,18 @@ def test_round_trip_4_to_1_and_unshard(backend, run_distributed, capsys):
                           capture_output=True, text=True, env=env_vars, cwd=REPO, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     assert "state.embed.weight.__exp_avg" in json.dumps(json.loads(proc.stdout))
+
+
+def test_lazy_load_of_one_file_whose_key_holds_url_delimiters(backend, tmp_path):
+    """An object key is the URL's path as it is: ``#``, ``?`` and ``%`` are part of the file's
+    name, not a fragment, a query or an escape."""
+    import torch
+    from safetensors.torch import save_file
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    save_file({"w": w}, str(tmp_path / "w.safetensors"))
+    url = backend.url("dir")
+    for name in ("a#1.safetensors", "b?v=2.safetensors", "c%20d.safetensors"):
+        backend.put(url, name, (tmp_path / "w.safetensors").read_bytes())
+        got = dict(lazy_load(f"{url}/{name}"))
+        assert list(got) == ["w"] and torch.equal(got["w"], w), name
