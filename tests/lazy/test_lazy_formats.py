@@ -313,3 +313,16 @@ def test_over_http_a_file_whose_name_is_percent_encoded(http_root):
     save_file({"w": w}, os.path.join(root, "my model+v2%.safetensors"))
     got = dict(lazy_load(server.url + "/" + quote("my model+v2%.safetensors")))
     assert list(got) == ["w"] and torch.equal(got["w"], w)
+
+
+def test_hf_source_over_http_a_file_whose_name_is_percent_encoded(http_root):
+    """``checkpointer convert``'s Hugging Face source takes a file URL the same way."""
+    from urllib.parse import quote
+
+    from checkpointer.interop.hf import HFTensors
+
+    root, server = http_root
+    w = torch.randn(4, 6)
+    save_file({"w": w}, os.path.join(root, "my model+v2%.safetensors"))
+    src = HFTensors(server.url + "/" + quote("my model+v2%.safetensors"))
+    assert [key for key, _, _ in src.entries()] == ["w"] and torch.equal(src.fetch("w"), w)
