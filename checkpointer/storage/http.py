@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import posixpath
+import ssl
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
@@ -52,13 +53,18 @@ def _transport_errors() -> Iterator[None]:
         try:
             yield
         except exc.MaxRetryError as e:  # raised for redirects; unwrap any transport error
-            if isinstance(e.reason, (exc.TimeoutError, exc.ProtocolError, exc.NewConnectionError)):
+            if isinstance(e.reason, (exc.TimeoutError, exc.ProtocolError, exc.NewConnectionError, exc.SSLError)):
                 raise e.reason from None
             raise
     except exc.TimeoutError as e:
         raise TimeoutError(f"{type(e).__name__}: {redact(str(e))}") from None
     except (exc.ProtocolError, exc.NewConnectionError, exc.ProxyError) as e:
         raise ConnectionError(f"{type(e).__name__}: {redact(str(e))}") from None
+    except exc.SSLError as e:
+        # A connection closed or reset during the TLS handshake (or a read) is a dropped
+        # connection, worth retrying; a refused certificate is not.
+        dropped = isinstance(e.args[0] if e.args else None, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError))
+        raise (ConnectionError if dropped else OSError)(f"{type(e).__name__}: {redact(str(e))}") from None
     except exc.HTTPError as e:
         raise OSError(f"{type(e).__name__}: {redact(str(e))}") from None
 

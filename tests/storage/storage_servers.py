@@ -262,15 +262,64 @@ class FaultProxy:
         self._server.server_close()
 
 
+class _TLSServer(_Server):
+    """``_Server`` over TLS, which can drop the next handshakes (read the ClientHello, close)."""
+
+    context = None  # an ssl.SSLContext with the server's certificate
+    connections = 0
+    drop_handshakes = 0
+
+    def get_request(self):
+        sock, addr = self.socket.accept()
+        self.connections += 1
+        if self.drop_handshakes > 0:
+            self.drop_handshakes -= 1
+            sock.recv(4096)
+            sock.close()
+            raise ConnectionAbortedError("handshake dropped by the test server")  # serve_forever goes on
+        return self.context.wrap_socket(sock, server_side=True), addr
+
+
+def self_signed_cert(directory: str) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key (PEM files in ``directory``), trusted by no one."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    with open(cert_file, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_file, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_file, key_file
+
+
 class RangeFileServer:
     """Serves the files under ``root`` over HTTP/1.1 with ``Range`` support (or, if
     ``ranges=False``, ignoring ``Range`` like ``python -m http.server``), optionally behind
     basic auth and a ``?token=`` query parameter, or redirects everything to ``redirect_to``.
     With ``chunked=True`` bodies are sent with ``Transfer-Encoding: chunked`` (no
-    ``Content-Length``), in chunks of 1000 bytes, as dynamic servers and some proxies do."""
+    ``Content-Length``), in chunks of 1000 bytes, as dynamic servers and some proxies do.
+    With ``tls`` (an ``ssl.SSLContext``) it serves https; ``self._server.drop_handshakes`` and
+    ``.connections`` (see ``_TLSServer``) drop handshakes and count connections."""
 
     def __init__(self, root: str, *, ranges: bool = True, auth: tuple[str, str] | None = None,
-                 token: str | None = None, redirect_to: str | None = None, chunked: bool = False):
+                 token: str | None = None, redirect_to: str | None = None, chunked: bool = False,
+                 tls=None):
         server = self
         self.root, self.ranges, self.token, self.redirect_to = root, ranges, token, redirect_to
         self.chunked = chunked
@@ -290,9 +339,10 @@ class RangeFileServer:
             def do_GET(self) -> None:
                 server._serve(self, head=False)
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
+        self._server = (_TLSServer if tls else _Server)(("127.0.0.1", 0), Handler)
+        self._server.context = tls
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._server.server_port}"
 
     def _reply(self, h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], body: bytes, head: bool) -> None:
         h.send_response(status)

@@ -150,3 +150,32 @@ def test_http_chunked_responses_leave_no_bytes_on_a_pooled_connection(served, fi
         assert bytes(out) == data[100_000 + i : 105_000 + i]
         assert store.read("metadata.json") == b'{"ok": true}'
         assert store.size("rank_0.bin") == len(data)
+
+
+def test_https_handshakes_cut_short_are_retried_and_a_refused_certificate_is_not(served, file_server, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """A server (a load balancer) that closes connections during the TLS handshake is a dropped
+    connection, retried like one over plain http; a certificate nobody trusts fails at once."""
+    import ssl
+
+    from storage_servers import self_signed_cert
+
+    root, data = served
+    cert, key = self_signed_cert(str(tmp_path))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = file_server(root, tls=context)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+        HTTPStorage(f"{server.url}/ckpt", retry=FAST).read("metadata.json")
+    assert server._server.connections == 1  # not retried
+
+    monkeypatch.setenv("SSL_CERT_FILE", cert)  # trusted from here on
+    server._server.drop_handshakes = 3
+    store = HTTPStorage(f"{server.url}/ckpt", retry=FAST)
+    assert store.read("metadata.json") == b'{"ok": true}'
+    assert server._server.connections == 1 + 3 + 1
+    server._server.drop_handshakes = 100
+    with pytest.raises(OSError, match="failed after 3 attempts"):
+        HTTPStorage(f"{server.url}/ckpt", retry=RetryPolicy(retries=2, base_delay=0.005, max_delay=0.01)).read("x")
+    assert server._server.connections == 5 + 3
