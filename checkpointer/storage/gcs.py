@@ -29,6 +29,7 @@ from .retry import (
     RetryPolicy,
     bucket_url,
     call_with_retry,
+    certificate_refused,
     fill_range,
     holds,
     is_transient,
@@ -82,7 +83,8 @@ def _transport_errors() -> Iterator[None]:
     except (requests.Timeout, urllib3.exceptions.TimeoutError) as e:
         raise TimeoutError(f"{type(e).__name__}: {redact(str(e))}") from None
     except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError, urllib3.exceptions.ProtocolError) as e:
-        raise ConnectionError(f"{type(e).__name__}: {redact(str(e))}") from None
+        kind = OSError if certificate_refused(e) else ConnectionError  # a refused certificate is not retried
+        raise kind(f"{type(e).__name__}: {redact(str(e))}") from None
     except requests.RequestException as e:
         raise OSError(f"{type(e).__name__}: {redact(str(e))}") from None
 

@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import re
+import ssl
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from .base import ReadRequest, Storage
 
 __all__ = [
     "RetryPolicy", "HTTPStatusError", "RangeTask", "bucket_url", "io_retries",
-    "call_with_retry", "holds", "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
+    "call_with_retry", "certificate_refused", "holds", "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,23 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError))
 
 
+def certificate_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it wraps) is a server certificate that failed verification:
+    client libraries report it as a connection error, but no retry can change it."""
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen or len(seen) > 32:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return True
+        todo.extend([e.__cause__, e.__context__, getattr(e, "reason", None), *e.args,
+                     *(getattr(e, "kwargs", None) or {}).values()])
+    return False
+
+
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@'\"]+@")
 _QUERY = re.compile(r"(?P<url>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s?'\"]*|/[^\s?'\"]*)\?[^\s'\"#)]*")
 
@@ -141,7 +159,7 @@ def call_with_retry(
         try:
             return fn(attempt)
         except Exception as exc:
-            if not transient(exc):
+            if not transient(exc) or certificate_refused(exc):
                 raise
             attempt += 1
             elapsed = time.monotonic() - start

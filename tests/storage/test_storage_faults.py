@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 import tracemalloc
 
@@ -341,3 +342,33 @@ def test_conditional_create_retried_after_a_lost_answer_knows_its_own_file(kind_
     assert lost.fired == 1 and store.read("lock") == b"mine"
     with pytest.raises(FileExistsError):
         store.create_exclusive("lock", b"someone else")
+
+
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_a_refused_certificate_is_not_retried(kind_, tmp_path, file_server, monkeypatch, loopback_env) -> None:
+    """An https endpoint whose certificate nobody trusts (a missing CA bundle for a private
+    MinIO, say): the client libraries call it a connection error, but retrying cannot help,
+    and 8 retries with backoff cost about 40 s per call. Each call fails at its first attempt
+    (google's client may reconnect once on its own, hence at most 2 connections a call)."""
+    import ssl
+
+    from storage_servers import self_signed_cert
+
+    cert, key = self_signed_cert(str(tmp_path))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = file_server(str(tmp_path), tls=context)
+    if kind_ == "s3":
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.url)
+        store: Storage = S3Storage(f"s3://{S3_BUCKET}/{unique()}", retry=FAST)
+    else:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+        store = GCSStorage(f"gs://{GCS_BUCKET}/{unique()}", retry=FAST)
+    calls = [lambda: store.read("f"), lambda: store.exists("f"), lambda: store.write("f", b"data"),
+             lambda: store.read_into("f", [(0, memoryview(bytearray(4)))])]
+    for call in calls:
+        with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED") as err:
+            call()
+        assert "attempts" not in str(err.value)  # not "failed after 9 attempts"
+    time.sleep(0.2)  # the server counts a connection when it accepts it
+    assert 0 < server._server.connections <= 2 * len(calls)
