@@ -35,6 +35,7 @@ from .retry import (
     is_transient,
     plan_ranges,
     redact,
+    redact_transport_logs,
     run_parallel,
     transient_status,
 )
@@ -143,6 +144,7 @@ class GCSStorage(Storage):
                 raise OSError(f"no Google credentials for {self.url}: run `gcloud auth application-default login` "
                               "or set GOOGLE_APPLICATION_CREDENTIALS (or STORAGE_EMULATOR_HOST for an emulator)") from e
         self._client = client
+        redact_transport_logs()  # session URIs are in urllib3's debug lines
 
     # The authorized requests session the client itself uses (google-cloud-storage's
     # transfer_manager uses it the same way); it refreshes credentials on its own.

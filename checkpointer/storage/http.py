@@ -28,6 +28,7 @@ from .retry import (
     is_transient,
     plan_ranges,
     redact,
+    redact_transport_logs,
     run_parallel,
 )
 
@@ -124,6 +125,7 @@ class HTTPStorage(Storage):
         self.max_concurrency = max(1, max_concurrency)
         self.retry = retry or RetryPolicy()
         self.timeout = timeout
+        redact_transport_logs()  # the root's query (a token) is in urllib3's debug lines
         urllib3 = _urllib3()
         # Redirects are followed (credentials are dropped on a change of host); transport
         # errors are raised as they are, for call_with_retry to judge.

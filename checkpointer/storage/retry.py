@@ -33,6 +33,7 @@ from .base import ReadRequest, Storage
 __all__ = [
     "RetryPolicy", "HTTPStatusError", "RangeTask", "bucket_url", "io_retries",
     "call_with_retry", "certificate_refused", "holds", "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
+    "redact_transport_logs",
 ]
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,26 @@ def redact(text: str) -> str:
     """``text`` with URL user-info and query strings replaced by ``***``."""
     text = _USERINFO.sub(r"\g<scheme>***@", text)
     return _QUERY.sub(r"\g<url>?***", text)
+
+
+class _RedactingFilter(logging.Filter):
+    """Redacts a record's message (see :func:`redact`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        return True
+
+
+def redact_transport_logs() -> None:
+    """urllib3 logs every request's path and query at DEBUG: a GCS upload session's id (a
+    bearer credential), an http(s) root's token. Redact that logger's records (in this
+    process, for every user of urllib3: its debug lines then show queries as ``***``)."""
+    logger = logging.getLogger("urllib3.connectionpool")
+    if not any(isinstance(f, _RedactingFilter) for f in logger.filters):
+        logger.addFilter(_RedactingFilter())
 
 
 def call_with_retry(

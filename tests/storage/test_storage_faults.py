@@ -372,3 +372,14 @@ def test_a_refused_certificate_is_not_retried(kind_, tmp_path, file_server, monk
         assert "attempts" not in str(err.value)  # not "failed after 9 attempts"
     time.sleep(0.2)  # the server counts a connection when it accepts it
     assert 0 < server._server.connections <= 2 * len(calls)
+
+
+def test_gcs_session_uri_never_appears_in_debug_logs(gcs_env, caplog) -> None:
+    """urllib3 logs each request's path and query at DEBUG: a resumable upload's chunk PUTs
+    carry the session's id, a bearer credential."""
+    store = GCSStorage(f"gs://{GCS_BUCKET}/{unique()}", part_size=GCS_CHUNK, retry=FAST, parallel_upload=False)
+    caplog.set_level(logging.DEBUG)
+    store.write("f", os.urandom(3 * GCS_CHUNK + 1))
+    puts = [r.getMessage() for r in caplog.records if '"PUT /upload/' in r.getMessage()]
+    assert len(puts) >= 4  # the chunks were logged...
+    assert "upload_id" not in caplog.text  # ...without the session

@@ -179,3 +179,15 @@ def test_https_handshakes_cut_short_are_retried_and_a_refused_certificate_is_not
     with pytest.raises(OSError, match="failed after 3 attempts"):
         HTTPStorage(f"{server.url}/ckpt", retry=RetryPolicy(retries=2, base_delay=0.005, max_delay=0.01)).read("x")
     assert server._server.connections == 5 + 3
+
+
+def test_http_token_never_appears_in_debug_logs(served, file_server, caplog) -> None:
+    import logging
+
+    root, data = served
+    server = file_server(root, token="s3cr3t")
+    store = HTTPStorage(f"{server.url}/ckpt?token=s3cr3t", retry=FAST)
+    caplog.set_level(logging.DEBUG)
+    assert store.read("metadata.json") == b'{"ok": true}'
+    assert any('"GET /ckpt/metadata.json?***' in r.getMessage() for r in caplog.records)  # logged, redacted
+    assert "s3cr3t" not in caplog.text
