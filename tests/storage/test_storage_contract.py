@@ -256,3 +256,10 @@ def test_memory_instances_are_separate() -> None:
     a.write("x", b"1")
     assert not b.exists("x")
     assert a.child("sub").url == "memory://sub"
+
+
+@pytest.mark.parametrize("url", ["htps://alice:tok3n@host/ckpt", "ftp://host/ckpt?sig=tok3n"])
+def test_unsupported_url_error_shows_no_credentials(url) -> None:
+    with pytest.raises(ValueError, match="unsupported storage URL") as err:
+        open_storage(url)
+    assert "tok3n" not in str(err.value) and "host/ckpt" in str(err.value)
