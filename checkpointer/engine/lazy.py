@@ -43,7 +43,7 @@ from .lazy_sources import (
 from .load import read_metadata
 from .reshard import tp_bounds
 
-__all__ = ["lazy_load", "StateDictConverter"]
+__all__ = ["lazy_load", "StateDictConverter", "split_url"]
 
 StateDictConverter = Callable[
     [str, Tensor], Union[tuple[str, Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], None]
@@ -207,7 +207,7 @@ def _open(path: str | os.PathLike[str] | Storage, *, mmap: bool, restrict: bool)
             return _open_file(LocalStorage(os.path.dirname(real)), os.path.basename(real), url, mmap=mmap, restrict=restrict)
         raise FileNotFoundError(f"no checkpoint at {url}: the path does not exist")
     remote: Storage = GatheredReads(open_storage(url))
-    parent, name = _split_url(url)
+    parent, name = split_url(url)
     looks_like_file = name.lower().endswith(_FILE_SUFFIXES)
     if not looks_like_file:
         found = _open_dir(remote, mmap=mmap, restrict=restrict)
@@ -224,7 +224,7 @@ def _open(path: str | os.PathLike[str] | Storage, *, mmap: bool, restrict: bool)
     raise CorruptCheckpointError(f"{url}: no checkpoint found (neither a checkpoint directory nor a checkpoint file)")
 
 
-def _split_url(url: str) -> tuple[str, str]:
+def split_url(url: str) -> tuple[str, str]:
     """``(parent URL, file name)``. An http(s) path is percent-encoded and may carry a query
     (kept on the parent); the name is decoded, as storages take names. An object store's URL
     is its key as it is: ``#``, ``?`` and ``%`` are part of the name."""

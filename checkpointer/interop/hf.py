@@ -13,7 +13,7 @@ import torch
 
 from ..buffers import memoryview_of
 from ..engine.export import INDEX_NAME, split_output
-from ..engine.lazy import _split_url
+from ..engine.lazy import split_url
 from ..engine.rankfile import HeaderCache
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
@@ -50,7 +50,7 @@ class HFTensors:
 
     def __init__(self, url: str | Storage):
         if isinstance(url, str) and url.endswith(".safetensors"):
-            parent, name = _split_url(url) if "://" in url else split_output(url)  # a URL's name is decoded
+            parent, name = split_url(url) if "://" in url else split_output(url)  # a URL's name is decoded
             self.storage = open_storage(parent)
             files = [name]
             self._index = None
