@@ -410,3 +410,14 @@ def test_latest_checkpoint_goes_by_the_step_number(ckpt):
     assert checkpointer.latest_checkpoint(run) == os.path.join(run, "step1000_epoch3")
     shutil.rmtree(os.path.join(run, "step1000_epoch3"))
     assert checkpointer.latest_checkpoint(run) == os.path.join(run, "step950-rank8")
+
+
+def test_a_refused_top_level_save_writes_neither_part(ckpt):
+    """model/ without its metadata (and no lock) beside a complete optim/: a save without
+    save_overwrite is refused before model/ is written, so no new model lands beside the old
+    optimizer state."""
+    os.remove(os.path.join(ckpt.top, "model", "metadata.json"))
+    model, optim = job_state()
+    with pytest.raises(FileExistsError, match="optim"):
+        checkpointer.save_model_and_optim_state(ckpt.top, model, optim)
+    assert not os.path.exists(os.path.join(ckpt.top, "model", "metadata.json")), "the refused save wrote model/"
