@@ -11,15 +11,19 @@ A :class:`S3Writer` streams into a multipart upload, parts uploaded in parallel 
 the caller's memory when it writes with ``write_stable``), CRC32 declared as boto3's
 ``upload_file`` does; a file smaller than one part is a single PUT. Nothing is visible
 before ``commit``. :meth:`S3Storage.create_exclusive` (the save lock) is a conditional PUT.
+A multipart upload whose creation had to be retried may have been created twice (the answer
+to the first was lost): the other one is aborted (:meth:`S3Writer._abort_orphans`).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import binascii
+import datetime
+import functools
 import hashlib
 import logging
+import os
+import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from .base import ReadRequest, Storage, check_name
@@ -46,6 +50,7 @@ T = TypeVar("T")
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # parts double in size every quarter of this: 16 MiB parts reach 586 GiB
+CLOCK_SKEW_S = 300.0  # how far the store's clock may be behind ours, when judging its upload times
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
              "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
@@ -304,9 +309,40 @@ class S3Writer(PartWriter):
         self._extra = storage._checksum_args()
 
     def _begin(self) -> None:
-        resp = self._s.call("CreateMultipartUpload", self._name, lambda _: self._s._client.create_multipart_upload(
-            Bucket=self._s.bucket, Key=self._key, **self._extra))
+        started = time.time()
+        attempts: list[int] = []
+
+        def create(attempt: int) -> dict[str, Any]:
+            attempts.append(attempt)
+            return self._s._client.create_multipart_upload(Bucket=self._s.bucket, Key=self._key, **self._extra)
+
+        resp = self._s.call("CreateMultipartUpload", self._name, create)
         self._upload_id = resp["UploadId"]
+        if len(attempts) > 1:
+            self._abort_orphans(since=started - CLOCK_SKEW_S)
+
+    def _abort_orphans(self, since: float) -> None:
+        """Abort the other uploads of this key initiated since ``since`` (a time.time()).
+
+        A failed create may have been carried out with its answer lost; the retry then created
+        a second upload and the first, empty, would cost storage until a lifecycle rule removes
+        it. Only uploads of exactly this key started since the create began (less the clock skew
+        allowed) are taken for such orphans: the save lock keeps other jobs off the key, and
+        older uploads are left alone.
+        """
+        oldest = datetime.datetime.fromtimestamp(since, tz=datetime.timezone.utc)
+
+        def listing(_: int) -> list[str]:
+            paginator = self._s._client.get_paginator("list_multipart_uploads")
+            return [u["UploadId"] for page in paginator.paginate(Bucket=self._s.bucket, Prefix=self._key)
+                    for u in page.get("Uploads", ())
+                    if u["Key"] == self._key and u["UploadId"] != self._upload_id and u["Initiated"] >= oldest]
+
+        try:
+            for upload_id in self._s.call("ListMultipartUploads", self._name, listing):
+                self._abort_upload(upload_id)
+        except OSError as e:
+            log.warning("could not look for an upload of %s left by a retried create: %s", self.url, e)
 
     def _upload(self, number: int, offset: int, part: Part, total: int | None) -> None:
         resp = self._s.call(f"PUT part {number}", self._name, lambda _: self._s._client.upload_part(
@@ -365,14 +401,17 @@ class S3Writer(PartWriter):
     def abort(self) -> None:
         self._close()
         upload_id, self._upload_id = self._upload_id, None
-        if upload_id is None:
-            return
+        if upload_id is not None:
+            self._abort_upload(upload_id)
+
+    def _abort_upload(self, upload_id: str) -> None:
         try:
             self._s.call("AbortMultipartUpload", self._name, lambda _: self._s._client.abort_multipart_upload(
                 Bucket=self._s.bucket, Key=self._key, UploadId=upload_id))
         except FileNotFoundError:
             pass
         except OSError as e:
-            # Raising here would hide the error that made the caller abort; an incomplete
-            # upload is invisible and a bucket lifecycle rule removes it.
+            # Raising here would hide the error that made the caller abort (or fail a save
+            # that succeeded); an incomplete upload is invisible and a bucket lifecycle rule
+            # removes it.
             log.warning("could not abort the multipart upload of %s: %s", self.url, e)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import http.client
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -126,18 +128,25 @@ class FaultProxy:
     are: requests with ``If-None-Match`` (S3) or ``ifGenerationMatch`` (GCS) pass one at a
     time (moto checks and then stores in two steps, on many threads), and ``ifGenerationMatch=0``,
     which gcp-storage-emulator ignores, is answered 412 when the object exists.
+
+    With ``upload_times=True`` S3 multipart uploads are listed with the time they were created,
+    as S3 lists them: moto lists every upload as initiated at 2010-11-10T20:48:33Z. The proxy
+    notes when each upload created through it was created (also when the answer is then
+    lost); uploads created past it keep moto's date.
     """
 
     upstream: str
     faults: list[Fault] = field(default_factory=list)
     seen: list[Seen] = field(default_factory=list)
     conditional: bool = False
+    upload_times: bool = False
 
     def __post_init__(self) -> None:
         parsed = urllib.parse.urlsplit(self.upstream)
         self._up = (parsed.hostname, parsed.port)
         self._lock = threading.Lock()
         self._conditional_lock = threading.Lock()
+        self._initiated: dict[bytes, bytes] = {}
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -211,6 +220,8 @@ class FaultProxy:
                 data = b'{"error": {"code": 412, "message": "At least one of the pre-conditions did not hold."}}'
             else:
                 status, reason, headers, data = self._forward(h.command, h.path, h.headers.items(), body)
+        if self.upload_times and status == 200:
+            data = self._upload_times(h.command, h.path, data)
         if mode == "lost":
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
@@ -247,6 +258,29 @@ class FaultProxy:
             return resp.status, resp.reason, resp.getheaders(), resp.read()
         finally:
             conn.close()
+
+    def _upload_times(self, method: str, path: str, data: bytes) -> bytes:
+        """Note when CreateMultipartUpload (``POST ...?uploads``) created an upload; put that time
+        in ListMultipartUploads (``GET /bucket?uploads``) answers."""
+        if "uploads" not in urllib.parse.parse_qs(urllib.parse.urlsplit(path).query, keep_blank_values=True):
+            return data
+        if method == "POST":
+            upload_id = re.search(rb"<UploadId>([^<]+)</UploadId>", data)
+            if upload_id:
+                now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+                with self._lock:
+                    self._initiated[upload_id.group(1)] = now.encode()
+            return data
+
+        def stamp(upload: re.Match) -> bytes:
+            upload_id = re.search(rb"<UploadId>([^<]+)</UploadId>", upload.group(0))
+            with self._lock:
+                when = self._initiated.get(upload_id.group(1)) if upload_id else None
+            if when is None:
+                return upload.group(0)
+            return re.sub(rb"<Initiated>[^<]*</Initiated>", b"<Initiated>" + when + b"</Initiated>", upload.group(0))
+
+        return re.sub(rb"<Upload>.*?</Upload>", stamp, data, flags=re.S)
 
     def _gcs_object_exists(self, path: str) -> bool:
         """Whether the object a JSON-API upload (``/upload/storage/v1/b/B/o?name=N``) names exists."""

@@ -214,6 +214,30 @@ def test_s3_multipart_and_abort_as_seen_by_the_server(s3_env, s3_client) -> None
     assert not s3_client.list_multipart_uploads(Bucket=S3_BUCKET, Prefix=store.prefix).get("Uploads")
 
 
+def test_s3_upload_created_twice_after_a_lost_answer_leaves_no_orphan(moto_endpoint, s3_env, s3_client,
+                                                                        fault_proxy, monkeypatch) -> None:
+    """CreateMultipartUpload is carried out but its answer is lost: the retry creates a second
+    upload, and the first, empty, is aborted once the second exists. Uploads of other keys
+    under the same prefix, and older uploads of the same key, are left alone. (The proxy lists
+    the uploads created through it with their creation time, see ``FaultProxy.upload_times``;
+    moto lists every upload as created in 2010.)"""
+    proxy = fault_proxy(moto_endpoint, upload_times=True)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    store = S3Storage(f"s3://{S3_BUCKET}/{unique()}", part_size=MIN_PART, retry=FAST)
+    key = f"{store.prefix}/f"
+    old = s3_client.create_multipart_upload(Bucket=S3_BUCKET, Key=key)["UploadId"]  # from 2010, as listed
+    neighbour = store._client.create_multipart_upload(Bucket=S3_BUCKET, Key=f"{key}x")["UploadId"]  # just now
+    lost = proxy.fail(1, "lost", method="POST", path="?uploads")
+    data = os.urandom(2 * MIN_PART + 1)
+    store.write("f", data)
+    assert lost.fired == 1
+    assert store.read("f") == data
+    creates = [s for s in proxy.seen if s.method == "POST" and s.path.endswith("?uploads")]
+    assert len(creates) == 3  # the neighbour's, the lost one, its retry
+    left = s3_client.list_multipart_uploads(Bucket=S3_BUCKET, Prefix=store.prefix).get("Uploads", [])
+    assert sorted(u["UploadId"] for u in left) == sorted([old, neighbour])
+
+
 @pytest.mark.parametrize("kind_", ["s3", "gcs", "gcs-resumable"])
 def test_writer_memory_stays_bounded(kind_, request) -> None:
     """Many small buffers go through at most (in-flight + 1) part buffers, never a whole copy."""
