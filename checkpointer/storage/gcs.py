@@ -27,9 +27,12 @@ from .retry import (
     HTTPStatusError,
     RangeTask,
     RetryPolicy,
+    StreamEnded,
     bucket_url,
     call_with_retry,
     certificate_refused,
+    ended_as_sent,
+    ends_before,
     fill_range,
     holds,
     is_transient,
@@ -263,15 +266,23 @@ class GCSStorage(Storage):
             headers = {"Range": f"bytes={first}-{task.end - 1}", "Accept-Encoding": "identity"}
             resp = self.request("GET", url, ok=(200, 206, 416), headers=headers, stream=True)
             with resp:
-                length = int(resp.headers.get("Content-Length", -1))
-                if resp.status_code == 416 or 0 <= length < task.end - first:
-                    raise OSError(f"{self.join(name)} ends before byte {task.end}: the file is truncated")
+                length, content_range = resp.headers.get("Content-Length"), resp.headers.get("Content-Range")
+                if resp.status_code == 416 or ends_before(task.end, first, resp.status_code, length, content_range):
+                    raise self._truncated(name, task.end)
                 if resp.status_code == 200 and first:
                     raise OSError(f"the server ignored the Range header of a read of {self.join(name)}")
                 with _transport_errors():
-                    fill_range(task, resp.raw)
+                    try:
+                        fill_range(task, resp.raw)
+                    except StreamEnded:
+                        if ended_as_sent(bool(resp.raw.chunked), content_range):
+                            raise self._truncated(name, task.end) from None
+                        raise
 
         self.call(f"GET bytes {task.start}-{task.end - 1}", name, attempt)
+
+    def _truncated(self, name: str, end: int) -> OSError:
+        return OSError(f"{self.join(name)} ends before byte {end}: the file is truncated")
 
     def write(self, name: str, data: bytes) -> None:
         with self.open_writer(name) as writer:

@@ -23,7 +23,10 @@ from .retry import (
     HTTPStatusError,
     RangeTask,
     RetryPolicy,
+    StreamEnded,
     call_with_retry,
+    ended_as_sent,
+    ends_before,
     fill_range,
     is_transient,
     plan_ranges,
@@ -228,16 +231,24 @@ class HTTPStorage(Storage):
             first = task.start + task.done
             stream, resp = self._get(name, first, task.end)
             try:
-                length = resp.headers.get("Content-Length")
-                expected = task.end - first if resp.status != 200 else task.end
-                if resp.status == 416 or (length is not None and int(length) < expected):
-                    raise OSError(f"{self.join(name)} ends before byte {task.end}: the file is truncated")
+                headers = resp.headers
+                if resp.status == 416 or ends_before(task.end, first, resp.status, headers.get("Content-Length"),
+                                                     headers.get("Content-Range")):
+                    raise self._truncated(name, task.end)
                 with _transport_errors():
-                    fill_range(task, stream)
+                    try:
+                        fill_range(task, stream)
+                    except StreamEnded:
+                        if ended_as_sent(bool(resp.chunked), headers.get("Content-Range")):
+                            raise self._truncated(name, task.end) from None
+                        raise
             finally:
                 _finish(resp)
 
         self.call(f"GET bytes {task.start}-{task.end - 1}", name, attempt)
+
+    def _truncated(self, name: str, end: int) -> OSError:
+        return OSError(f"{self.join(name)} ends before byte {end}: the file is truncated")
 
     def _read_only(self, op: str) -> io.UnsupportedOperation:
         return io.UnsupportedOperation(f"{op} {self.url}: http(s) storage is read-only; save to a path, s3:// or gs://")

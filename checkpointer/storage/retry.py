@@ -8,7 +8,8 @@ Stdlib only; each backend says which of its vendor errors are transient.
 * :func:`plan_ranges` turns ``(offset, buffer)`` requests into ranged requests: adjacent
   requests coalesced, large ones split; :func:`fill_range` streams one range straight into
   its buffers and resumes where it stopped when retried; :func:`run_parallel` runs them on a
-  bounded thread pool.
+  bounded thread pool; :func:`ends_before` and :func:`ended_as_sent` tell a file shorter than
+  the range asked for (fail at once) from a dropped connection (retry).
 * :func:`holds` tells a conditional create's own file from someone else's after a lost answer.
 
 The upload side (parts uploaded on a bounded pool) is in :mod:`~checkpointer.storage.parts`.
@@ -31,8 +32,9 @@ from typing import Callable, Iterable, Protocol, Sequence, TypeVar
 from .base import ReadRequest, Storage
 
 __all__ = [
-    "RetryPolicy", "HTTPStatusError", "RangeTask", "bucket_url", "io_retries",
-    "call_with_retry", "certificate_refused", "holds", "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
+    "RetryPolicy", "HTTPStatusError", "RangeTask", "StreamEnded", "bucket_url", "io_retries",
+    "call_with_retry", "certificate_refused", "content_range_total", "ended_as_sent", "ends_before", "holds",
+    "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
     "redact_transport_logs",
 ]
 
@@ -265,6 +267,37 @@ def plan_ranges(requests: Sequence[ReadRequest], max_range: int) -> list[RangeTa
     return tasks
 
 
+class StreamEnded(ConnectionError):
+    """A response body ended, with no transport error, before the bytes asked for.
+
+    Transient as a rule (a connection closed early); a backend whose response framing shows
+    the body was complete takes it for a file shorter than asked for instead."""
+
+
+def content_range_total(header: str | None) -> int | None:
+    """The file size in ``Content-Range: bytes a-b/total`` (or ``bytes */total``); None when absent or ``*``."""
+    total = (header or "").rpartition("/")[2].strip()
+    return int(total) if total.isdigit() else None
+
+
+def ends_before(end: int, first: int, status: int, content_length: str | int | None,
+                content_range: str | None) -> bool:
+    """Whether the answer to a GET from byte ``first`` shows the file ending before ``end``: a
+    200's Content-Length is the file's size, a 206's counts from ``first``, and a 206's
+    Content-Range gives the size."""
+    if content_length is not None and int(content_length) < (end if status == 200 else end - first):
+        return True
+    total = content_range_total(content_range) if status == 206 else None
+    return total is not None and total < end
+
+
+def ended_as_sent(chunked: bool, content_range: str | None) -> bool:
+    """Whether a body that ended early (:class:`StreamEnded`) is all the server meant to send:
+    the last chunk of a chunked body arrived (a connection cut mid-body is a transport error
+    instead) and no Content-Range promised more of the file."""
+    return chunked and content_range_total(content_range) is None
+
+
 class _Readable(Protocol):
     def readinto(self, b: memoryview, /) -> int | None: ...
 
@@ -276,7 +309,7 @@ def fill_range(task: RangeTask, stream: _Readable, block: int = READ_BLOCK) -> N
     caller that retries after a failure opens a stream at the new position.
 
     Raises:
-        ConnectionError: the stream ended early (transient: a dropped connection).
+        StreamEnded: the stream ended early (a ``ConnectionError``, transient: a dropped connection).
     """
     skip = task.done
     for buf in task.buffers:
@@ -287,7 +320,7 @@ def fill_range(task: RangeTask, stream: _Readable, block: int = READ_BLOCK) -> N
         while pos < len(buf):
             n = stream.readinto(buf[pos : min(len(buf), pos + block)])
             if not n:
-                raise ConnectionError(
+                raise StreamEnded(
                     f"response ended at byte {task.start + task.done} of range {task.start}-{task.end - 1}"
                 )
             pos += n

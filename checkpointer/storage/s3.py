@@ -33,6 +33,7 @@ from .retry import (
     RetryPolicy,
     bucket_url,
     call_with_retry,
+    ends_before,
     fill_range,
     holds,
     is_transient,
@@ -251,7 +252,8 @@ class S3Storage(Storage):
                     raise
                 raise OSError(f"{self.join(name)} ends before byte {first}: the file is truncated") from e
             with resp["Body"] as body:
-                if int(resp["ContentLength"]) < task.end - first:
+                status = int(resp["ResponseMetadata"]["HTTPStatusCode"])
+                if ends_before(task.end, first, status, resp.get("ContentLength"), resp.get("ContentRange")):
                     raise OSError(f"{self.join(name)} ends before byte {task.end}: the file is truncated")
                 fill_range(task, body)
 

@@ -133,6 +133,9 @@ class FaultProxy:
     as S3 lists them: moto lists every upload as initiated at 2010-11-10T20:48:33Z. The proxy
     notes when each upload created through it was created (also when the answer is then
     lost); uploads created past it keep moto's date.
+
+    With ``chunked_gets=True`` answers to GETs are sent chunked, without Content-Length, as
+    some gateways and S3-compatible stores send them.
     """
 
     upstream: str
@@ -140,6 +143,7 @@ class FaultProxy:
     seen: list[Seen] = field(default_factory=list)
     conditional: bool = False
     upload_times: bool = False
+    chunked_gets: bool = False
 
     def __post_init__(self) -> None:
         parsed = urllib.parse.urlsplit(self.upstream)
@@ -233,6 +237,11 @@ class FaultProxy:
                 length = value
             elif key.lower() not in HOP_BY_HOP and key.lower() not in ("server", "date"):
                 h.send_header(key, value)
+        if self.chunked_gets and h.command == "GET" and mode is None:
+            h.send_header("Transfer-Encoding", "chunked")
+            h.end_headers()
+            h.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n")
+            return
         h.send_header("Content-Length", length if h.command == "HEAD" and length else str(len(data)))
         h.end_headers()
         if mode == "truncate":
@@ -349,7 +358,9 @@ class RangeFileServer:
     With ``chunked=True`` bodies are sent with ``Transfer-Encoding: chunked`` (no
     ``Content-Length``), in chunks of 1000 bytes, as dynamic servers and some proxies do.
     With ``tls`` (an ``ssl.SSLContext``) it serves https; ``self._server.drop_handshakes`` and
-    ``.connections`` (see ``_TLSServer``) drop handshakes and count connections."""
+    ``.connections`` (see ``_TLSServer``) drop handshakes and count connections. Setting
+    ``cut_bodies`` cuts that many of the next bodies halfway: the connection closes (a chunked
+    body's last chunk never comes)."""
 
     def __init__(self, root: str, *, ranges: bool = True, auth: tuple[str, str] | None = None,
                  token: str | None = None, redirect_to: str | None = None, chunked: bool = False,
@@ -357,6 +368,7 @@ class RangeFileServer:
         server = self
         self.root, self.ranges, self.token, self.redirect_to = root, ranges, token, redirect_to
         self.chunked = chunked
+        self.cut_bodies = 0
         self.authorization_seen: list[str | None] = []
         self.auth = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode() if auth else None
         self.ranges_seen: list[str | None] = []
@@ -382,17 +394,25 @@ class RangeFileServer:
         h.send_response(status)
         for key, value in headers.items():
             h.send_header(key, value)
+        cut = self.cut_bodies > 0 and not head
+        if cut:
+            self.cut_bodies -= 1
         if self.chunked and not head:
             h.send_header("Transfer-Encoding", "chunked")
             h.end_headers()
-            for i in range(0, len(body), 1000):
+            for i in range(0, len(body) // 2 if cut else len(body), 1000):
                 h.wfile.write(b"%x\r\n%s\r\n" % (len(body[i : i + 1000]), body[i : i + 1000]))
-            h.wfile.write(b"0\r\n\r\n")
-            return
-        h.send_header("Content-Length", headers.get("X-Length", str(len(body))))
-        h.end_headers()
-        if not head:
-            h.wfile.write(body)
+            if not cut:
+                h.wfile.write(b"0\r\n\r\n")
+        else:
+            h.send_header("Content-Length", headers.get("X-Length", str(len(body))))
+            h.end_headers()
+            if not head:
+                h.wfile.write(body[: len(body) // 2] if cut else body)
+        if cut:
+            h.wfile.flush()
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
 
     def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         parts = urllib.parse.urlsplit(h.path)

@@ -21,14 +21,15 @@ from storage_servers import FAST, GCS_BUCKET, S3_BUCKET, SECRET_KEY, FaultProxy,
 GCS_CHUNK = 256 * 1024
 
 
-def make_remote(kind: str, request, fault_proxy, monkeypatch, **kw) -> tuple[Storage, FaultProxy]:
+def make_remote(kind: str, request, fault_proxy, monkeypatch, *, proxy_options: dict | None = None,
+                **kw) -> tuple[Storage, FaultProxy]:
     """A storage whose endpoint (from the standard setting) is a fault proxy in front of the emulator."""
     if kind == "s3":
-        proxy = fault_proxy(request.getfixturevalue("moto_endpoint"))
+        proxy = fault_proxy(request.getfixturevalue("moto_endpoint"), **(proxy_options or {}))
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
         kw.setdefault("part_size", MIN_PART)
         return S3Storage(f"s3://{S3_BUCKET}/{unique()}", **kw), proxy
-    proxy = fault_proxy(request.getfixturevalue("gcs_endpoint"))
+    proxy = fault_proxy(request.getfixturevalue("gcs_endpoint"), **(proxy_options or {}))
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
     kw.setdefault("part_size", GCS_CHUNK)
     kw.setdefault("parallel_upload", kind != "gcs-resumable")
@@ -92,6 +93,26 @@ def test_a_truncated_body_resumes_from_where_it_stopped(kind, request, fault_pro
     assert first == f"bytes=100-{100 + size - 1}"
     resumed = int(retry.removeprefix("bytes=").split("-")[0])
     assert 100 < resumed <= 100 + size // 2 and retry.endswith(f"-{100 + size - 1}")  # only what was missing
+
+
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_a_read_past_the_end_through_chunked_answers_fails_at_once(kind_, request, fault_proxy, monkeypatch,
+                                                                  loopback_env) -> None:
+    """GETs answered chunked, without Content-Length (a gateway in front of the store): a ranged
+    read past the end of a file gets a 206 whose Content-Range gives the file's size. That is
+    a truncated file, raised at the first answer, not a dropped connection retried."""
+    store, proxy = make_remote(kind_, request, fault_proxy, monkeypatch, proxy_options={"chunked_gets": True},
+                               retry=FAST)
+    data = os.urandom(10_000)
+    store.write("f", data)
+    out = bytearray(5000)
+    store.read_into("f", [(1000, memoryview(out))])
+    assert bytes(out) == data[1000:6000]
+    proxy.clear()
+    with pytest.raises(OSError, match="the file is truncated") as err:
+        store.read_into("f", [(9000, memoryview(bytearray(2000)))])
+    assert f"{store.join('f')} ends before byte 11000" in str(err.value)
+    assert [s.method for s in proxy.seen] == ["GET"]
 
 
 def test_read_into_asks_only_for_the_requested_ranges(remote) -> None:
@@ -214,16 +235,15 @@ def test_s3_multipart_and_abort_as_seen_by_the_server(s3_env, s3_client) -> None
     assert not s3_client.list_multipart_uploads(Bucket=S3_BUCKET, Prefix=store.prefix).get("Uploads")
 
 
-def test_s3_upload_created_twice_after_a_lost_answer_leaves_no_orphan(moto_endpoint, s3_env, s3_client,
-                                                                        fault_proxy, monkeypatch) -> None:
+def test_s3_upload_created_twice_after_a_lost_answer_leaves_no_orphan(request, s3_client, fault_proxy,
+                                                                        monkeypatch) -> None:
     """CreateMultipartUpload is carried out but its answer is lost: the retry creates a second
     upload, and the first, empty, is aborted once the second exists. Uploads of other keys
     under the same prefix, and older uploads of the same key, are left alone. (The proxy lists
     the uploads created through it with their creation time, see ``FaultProxy.upload_times``;
     moto lists every upload as created in 2010.)"""
-    proxy = fault_proxy(moto_endpoint, upload_times=True)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
-    store = S3Storage(f"s3://{S3_BUCKET}/{unique()}", part_size=MIN_PART, retry=FAST)
+    store, proxy = make_remote("s3", request, fault_proxy, monkeypatch, proxy_options={"upload_times": True},
+                               retry=FAST)
     key = f"{store.prefix}/f"
     old = s3_client.create_multipart_upload(Bucket=S3_BUCKET, Key=key)["UploadId"]  # from 2010, as listed
     neighbour = store._client.create_multipart_upload(Bucket=S3_BUCKET, Key=f"{key}x")["UploadId"]  # just now

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 
 import pytest
 
@@ -150,6 +151,40 @@ def test_http_chunked_responses_leave_no_bytes_on_a_pooled_connection(served, fi
         assert bytes(out) == data[100_000 + i : 105_000 + i]
         assert store.read("metadata.json") == b'{"ok": true}'
         assert store.size("rank_0.bin") == len(data)
+
+
+@pytest.mark.parametrize("ranges", [True, False], ids=["206", "200-whole-file"])
+def test_http_short_chunked_answer_fails_at_once_as_a_truncated_file(served, file_server, monkeypatch,
+                                                                     ranges) -> None:
+    """A read past the end of a file, from a server that sends bodies chunked (no Content-Length):
+    a 206 whose Content-Range gives the file's size, or (Range ignored) a 200 of the whole file
+    whose last chunk arrived. The file is short, the connection is fine: the read fails at the
+    first answer, not after CHECKPOINTER_IO_RETRIES retries with backoff (about 40 s)."""
+    monkeypatch.delenv("CHECKPOINTER_IO_RETRIES", raising=False)
+    root, data = served
+    server = file_server(root, chunked=True, ranges=ranges)
+    store = HTTPStorage(f"{server.url}/ckpt")  # the library's own retries and backoff
+    started = time.monotonic()
+    with pytest.raises(OSError, match="the file is truncated") as err:
+        store.read_into("rank_0.bin", [(len(data) - 1000, memoryview(bytearray(2000)))])
+    assert time.monotonic() - started < 5
+    assert not isinstance(err.value, FileNotFoundError)
+    assert f"{store.join('rank_0.bin')} ends before byte {len(data) + 1000}" in str(err.value)
+    assert len(server.ranges_seen) == 1
+
+
+def test_http_chunked_body_cut_midway_is_retried_and_resumed(served, file_server) -> None:
+    """A chunked body whose connection closes before its last chunk is a dropped connection."""
+    root, data = served
+    server = file_server(root, chunked=True)
+    store = HTTPStorage(f"{server.url}/ckpt", retry=FAST)
+    server.cut_bodies = 2
+    out = bytearray(1_500_000)  # several read blocks, so that the bytes before a cut are kept
+    store.read_into("rank_0.bin", [(1000, memoryview(out))])
+    assert bytes(out) == data[1000:1_501_000]
+    first, *retries = server.ranges_seen
+    assert first == "bytes=1000-1500999" and len(retries) == 2
+    assert all(1000 < int(r.removeprefix("bytes=").split("-")[0]) for r in retries)  # resumed
 
 
 def test_https_handshakes_cut_short_are_retried_and_a_refused_certificate_is_not(served, file_server, tmp_path,

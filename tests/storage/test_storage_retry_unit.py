@@ -15,6 +15,8 @@ from checkpointer.storage.retry import (
     RetryPolicy,
     bucket_url,
     call_with_retry,
+    ended_as_sent,
+    ends_before,
     fill_range,
     io_retries,
     plan_ranges,
@@ -68,6 +70,17 @@ def test_fill_range_resumes_where_it_stopped() -> None:
     (short,) = plan_ranges([(0, memoryview(bytearray(10)))], max_range=1000)
     with pytest.raises(ConnectionError, match="ended at byte 4"):
         fill_range(short, io.BytesIO(b"1234"))
+
+
+def test_what_an_answer_says_of_the_file_size() -> None:
+    # a GET of bytes [100, 200): the file ends before 200 when the answer says so
+    assert ends_before(200, 100, 206, "50", None) and not ends_before(200, 100, 206, "100", None)
+    assert ends_before(200, 100, 200, "150", None) and not ends_before(200, 100, 200, 200, None)
+    assert ends_before(200, 100, 206, None, "bytes 100-149/150")
+    assert not ends_before(200, 100, 206, None, "bytes 100-149/1000")  # a part of a longer file
+    assert not ends_before(200, 100, 206, None, "bytes 100-149/*") and not ends_before(200, 100, 206, None, None)
+    assert ended_as_sent(True, None) and ended_as_sent(True, "bytes 100-149/*")
+    assert not ended_as_sent(True, "bytes 100-149/1000") and not ended_as_sent(False, None)
 
 
 def test_retry_counts_and_names_the_operation() -> None:
