@@ -159,6 +159,9 @@ class HTTPStorage(Storage):
         except HTTPStatusError as e:
             if e.status in (404, 410):
                 raise FileNotFoundError(url) from e
+            if e.status == 403:
+                raise PermissionError(f"{op} {url}: access denied ({e}; a store that may not be listed, "
+                                      "a public S3 bucket say, answers so for a missing file too)") from e
             raise OSError(f"{op} {url}: {e}") from e
 
     def _request(self, method: str, name: str, headers: dict[str, str] | None = None,
@@ -184,9 +187,11 @@ class HTTPStorage(Storage):
         return self.call("HEAD", name, head)
 
     def exists(self, name: str) -> bool:
+        """False for 404, and for 403: a public S3 bucket without list permission answers 403
+        for a missing key (a loader probing ``metadata.json``, then ``model/metadata.json``)."""
         try:
             self.size(name)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
             return False
         return True
 

@@ -12,6 +12,7 @@ from remote_workers import flat_full, flat_state, load_flat, load_model, optim_a
 from safetensors.torch import load_file
 
 from checkpointer import (
+    CheckpointError,
     Checkpointer,
     lazy_load,
     load_model_and_optim_state,
@@ -65,6 +66,31 @@ def test_load_over_http(run_distributed, file_server, proxies, tmp_path, capsys,
     with pytest.raises((OSError, io.UnsupportedOperation)):
         Checkpointer().save(f"{server.url}/new", flat_state(flat_full(), 1))
     assert not os.path.exists(root / "new")
+
+
+def test_load_over_http_from_a_server_answering_403_for_missing_files(file_server, tmp_path):
+    """A public S3 bucket without list permission answers 403, not 404, for a key that is not
+    there, and a top-level checkpoint is found by probing: ``metadata.json`` first (missing),
+    then ``model/`` and ``optim/``. A probe that meets 403 finds nothing; reading a file the
+    load needs still fails, naming it and saying access was denied."""
+    model = build_model(1)
+    optim = build_optim(model, "adamw")
+    save_model_and_optim_state(str(tmp_path / "step5"), model, optim)
+    want_model, want_optim = model_full_state(model), optim_full_state(model, optim)
+    url = f"{file_server(str(tmp_path), missing_status=403).url}/step5"
+
+    fresh = build_model(1, seed=1)
+    fresh_optim = build_optim(fresh, "adamw", fresh=True)
+    load_model_and_optim_state(url, fresh, fresh_optim)
+    assert_same(want_model, model_full_state(fresh))
+    assert_same(want_optim, optim_full_state(fresh, fresh_optim))
+    assert_same(want_model, unshard_model_state(url))
+    assert_same(want_model, dict(lazy_load(url)))
+
+    os.remove(tmp_path / "step5" / "model" / "rank_0.safetensors")
+    with pytest.raises((OSError, CheckpointError)) as err:
+        load_model_and_optim_state(url, fresh, fresh_optim)
+    assert f"{url}/model/rank_0.safetensors" in str(err.value) and "access denied" in str(err.value)
 
 
 @pytest.mark.parametrize("command", ["verify model/", "verify top", "inspect top", "unshard top"])

@@ -360,12 +360,14 @@ class RangeFileServer:
     With ``tls`` (an ``ssl.SSLContext``) it serves https; ``self._server.drop_handshakes`` and
     ``.connections`` (see ``_TLSServer``) drop handshakes and count connections. Setting
     ``cut_bodies`` cuts that many of the next bodies halfway: the connection closes (a chunked
-    body's last chunk never comes)."""
+    body's last chunk never comes). ``missing_status=403`` answers 403 for a missing file, as a
+    public S3 bucket without list permission does."""
 
     def __init__(self, root: str, *, ranges: bool = True, auth: tuple[str, str] | None = None,
                  token: str | None = None, redirect_to: str | None = None, chunked: bool = False,
-                 tls=None):
+                 tls=None, missing_status: int = 404):
         server = self
+        self.missing_status = missing_status
         self.root, self.ranges, self.token, self.redirect_to = root, ranges, token, redirect_to
         self.chunked = chunked
         self.cut_bodies = 0
@@ -425,7 +427,7 @@ class RangeFileServer:
             return self._reply(h, 401, {}, b"unauthorized", head)
         path = os.path.join(self.root, urllib.parse.unquote(parts.path).lstrip("/"))
         if not os.path.isfile(path):
-            return self._reply(h, 404, {}, b"not found", head)
+            return self._reply(h, self.missing_status, {}, b"not found", head)
         with open(path, "rb") as f:
             data = f.read()
         rng = h.headers.get("Range")

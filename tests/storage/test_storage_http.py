@@ -88,6 +88,25 @@ def test_http_credentials_are_sent_but_never_shown(served, file_server) -> None:
     assert "wrong-pw" not in str(err.value) and "s3cr3t" not in str(err.value)
 
 
+def test_http_403_is_a_missing_file_to_exists_and_access_denied_to_reads(served, file_server) -> None:
+    """A public S3 bucket without list permission answers 403 for a missing key: ``exists`` says
+    False (loaders probe for files); a read or a size of it says access was denied. A 401 (wrong
+    credentials) is still an error, also to ``exists``."""
+    root, _ = served
+    server = file_server(root, missing_status=403, auth=("alice", "pw"))
+    port = server.url.rsplit(":", 1)[1]
+    store = HTTPStorage(f"http://alice:pw@127.0.0.1:{port}/ckpt", retry=FAST)
+    assert store.exists("metadata.json") and not store.exists("nope")
+    for op, call in [("GET", lambda: store.read("nope")), ("HEAD", lambda: store.size("nope")),
+                     ("GET", lambda: store.read_into("nope", [(0, memoryview(bytearray(4)))]))]:
+        with pytest.raises(PermissionError, match="access denied") as err:
+            call()
+        assert f"{op} " in str(err.value) and store.join("nope") in str(err.value)
+    wrong = HTTPStorage(f"http://alice:wrong@127.0.0.1:{port}/ckpt", retry=FAST)
+    with pytest.raises(OSError, match="401"):
+        wrong.exists("metadata.json")
+
+
 def test_http_follows_redirects_without_forwarding_credentials(served, file_server) -> None:
     root, data = served
     target = file_server(root)
