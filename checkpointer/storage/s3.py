@@ -210,11 +210,18 @@ class S3Storage(Storage):
         except FileNotFoundError:
             pass
 
-    def _get(self, key: str, first: int, last: int | None) -> Any:
+    def _get(self, name: str, key: str, first: int, last: int | None) -> Any:
+        """GetObject from byte ``first`` to ``last`` (inclusive). A store that ignores Range
+        answers 200 with the whole object: usable from byte 0 (the body is read no further than
+        asked), refused from any later byte."""
         if first == 0 and last is None:
             return self._client.get_object(Bucket=self.bucket, Key=key)
         rng = f"bytes={first}-" + ("" if last is None else str(last))
-        return self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)
+        resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)
+        if first and int(resp["ResponseMetadata"]["HTTPStatusCode"]) == 200:
+            resp["Body"].close()
+            raise OSError(f"the server ignored the Range header of a read of {self.join(name)}")
+        return resp
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         key = self._key(name)
@@ -225,13 +232,13 @@ class S3Storage(Storage):
 
         def get(_: int) -> bytes:
             try:
-                resp = self._get(key, start, None if end is None else end - 1)
+                resp = self._get(name, key, start, None if end is None else end - 1)
             except botocore.exceptions.ClientError as e:
                 if _error_code(e)[0] == "InvalidRange":  # the range starts at or past the end
                     return b""
                 raise
             with resp["Body"] as body:
-                return body.read()
+                return body.read() if end is None else body.read(end - start)
 
         return self.call(f"GET bytes {start}-{'' if end is None else end - 1}", name, get)
 
@@ -246,7 +253,7 @@ class S3Storage(Storage):
         def attempt(_: int) -> None:
             first = task.start + task.done
             try:
-                resp = self._get(key, first, task.end - 1)
+                resp = self._get(name, key, first, task.end - 1)
             except botocore.exceptions.ClientError as e:
                 if _error_code(e)[0] != "InvalidRange":
                     raise

@@ -136,6 +136,9 @@ class FaultProxy:
 
     With ``chunked_gets=True`` answers to GETs are sent chunked, without Content-Length, as
     some gateways and S3-compatible stores send them.
+
+    With ``ignore_range=True`` GETs reach the store without their ``Range`` header, as from a
+    store or cache that ignores it: the answer is a 200 with the whole object.
     """
 
     upstream: str
@@ -144,6 +147,7 @@ class FaultProxy:
     conditional: bool = False
     upload_times: bool = False
     chunked_gets: bool = False
+    ignore_range: bool = False
 
     def __post_init__(self) -> None:
         parsed = urllib.parse.urlsplit(self.upstream)
@@ -223,7 +227,9 @@ class FaultProxy:
                 headers = [("Content-Type", "application/json")]
                 data = b'{"error": {"code": 412, "message": "At least one of the pre-conditions did not hold."}}'
             else:
-                status, reason, headers, data = self._forward(h.command, h.path, h.headers.items(), body)
+                sent = [(k, v) for k, v in h.headers.items()
+                        if not (self.ignore_range and h.command == "GET" and k.lower() == "range")]
+                status, reason, headers, data = self._forward(h.command, h.path, sent, body)
         if self.upload_times and status == 200:
             data = self._upload_times(h.command, h.path, data)
         if mode == "lost":

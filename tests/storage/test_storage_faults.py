@@ -115,6 +115,27 @@ def test_a_read_past_the_end_through_chunked_answers_fails_at_once(kind_, reques
     assert [s.method for s in proxy.seen] == ["GET"]
 
 
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_a_store_that_ignores_range_is_refused_not_misread(kind_, request, fault_proxy, monkeypatch,
+                                                           loopback_env) -> None:
+    """A store (or a cache in front of it) that ignores Range answers a read from byte 1000
+    with the whole object: its first bytes must not land in the buffer as bytes 1000 on."""
+    store, proxy = make_remote(kind_, request, fault_proxy, monkeypatch, proxy_options={"ignore_range": True},
+                               retry=FAST)
+    data = os.urandom(10_000)
+    store.write("f", data)
+    whole = bytearray(10_000)
+    store.read_into("f", [(0, memoryview(whole))])  # from byte 0 the whole object is the answer
+    assert bytes(whole) == data
+    assert store.read("f", 0, 8) == data[:8]
+    out = bytearray(5000)
+    with pytest.raises(OSError, match="ignored the Range header") as err:
+        store.read_into("f", [(1000, memoryview(out))])
+    assert store.join("f") in str(err.value)
+    with pytest.raises(OSError, match="ignored the Range header"):
+        store.read("f", 1000, 2000)
+
+
 def test_read_into_asks_only_for_the_requested_ranges(remote) -> None:
     store, proxy = remote
     part = store.part_size
