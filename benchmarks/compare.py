@@ -1309,6 +1309,18 @@ def main(argv: list[str] | None = None) -> int:
     goals.append({"goal": "save speed vs DCP", "target": ">= 1.5x", "measured": f"{fmt(r)}x", "met": ge(r, 1.5)})
     goals.append({"goal": "save vs best plain write+fsync", "target": ">= 0.90",
                   "measured": fmt(save.get("fraction")), "met": ge(save.get("fraction"), 0.9)})
+    # The issue's own ceiling: the faster of one plain file written buffered or with O_DIRECT,
+    # + fsync. The row above takes the best of every way measured, ours (2 files in parallel,
+    # early writeback) included, so it is the stricter of the two.
+    plain = [ceilings[k]["median_s"] for k in ("write_buffered_fsync_x1", "write_odirect_fsync_x1") if k in ceilings]
+    if plain and save.get("ours", {}).get("ok"):
+        f = min(plain) / save["ours"]["median_s"]
+        goals.append({"goal": "save vs the faster of one plain file's buffered or O_DIRECT write+fsync (the issue's ceiling)",
+                      "target": ">= 0.90", "measured": fmt(f), "met": ge(f, 0.9)})
+        if save.get("dcp", {}).get("ok"):
+            need = min(plain) / (save["dcp"]["median_s"] / 1.5)
+            goals.append({"goal": "(for reference) what 1.5x DCP asks, as a fraction of that plain-file ceiling",
+                          "target": "–", "measured": fmt(need), "met": None})
     r = ratio(load)
     goals.append({"goal": "load (same W) speed vs DCP", "target": ">= 2.5x", "measured": f"{fmt(r)}x", "met": ge(r, 2.5)})
     goals.append({"goal": "load (same W) vs preadv read ceiling", "target": ">= 0.60",
@@ -1330,7 +1342,7 @@ def main(argv: list[str] | None = None) -> int:
     largest = main_res["largest_tensor_bytes"]
     u = uns.get("ours")
     if u and u.get("ok"):
-        goals.append({"goal": "unshard peak extra memory vs largest tensor", "target": f"<= one tensor ({largest / MiB:.0f} MiB)",
+        goals.append({"goal": "unshard peak extra memory vs largest tensor", "target": f"<= one tensor ({largest / MiB:.0f} MiB; +5 % +16 MiB allowed for the interpreter)",
                       "measured": f"{u['rss_extra_mib_max']:.0f} MiB", "met": u["rss_extra_mib_max"] <= largest / MiB * 1.05 + 16})
     for label, op, worlds in [(f"load same W={W}", load, W)] + [(f"load {W}->{w2}", op, w2) for w2, op in reshard_ops]:
         o = op.get("ours")
