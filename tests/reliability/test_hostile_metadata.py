@@ -164,11 +164,13 @@ def test_metadata_json_deeply_nested(ckpt, tmp_path, depth, where):
 
 
 def test_metadata_json_over_the_size_limit(ckpt, tmp_path):
-    """A sparse metadata.json of 1 GiB + 1: refused by its size, never read (reading it would
-    break the 1 GiB allocation headroom of the guard)."""
+    """A sparse metadata.json one byte over the default limit (4 GiB): refused by its size,
+    never read (reading it would break the 1 GiB allocation headroom of the guard)."""
+    from checkpointer.engine.load import MAX_METADATA_BYTES
+
     path = meta_path(ckpt, "model")
     with open(path, "r+b") as f:
-        f.truncate((1 << 30) + 1)
+        f.truncate(MAX_METADATA_BYTES + 1)
     check_part(ckpt, "model", tmp_path, "metadata.json")
 
 
