@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from json import JSONDecodeError
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, model_validator
 
 from ..errors import CorruptCheckpointError
 from .dtypes import DTYPE_CODES
+from .json_members import object_members, skip_whitespace
 from .layout import FORMAT_VERSION, check_filename
 from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, SpecParser, box_run_count, gc_paused
 
@@ -286,28 +288,22 @@ def parse_metadata(data: bytes, *, where: str) -> StorageMetadata:
 def _parse(data: bytes, where: str) -> StorageMetadata:
     try:
         text = (data if isinstance(data, (bytes, bytearray)) else bytes(data)).decode("utf-8")
-        raw: Any = json.loads(text)
-    except (ValueError, RecursionError) as ex:
+    except ValueError as ex:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({_short(ex)})") from ex
-    if not isinstance(raw, dict):
-        raise CorruptCheckpointError(f"{where}: expected a JSON object")
-    # Without escapes a string's characters are the file's, so the ``:`` outside strings are
-    # exactly the members written; fewer members parsed means a key was given twice. With
-    # escapes, parse again with a hook that sees every member (slower, exact).
-    exact = "\\" not in text
-    if not exact:
-        try:
-            json.loads(text, object_pairs_hook=reject_duplicate_keys)
-        except (ValueError, RecursionError) as ex:
-            raise CorruptCheckpointError(f"{where}: not valid JSON ({_short(ex)})") from ex
     parser = SpecParser()
     try:
-        metadata = _validate(raw, parser)
-    except (ValueError, CorruptCheckpointError, RecursionError) as ex:
+        top, tensors = _read_document(text, parser)
+        return _validate(top, tensors)
+    except _NotAnObject:
+        raise CorruptCheckpointError(f"{where}: expected a JSON object") from None
+    except (JSONDecodeError, RecursionError) as ex:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({_short(ex)})") from ex
+    except (ValueError, CorruptCheckpointError) as ex:
         raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {_short(ex)}") from ex
-    if exact and parser.members != text.count(":") - parser.colons:
-        raise CorruptCheckpointError(f"{where}: not valid JSON (an object gives a key twice)")
-    return metadata
+
+
+class _NotAnObject(Exception):
+    pass
 
 
 _TOP_FIELDS = (
@@ -316,7 +312,72 @@ _TOP_FIELDS = (
 _TENSOR_FIELDS = ("shape", "is_sharded", "dtype", "shard_spec_per_file")
 
 
-def _validate(raw: dict[str, Any], parser: SpecParser) -> StorageMetadata:
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a key given twice is an error, not a silent overwrite."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+_PLAIN = json.JSONDecoder()
+_NO_DUPLICATES = json.JSONDecoder(object_pairs_hook=reject_duplicate_keys)
+
+
+def _read_document(text: str, parser: SpecParser) -> tuple[dict[str, Any], dict[str, TensorStorageMetadata] | None]:
+    """The top-level members but ``tensors``, and ``tensors`` validated (``None`` unless an object).
+
+    Each tensor's entry is decoded, validated into its compact form and dropped before the
+    next, so the document is never one tree of JSON values in memory."""
+    start = skip_whitespace(text, 0)
+    if text[start : start + 1] != "{":
+        json.loads(text)  # not JSON at all: say why
+        raise _NotAnObject
+    top: dict[str, Any] = {}
+    tensors: dict[str, TensorStorageMetadata] | None = None
+
+    def tensor(key: str, i: int) -> int:
+        assert tensors is not None
+        tensors[key], end = _tensor_entry(text, key, i, parser)
+        return end
+
+    def member(key: str, i: int) -> int:
+        nonlocal tensors
+        if key == "tensors" and text[i : i + 1] == "{":
+            tensors = {}
+            return object_members(text, i, tensor)
+        top[key], end = _NO_DUPLICATES.raw_decode(text, i)
+        return end
+
+    end = skip_whitespace(text, object_members(text, start, member))
+    if end != len(text):
+        raise JSONDecodeError("Extra data", text, end)
+    return top, tensors
+
+
+def _tensor_entry(text: str, key: str, i: int, parser: SpecParser) -> tuple[TensorStorageMetadata, int]:
+    """Decode and validate the entry of tensor ``key`` at ``text[i]``; returns it and its end.
+
+    A key given twice inside it is found without a hook per object (millions of shard specs):
+    without escapes, its text holds exactly one ``:`` per member plus those inside strings,
+    which the validation counts. With escapes it is decoded again with the hook."""
+    entry, end = _PLAIN.raw_decode(text, i)
+    escaped = text.find("\\", i, end) >= 0
+    if escaped:
+        _NO_DUPLICATES.raw_decode(text, i)
+    members, colons = parser.members, parser.colons
+    try:
+        meta = _tensor(entry, parser)
+    except (ValueError, CorruptCheckpointError) as ex:
+        raise ValueError(f"tensors[{key!r}]: {ex}") from None
+    if not escaped and text.count(":", i, end) - (parser.colons - colons) != parser.members - members:
+        raise JSONDecodeError(f"an object in tensors[{key!r}] gives a key twice", text, i)
+    return meta, end
+
+
+def _validate(raw: dict[str, Any], tensors: dict[str, TensorStorageMetadata] | None) -> StorageMetadata:
     fields: dict[str, Any] = {}
     for name in ("format_version", "world_size", "checksum_chunk_bytes"):
         value = raw.get(name)
@@ -329,33 +390,18 @@ def _validate(raw: dict[str, Any], parser: SpecParser) -> StorageMetadata:
     if algorithm is not None and type(algorithm) is not str:
         raise ValueError("checksum_algorithm must be a string or null")
     fields["checksum_algorithm"] = algorithm
-    parser.count(algorithm)
     file_ids = raw.get("file_ids")
     if file_ids is not None and (type(file_ids) is not dict or not all(type(v) is str for v in file_ids.values())):
         raise ValueError("file_ids must be an object of strings or null")
     fields["file_ids"] = file_ids
-    parser.count(file_ids)
     extra = {k: v for k, v in raw.items() if k not in _TOP_FIELDS}
-    parser.members += len(raw) - len(extra)
-    parser.count(extra)
-
-    tensors_raw = raw.get("tensors")
-    if type(tensors_raw) is not dict:
+    if tensors is None:
         raise ValueError("tensors must be an object")
-    parser.members += len(tensors_raw)
-    tensors = {}
-    for key, entry in tensors_raw.items():
-        parser.colons += key.count(":")
-        try:
-            tensors[key] = _tensor(entry, parser)
-        except (ValueError, CorruptCheckpointError) as ex:
-            raise ValueError(f"tensors[{key!r}]: {ex}") from None
 
     aliases = raw.get("aliases")
     if aliases is not None:
         if type(aliases) is not dict or not all(type(v) is str for v in aliases.values()):
             raise ValueError("aliases must be an object of strings")
-        parser.count(aliases)
         for alias, target in aliases.items():
             if target not in tensors or alias in tensors:
                 raise ValueError(f"alias {alias!r} -> {target!r} does not resolve to a saved tensor")
@@ -391,16 +437,6 @@ def _tensor(entry: Any, parser: SpecParser) -> TensorStorageMetadata:
 def _short_value(value: Any) -> str:
     text = repr(value)
     return text if len(text) < 100 else text[:100] + "..."
-
-
-def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads`` hook: a key given twice is an error, not a silent overwrite."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def _short(ex: BaseException) -> str:

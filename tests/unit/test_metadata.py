@@ -307,6 +307,18 @@ BAD_DOCS = {
     "nested lists in an extra field": b'{"tensors": {}, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "nested objects in a shape": b'{"tensors": {"a": {"shape": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}}}",
     "huge integer": b'{"tensors": {"a": {"shape": [' + b"9" * 5000 + b'], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {}}}}',
+    "text after the object": b'{"tensors": {}} x',
+    "a second object": b'{"tensors": {}}{}',
+    "trailing comma in tensors": b'{"tensors": {"a": {"shape": [1], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {}},}}',
+    "duplicate field in an entry with an escape": (
+        b'{"tensors": {"\\u0061": {"shape": [1], "shape": [2], "is_sharded": false, "dtype": "F32",'
+        b' "shard_spec_per_file": {}}}}'
+    ),
+    "duplicate field in an entry with an escaped file name": (
+        b'{"tensors": {"a": {"shape": [2], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {'
+        b'"rank_\\u0030.safetensors": {"flattened_offsets": [[0, 2]], "flattened_offsets": [[0, 1]]}}}}}'
+    ),
+    "duplicate key in file_ids": b'{"tensors": {}, "file_ids": {"rank_0.safetensors": "a", "rank_0.safetensors": "b"}}',
 }
 
 
@@ -461,3 +473,32 @@ def test_box_with_too_many_runs_is_refused_before_planning():
     }
     with pytest.raises(CorruptCheckpointError, match="runs"):
         parse_metadata(json.dumps(raw).encode(), where="metadata.json")
+
+
+def _wide_metadata(tensors: int, ranks: int) -> bytes:
+    per = 1000
+    doc = {"tensors": {
+        f"layers.{i}.weight": {"shape": [ranks * per], "is_sharded": True, "dtype": "F32", "shard_spec_per_file": {
+            f"rank_{r}.safetensors": {"flattened_offsets": [[r * per, (r + 1) * per]], "local_shape": None,
+                                      "global_offset": None, "checksums": [(i * 7919 + r) % 2**32]}
+            for r in range(ranks)}}
+        for i in range(tensors)}, "format_version": 1, "world_size": ranks}
+    return json.dumps(doc).encode()
+
+
+def test_parse_metadata_never_holds_the_whole_document_as_json_values():
+    """Each tensor's entry is decoded, validated and dropped before the next: the Python memory
+    at the peak stays under 3x the text (the text itself, what is kept, one entry). ``json.loads``
+    of the whole document first peaked at 5.3x on this one."""
+    import tracemalloc
+
+    data = _wide_metadata(tensors=200, ranks=128)
+    tracemalloc.start()
+    try:
+        metadata = parse_metadata(data, where=WHERE)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * len(data), f"peak {peak / len(data):.1f}x the text"
+    spec = metadata.tensors["layers.199.weight"].shard_spec_per_file["rank_127.safetensors"]
+    assert spec.flattened_offsets == ((127_000, 128_000),) and spec.checksums == ((199 * 7919 + 127) % 2**32,)
