@@ -62,7 +62,7 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
         raise CorruptCheckpointError(
             f"{storage.join(METADATA_FILENAME)} is {size} bytes, over the limit of {limit_mib:g} MiB "
             "(set CHECKPOINTER_MAX_METADATA_MIB to read larger metadata from a source you trust; "
-            "parsing takes about 6x the file's size in memory on every rank)"
+            "parsing takes about 2x the file's size in memory on every rank)"
         )
     return storage.read(METADATA_FILENAME)
 
