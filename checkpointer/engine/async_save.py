@@ -81,10 +81,15 @@ class AsyncSaver:
             return result
 
     def _write(self, planned: list[PlannedSave], staged: list[list[tuple[str, LocalTensor]]], result: Future) -> None:
+        out: list[tuple[StorageMetadata, list[str]]] = []
         try:
-            out = [(p.metadata, write_and_commit(p, pieces=s, group=self._group)) for p, s in zip(planned, staged)]
+            for p, s in zip(planned, staged):
+                out.append((p.metadata, write_and_commit(p, pieces=s, group=self._group)))
             result.set_result(out)
         except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
+            for p in planned[len(out) :]:  # rank 0's locks of the saves this failure stopped
+                if p.lock is not None:
+                    release_lock(p.storage, p.lock)
             result.set_exception(ex)
 
     def _drop_unused(self, wanted: set[tuple[int, str]]) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from dist_helpers import (
     assert_local_same,
     assert_same,
+    barrier,
     build_model,
     build_optim,
     catch,
@@ -17,7 +20,13 @@ from dist_helpers import (
     zeros_like_layout,
 )
 
-from checkpointer import Checkpointer, async_save_model_and_optim_state, load_model_and_optim_state
+from checkpointer import (
+    Checkpointer,
+    async_save_model_and_optim_state,
+    load_model_and_optim_state,
+    save_model_and_optim_state,
+)
+from checkpointer.format.layout import LOCK_FILENAME
 
 
 def _async_save_and_train(rank, world_size, ckpt_a, ckpt_b):
@@ -74,3 +83,31 @@ def _flat_async(rank, world_size, ckpt):
 
 def test_checkpointer_async_save(run_distributed, tmp_path):
     assert run_distributed(_flat_async, 2, str(tmp_path / "flat")) == [True, True]
+
+
+def _failed_write_leaves_no_lock(rank, world_size, top):
+    model = build_model(world_size)
+    optim = build_optim(model, "adamw")
+    train(model, optim, range(1))
+    blocker = os.path.join(top, "model", f"rank_{world_size - 1}.safetensors")
+    if rank == 0:
+        os.makedirs(blocker)  # the last rank's model file cannot be renamed into place
+    barrier()
+    error = catch(async_save_model_and_optim_state(top, model, optim).result, timeout=60)
+    barrier()
+    left = sorted(f for f in files_under(top) if f.endswith(LOCK_FILENAME))
+    if rank == 0:
+        os.rmdir(blocker)
+    barrier()
+    retry = catch(save_model_and_optim_state, top, model, optim)  # the same step, saved again
+    return error, left, retry
+
+
+def test_failed_async_write_releases_every_lock(run_distributed, tmp_path):
+    """The model part fails to write: the optimizer part, planned but never written, must not
+    keep its save lock, or saving that step again says another save is in progress."""
+    top = str(tmp_path / "step1")
+    for rank, (error, left, retry) in enumerate(run_distributed(_failed_write_leaves_no_lock, 2, top)):
+        assert error is not None, f"rank {rank}: the failed save reported no error"
+        assert left == [], f"rank {rank}: locks left behind: {left}"
+        assert retry is None, f"rank {rank}: saving again failed: {retry}"
