@@ -191,13 +191,20 @@ def write_dcp(
 
     state = {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in shapes.items()}
     os.makedirs(path, exist_ok=True)
+    # DCP rewrites the data files in place: the old index must not outlive them (a failure
+    # half-way would leave it reading the new bytes), so the old checkpoint reads as incomplete.
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, DCP_METADATA))
     before = set(os.listdir(path))
     try:
         # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done.
         writer = FileSystemWriter(path, single_file_per_rank=False, thread_count=1)
         with _single_process():
             save(state, storage_writer=writer, planner=_FetchingPlanner(), no_dist=True)
-    except CheckpointException as ex:  # a BaseException: an error of ours (fetch) or DCP's own
+    except BaseException as ex:  # DCP's CheckpointException is a BaseException: an error of ours (fetch) or its own
+        _remove_new_files(path, before)
+        if not isinstance(ex, CheckpointException):
+            raise
         cause = _unwrap(ex)
         if isinstance(cause, (CheckpointError, OSError)):
             raise cause from ex
@@ -206,3 +213,10 @@ def write_dcp(
         if bar is not None:
             bar.close()
     return sorted(os.path.join(path, n) for n in set(os.listdir(path)) - before | {DCP_METADATA})
+
+
+def _remove_new_files(path: str, before: set[str]) -> None:
+    """After a failed write: the files it created (it wrote no ``.metadata``), as far as it can."""
+    for name in set(os.listdir(path)) - before:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(path, name))

@@ -256,3 +256,27 @@ def test_convert_a_file_it_cannot_read_says_so(capsys, tmp_path):
         f"checkpointer: error: cannot tell the format of {src}: it is a file; expected a directory "
         "(checkpointer, torch DCP, Hugging Face) or a .safetensors file\n"
     )
+
+
+def test_failed_dcp_overwrite_retires_the_old_checkpoint(capsys, tmp_path):
+    """``--to dcp --overwrite`` rewrites DST's data files in place. When it fails half-way, the old
+    ``.metadata`` must not be left indexing files that now hold the new tensors: it is removed
+    before any file is rewritten (as an overwrite of this library's checkpoint removes its
+    metadata.json), and the files this convert created are removed."""
+    dst, src = tmp_path / "dcp", tmp_path / "src"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.arange(4.0), "y": torch.arange(3.0), "z": torch.arange(2.0)}, checkpoint_id=str(dst), no_dist=True)
+    old_files = set(os.listdir(dst))
+    Checkpointer().save(str(src), {"x": torch.full((4,), 7.0), "y": torch.full((3,), 8.0), "w": torch.ones(2), "z": torch.zeros(5)})
+    rank_file = src / "rank_0.safetensors"
+    good = rank_file.read_bytes()
+    rank_file.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # z, written last, fails its checksum
+    code, out, err = cli(capsys, "convert", str(src), str(dst), "--to", "dcp", "--overwrite")
+    assert (code, out) == (1, "")
+    assert re.fullmatch(f"checkpointer: error: {re.escape(str(rank_file))}: checksum mismatch in tensor 'z', chunk 0\n", err)
+    assert ".metadata" not in os.listdir(dst)  # before: the old index, now reading x as 7.0
+    assert set(os.listdir(dst)) <= old_files - {".metadata"}
+    rank_file.write_bytes(good)
+    assert cli(capsys, "convert", str(src), str(dst), "--to", "dcp", "-q") == (0, "", "")
+    assert_same_tensors(load_dcp(str(dst)), unshard(str(src)))
