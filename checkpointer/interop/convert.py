@@ -3,7 +3,7 @@
 The source's format is detected; every conversion streams one tensor at a time. A checkpoint
 of this library converted to ``hf`` is :func:`~checkpointer.export_safetensors`, which spreads
 the shards over the ranks of a process group. The other conversions run on rank 0 while the
-other ranks wait for its result.
+other ranks wait for its result, however long it takes.
 """
 
 from __future__ import annotations
@@ -126,15 +126,12 @@ def convert(
     fmt = dist.broadcast_bytes(fmt.encode() if fmt else None).decode() if dist.is_distributed() else fmt
     if fmt == "checkpointer" and to == "hf":
         return export_checkpoint(src, dst, max_shard_size=max_shard_size, dtype=dtype, make_progress=make_progress)
-    files: list[str] = []
-    if dist.get_rank() == 0:
-        try:
-            assert fmt is not None
-            files = _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes)
-        except BaseException as ex:  # noqa: BLE001 - reported to every rank
-            error = ex
-    dist.agree(error, "convert")
-    return files
+    assert fmt is not None
+
+    def alone() -> list[str]:
+        return _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes)
+
+    return dist.run_alone(0, alone, "convert") or []
 
 
 def _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes) -> list[str]:

@@ -132,3 +132,33 @@ def olmo_load_ws3(rank: int, world_size: int, dir: str) -> dict[str, torch.Tenso
     model, optim = build(99, tied=False, world_size=world_size)
     olmo_load(dir, model, optim)
     return full_state(model)
+
+
+def slow_convert(rank: int, world_size: int, src: str, dst: str, to: str, seconds: float, timeout_s: str) -> dict | None:
+    """``convert`` on every rank, with rank 0's conversion taking ``seconds`` longer than the
+    collectives' timeout ``CHECKPOINTER_TIMEOUT_S``: what it raised on this rank, or None."""
+    import importlib
+    import time
+
+    module = importlib.import_module("checkpointer.interop.convert")  # the package's `convert` is the function
+
+    real = module._convert_alone
+
+    def slow(*args: Any) -> list[str]:
+        time.sleep(seconds)
+        return real(*args)
+
+    before = os.environ.get("CHECKPOINTER_TIMEOUT_S")
+    os.environ["CHECKPOINTER_TIMEOUT_S"] = timeout_s
+    module._convert_alone = slow
+    try:
+        module.convert(src, dst, to=to)
+    except Exception as ex:  # noqa: BLE001 - reported to the test
+        return {"type": type(ex).__name__, "msg": str(ex)}
+    finally:
+        module._convert_alone = real
+        if before is None:
+            del os.environ["CHECKPOINTER_TIMEOUT_S"]
+        else:
+            os.environ["CHECKPOINTER_TIMEOUT_S"] = before
+    return None

@@ -280,3 +280,17 @@ def test_failed_dcp_overwrite_retires_the_old_checkpoint(capsys, tmp_path):
     rank_file.write_bytes(good)
     assert cli(capsys, "convert", str(src), str(dst), "--to", "dcp", "-q") == (0, "", "")
     assert_same_tensors(load_dcp(str(dst)), unshard(str(src)))
+
+
+def test_a_long_convert_in_a_process_group_does_not_time_out(ckpts, tmp_path, run_distributed):
+    """Under torchrun the conversions other than checkpointer -> hf run on rank 0 while the other
+    ranks wait. They waited in one collective bounded by CHECKPOINTER_TIMEOUT_S (default 300 s),
+    so a conversion that took longer failed on every rank as 'rank 0 stopped answering'."""
+    from cli_workers import slow_convert
+
+    dst = str(tmp_path / "dcp")
+    errors = run_distributed(slow_convert, 2, ckpts.flat3, dst, "dcp", 6.0, "2", timeout=120)
+    assert errors == [None, None]
+    assert_same_tensors(load_dcp(dst), ckpts.flat3_full)
+    again = run_distributed(slow_convert, 2, ckpts.flat3, dst, "dcp", 0.0, "2", timeout=120)
+    assert [e and e["type"] for e in again] == ["FileExistsError", "FileExistsError"]  # rank 0's error, everywhere
