@@ -21,6 +21,11 @@ from .progress import Progress, format_bytes
 __all__ = ["main", "build_parser"]
 
 PROG = "checkpointer"
+_SIGPIPE_STATUS = 141  # 128 + SIGPIPE: how a shell tool ends when its reader has gone
+
+
+class _StdoutClosed(Exception):
+    """The reader of stdout went away (``checkpointer inspect DIR | head``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+    except _StdoutClosed:
+        # Not an error; stdout goes to /dev/null so that the flush at exit does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _SIGPIPE_STATUS
     except (CheckpointError, OSError, ValueError, TypeError, KeyError) as ex:
         _error(_one_line(ex))
         return 1
@@ -104,6 +113,14 @@ def _one_line(ex: BaseException) -> str:
     if isinstance(ex, OSError) and not isinstance(ex, FileExistsError) and ex.filename and str(ex.filename) not in text:
         text = f"{text}: {ex.filename}"
     return text or type(ex).__name__
+
+
+def _out(text: str) -> None:
+    """Output on stdout."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise _StdoutClosed from None
 
 
 def _error(message: str) -> None:
@@ -131,7 +148,7 @@ def _progress(args: argparse.Namespace, desc: str, unit: str) -> Callable[[int, 
 
 def _say(args: argparse.Namespace, text: str) -> None:
     if not getattr(args, "quiet", False) and _rank() == 0:
-        print(text, flush=True)
+        _out(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,9 +162,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     parts = describe_parts(args.dir)
     if args.json:
         doc: Any = parts[0][1] if len(parts) == 1 and parts[0][0] == "" else {name: info for name, info in parts}
-        print(json.dumps(doc, indent=2))
+        _out(json.dumps(doc, indent=2))
     else:
-        print(render_table(parts))
+        _out(render_table(parts))
     return 0
 
 
@@ -216,7 +233,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         problems.extend(found)
         checked.append(storage.url)
     for line in problems:
-        print(line, flush=True)
+        _out(line)
     if problems:
         _error(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found in {args.dir}")
         return 1

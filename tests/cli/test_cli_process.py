@@ -133,3 +133,26 @@ def test_torchrun_unshard_divides_the_shards(ckpts, tmp_path):
     for name in names[:-1]:
         got.update(load_file(os.path.join(out, name)))
     assert_same_tensors(got, without(ckpts.ws3_full, ["head.weight"]))
+
+
+def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):
+    """``checkpointer inspect DIR | head -2``: head exits early, and the command stops as shell
+    tools do (status 141, as if killed by SIGPIPE), with nothing on stderr. It printed
+    'checkpointer: error: [Errno 32] Broken pipe' and exited 1."""
+    import torch
+
+    from checkpointer import Checkpointer
+
+    dir = str(tmp_path / "many")
+    Checkpointer().save(dir, {f"layers.{i}.weight": torch.zeros(2) for i in range(3000)})
+    for extra in ([], ["--json"]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpointer", "inspect", dir, *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert (proc.wait(timeout=120), err) == (141, ""), extra
