@@ -90,5 +90,9 @@ def write_checkpoint(
     }
     metadata = new_metadata(tensors, world_size=1, aliases=dict(aliases or {}))
     metadata = metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
-    commit(storage, metadata.with_file_ids({name: file_id}), lock)
+    try:
+        commit(storage, metadata.with_file_ids({name: file_id}), lock)
+    except BaseException:
+        release_lock(storage, lock)
+        raise
     return [storage.join(name), storage.join(METADATA_FILENAME)]

@@ -294,3 +294,26 @@ def test_a_long_convert_in_a_process_group_does_not_time_out(ckpts, tmp_path, ru
     assert_same_tensors(load_dcp(dst), ckpts.flat3_full)
     again = run_distributed(slow_convert, 2, ckpts.flat3, dst, "dcp", 0.0, "2", timeout=120)
     assert [e and e["type"] for e in again] == ["FileExistsError", "FileExistsError"]  # rank 0's error, everywhere
+
+
+def test_convert_that_cannot_commit_leaves_no_lock(ckpts, capsys, tmp_path, monkeypatch):
+    """Writing metadata.json fails (a full disk): the error is one line, and DST's save lock is
+    released, as a save that fails to commit releases it; the next convert needs no --overwrite."""
+    from checkpointer.format.layout import LOCK_FILENAME
+    from checkpointer.storage.local import LocalStorage
+
+    dst = tmp_path / "ours"
+    real = LocalStorage.write
+
+    def full_disk(self, name, data):
+        if name == "metadata.json":
+            raise OSError(28, "No space left on device", self.join(name))
+        return real(self, name, data)
+
+    monkeypatch.setattr(LocalStorage, "write", full_disk)
+    code, _, err = cli(capsys, "convert", ckpts.flat3, str(dst), "--to", "checkpointer")
+    assert code == 1 and err.startswith("checkpointer: error: [Errno 28] No space left on device") and err.count("\n") == 1
+    assert LOCK_FILENAME not in os.listdir(dst)
+    monkeypatch.setattr(LocalStorage, "write", real)
+    assert cli(capsys, "convert", ckpts.flat3, str(dst), "--to", "checkpointer", "-q") == (0, "", "")
+    assert_same_tensors(unshard(str(dst)), ckpts.flat3_full)
