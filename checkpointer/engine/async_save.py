@@ -21,7 +21,7 @@ from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .save import PlannedSave, SavePlanCache, plan_save, write_and_commit
-from .save import _release_lock as release_lock
+from .save import release_lock
 
 __all__ = ["AsyncSaver"]
 

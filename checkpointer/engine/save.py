@@ -41,7 +41,10 @@ from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from .rankfile import write_rank_file
 
-__all__ = ["save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict"]
+__all__ = [
+    "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict",
+    "check_directory", "commit_metadata", "release_lock",
+]
 
 _CACHE_ENTRIES = 8
 
@@ -137,7 +140,7 @@ def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPiec
     return RankPieces(structure, values), header["aliases"], header["fingerprint"]
 
 
-def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> bytes | None:
+def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> bytes | None:
     """Refuse to save over a checkpoint unless asked. With ``retire_old``, take the save lock
     and make an old checkpoint incomplete, before any rank writes; returns the lock's bytes."""
     storage.prepare()
@@ -164,7 +167,7 @@ def _check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool
     if storage.exists(METADATA_FILENAME):
         if not save_overwrite:
             # A save that held the lock committed between the first check and ours.
-            _release_lock(storage, lock)
+            release_lock(storage, lock)
             raise FileExistsError(
                 f"{storage.join(METADATA_FILENAME)} exists: a checkpoint was saved there while this save "
                 "was planning (pass save_overwrite=True to replace it)"
@@ -185,7 +188,7 @@ def _plan(
     error: BaseException | None = local_error
     if rank == 0 and error is None:
         try:
-            _check_directory(storage, save_overwrite, retire_old=False)
+            check_directory(storage, save_overwrite, retire_old=False)
         except BaseException as ex:  # noqa: BLE001 - reported to every rank below
             error = ex
     columns = _columns(described) if error is None else None
@@ -219,7 +222,7 @@ def _plan(
     if error is None and rank == 0:
         # Planned: only now retire an old checkpoint here, before any rank writes a file.
         try:
-            lock = _check_directory(storage, save_overwrite, retire_old=True)
+            lock = check_directory(storage, save_overwrite, retire_old=True)
         except BaseException as ex:  # noqa: BLE001 - reported to every rank below
             error = ex
     dist.agree(error, "save")
@@ -285,7 +288,7 @@ def plan_save(
         lock = None
         if ok and rank == 0:
             try:
-                lock = _check_directory(storage, save_overwrite, retire_old=True)
+                lock = check_directory(storage, save_overwrite, retire_old=True)
             except BaseException:  # noqa: BLE001 - the full path below reports it
                 ok = False
         # Every rank's entry must be the same plan: each rank's own pieces can recur while
@@ -295,7 +298,7 @@ def plan_save(
             assert cached is not None
             return PlannedSave(storage, described, cached.keys, cached.metadata, fingerprint, lock)
         if lock is not None:
-            _release_lock(storage, lock)  # the full path below takes it again
+            release_lock(storage, lock)  # the full path below takes it again
     keys, metadata, lock, plan_id = _plan(storage, described, aliases, local_error, save_overwrite, fingerprint)
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
@@ -338,13 +341,13 @@ def write_and_commit(
                 crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
                 committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
                 committed = committed.with_file_ids({rank_filename(r): s["id"] for r, s in enumerate(statuses) if s["id"]})
-                _commit(storage, committed, planned.lock)
+                commit_metadata(storage, committed, planned.lock)
                 files.append(storage.join(METADATA_FILENAME))
             except BaseException as ex:  # noqa: BLE001 - reported to every rank
                 commit_error = ex
-                _release_lock(storage, planned.lock)
+                release_lock(storage, planned.lock)
         else:
-            _release_lock(storage, planned.lock)
+            release_lock(storage, planned.lock)
     dist.agree(error or commit_error, "save", group=group)
     return files
 
@@ -361,7 +364,7 @@ def save_state_dict(
     return planned.metadata, write_and_commit(planned)
 
 
-def _commit(storage: Storage, metadata: StorageMetadata, lock: bytes | None) -> None:
+def commit_metadata(storage: Storage, metadata: StorageMetadata, lock: bytes | None) -> None:
     """Rank 0, once every rank file is durable: drop stale rank files, then publish metadata.json."""
     _check_lock_is_ours(storage, lock)
     wanted = set(metadata.files())
@@ -369,7 +372,7 @@ def _commit(storage: Storage, metadata: StorageMetadata, lock: bytes | None) -> 
         if is_rank_filename(name) and name not in wanted:
             storage.delete(name)
     storage.write(METADATA_FILENAME, metadata.to_json_bytes())
-    _release_lock(storage, lock)
+    release_lock(storage, lock)
 
 
 def _read_lock(storage: Storage) -> bytes | None:
@@ -389,7 +392,7 @@ def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
         )
 
 
-def _release_lock(storage: Storage, lock: bytes | None) -> None:
+def release_lock(storage: Storage, lock: bytes | None) -> None:
     """Remove the lock this save wrote (``lock``), leaving one another save has taken over."""
     try:
         if lock is None or _read_lock(storage) == lock:

@@ -16,9 +16,7 @@ from ..buffers import memoryview_of
 from ..checksums import ALGORITHM, CHUNK_BYTES, chunk_crcs
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_code
-from ..engine.save import _check_directory as check_directory
-from ..engine.save import _commit as commit
-from ..engine.save import _release_lock as release_lock
+from ..engine.save import check_directory, commit_metadata, release_lock
 from ..format.layout import FILE_ID_KEY, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import TensorShardSpec, TensorStorageMetadata, new_metadata
 from ..format.safetensors_header import build_header
@@ -91,7 +89,7 @@ def write_checkpoint(
     metadata = new_metadata(tensors, world_size=1, aliases=dict(aliases or {}))
     metadata = metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
     try:
-        commit(storage, metadata.with_file_ids({name: file_id}), lock)
+        commit_metadata(storage, metadata.with_file_ids({name: file_id}), lock)
     except BaseException:
         release_lock(storage, lock)
         raise

@@ -54,7 +54,7 @@ def _install_kill(point: str, part: str) -> None:
         return ours(path) and os.path.basename(path) == METADATA_FILENAME
 
     real_write, real_commit = local.LocalWriter.write, local.LocalWriter.commit
-    real_commit_md, real_release = save_mod._commit, save_mod._release_lock
+    real_commit_md, real_release = save_mod.commit_metadata, save_mod.release_lock
 
     def write(self, buffers):
         # Half of the bytes of the first write (the header and, for small files, every piece).
@@ -90,7 +90,7 @@ def _install_kill(point: str, part: str) -> None:
         return real_release(storage, lock)
 
     local.LocalWriter.write, local.LocalWriter.commit = write, commit
-    save_mod._commit, save_mod._release_lock = commit_metadata, release
+    save_mod.commit_metadata, save_mod.release_lock = commit_metadata, release
 
 
 def _killed_save(top: str, model, optim, point: str, part: str, overwrite: bool, use_async: bool = False) -> str:
