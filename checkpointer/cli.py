@@ -286,14 +286,16 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _wrote(files: list[str], out: str) -> str:
-    size = 0
+    """``wrote 3 files (1.2 GiB) to OUT``; the size only where every file is local."""
+    size: int | None = 0
     for f in files:
         try:
-            size += os.path.getsize(f)
+            size = None if size is None or "://" in f else size + os.path.getsize(f)
         except OSError:
-            pass
+            size = None
     who = "" if _world() == 1 else "rank 0 "
-    return f"{who}wrote {len(files)} file{'s' if len(files) != 1 else ''} ({format_bytes(size)}) to {out}"
+    count = f"{len(files)} file{'s' if len(files) != 1 else ''}"
+    return f"{who}wrote {count}{'' if size is None else f' ({format_bytes(size)})'} to {out}"
 
 
 def _world() -> int:

@@ -115,6 +115,8 @@ def convert(
     """
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; expected one of {FORMATS}")
+    if not str(src).strip() or not str(dst).strip():
+        raise ValueError("the path is empty (write '.' for the current directory)")
     fmt: str | None = None
     error: BaseException | None = None
     if dist.get_rank() == 0:

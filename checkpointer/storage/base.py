@@ -136,6 +136,8 @@ def open_storage(url: str | Storage) -> Storage:
     if isinstance(url, Storage):
         return url
     url = str(url)
+    if not url.strip():
+        raise ValueError("the path is empty (write '.' for the current directory)")
     scheme, sep, _ = url.partition("://")
     if not sep:
         from .local import LocalStorage

@@ -218,3 +218,14 @@ def test_export_keys_as_a_list_of_names(ckpts, tmp_path):
     with pytest.raises(ValueError, match=r"^keys not in the checkpoint at .*: \['nope'\]$"):
         export_safetensors(ckpts.ws1, str(tmp_path / "x.safetensors"), keys=["up.weight", "nope"])
     assert not os.path.exists(tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("argv", [("unshard", "{ck}", ""), ("unshard", "", "{out}"), ("convert", "{ck}", " ", "--to", "dcp")])
+def test_an_empty_path_is_refused(ckpts, capsys, tmp_path, monkeypatch, argv):
+    """An empty output path used to mean the current directory: HF shards written into it."""
+    monkeypatch.chdir(tmp_path)
+    argv = [a.format(ck=top_dir(ckpts, 1), out=str(tmp_path / "m.safetensors")) for a in argv]
+    code, stdout, err = cli(capsys, *argv)
+    assert (code, stdout) == (1, "")
+    assert "the path is empty" in err and len(err.splitlines()) == 1
+    assert os.listdir(tmp_path) == []
