@@ -16,7 +16,7 @@ import torch
 from .. import dist
 from ..engine.export import CheckpointTensors, export_checkpoint, parse_dtype, plan_export, run_export, select_tensors
 from ..engine.load import read_metadata
-from ..engine.locate import model_checkpoint
+from ..engine.locate import checkpoint_parts, model_checkpoint
 from ..errors import CheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename
 from ..storage.base import open_storage
@@ -138,6 +138,8 @@ def convert(
 
 def _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes) -> list[str]:
     source = open_source(fmt, src, allow_pickle=allow_pickle)
+    if fmt == "checkpointer" and notes is not None and "optim" in dict(checkpoint_parts(open_storage(src))):
+        notes(f"only the model is converted: the optimizer state in {open_storage(src).join('optim')} is not")
     skipped = getattr(source, "skipped", [])
     if skipped and notes is not None:
         shown = ", ".join(map(repr, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
