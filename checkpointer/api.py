@@ -190,6 +190,7 @@ def async_save_model_and_optim_state(
 
     Writing goes on in the background while training continues; the future gives this
     rank's files, and errors surface from ``.result()``. A new save waits for the one in flight.
+    The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
     """
     dir = str(dir).rstrip("/")
     with torch.no_grad():

@@ -75,6 +75,7 @@ class Checkpointer:
         The file is written and committed in the background while training goes on; the
         future holds :meth:`save`'s result, and its errors surface from ``.result()``. A new
         save (async or not) first waits for the one in flight. Every rank calls it together.
+        The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
         """
         return _first(self.async_save_many([(dir, state_dict)], save_overwrite=save_overwrite))
 
