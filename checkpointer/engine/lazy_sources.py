@@ -10,9 +10,11 @@ behave alike; a torch pickle (``.pt``/``.bin``) is loaded whole (or memory-mappe
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
+import pickle
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -290,14 +292,24 @@ def _torch_load(storage: Storage, name: str, where: str, *, mmap: bool, restrict
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
         # restrict=False is the caller's explicit choice to trust this file (API.md, lazy_load).
         return torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
-    except (OSError, MemoryError):
+    except OSError as ex:
+        if not _is_bad_archive(ex):
+            raise
+        raise CorruptCheckpointError(f"{where}: not a readable torch checkpoint (a damaged or truncated zip archive)") from ex
+    except MemoryError:
         raise
     except Exception as ex:  # noqa: BLE001 - any failure to unpickle is a bad file
         first_line = str(ex).strip().splitlines()[0] if str(ex).strip() else ""
-        hint = " (weights_only=True refuses pickled objects other than tensors and builtins)" if restrict else ""
+        refused = restrict and isinstance(ex, pickle.UnpicklingError)
+        hint = " (weights_only=True refuses pickled objects other than tensors and builtins)" if refused else ""
         raise CorruptCheckpointError(
             f"{where}: cannot load the torch checkpoint{hint}: {type(ex).__name__}: {first_line[:300]}"
         ) from ex
+
+
+def _is_bad_archive(ex: OSError) -> bool:
+    """torch's zip reader says EINVAL, naming no file, when the archive's directory is cut off."""
+    return ex.errno == errno.EINVAL and ex.filename is None
 
 
 def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:

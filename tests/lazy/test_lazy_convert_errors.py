@@ -181,6 +181,18 @@ def test_truncated_safetensors(tmp_path):
         list(lazy_load(str(tmp_path / "m.safetensors")))
 
 
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize("keep", [0.5, 0.99])
+def test_truncated_torch_file_is_corrupt_and_named(tmp_path, keep, mmap):
+    path = tmp_path / "m.pt"
+    torch.save({"a": torch.randn(64, 64), "b": torch.randn(64)}, str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CorruptCheckpointError, match=str(path)) as info:
+        lazy_load(str(path), mmap=mmap)
+    assert "weights_only" not in str(info.value)  # a damaged file, not a refused object
+
+
 def test_empty_directory(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=str(tmp_path)):
         lazy_load(str(tmp_path))
@@ -243,6 +255,7 @@ def test_restrict_refuses_pickled_classes(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=str(path)) as info:
         lazy_load(str(path))
     assert info.value.__cause__ is not None
+    assert "weights_only=True refuses" in str(info.value)
     got = dict(lazy_load(str(path), restrict=False))  # trusted: the object is unpickled, then skipped
     assert list(got) == ["w"]
 
