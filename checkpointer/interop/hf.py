@@ -62,6 +62,8 @@ class HFTensors:
         self._where: dict[str, str] = {}
         order: list[tuple[str, int, str]] = []
         for name in files:
+            if self._index is not None and not self.storage.exists(name):
+                raise CorruptCheckpointError(f"{self.storage.join(name)}: shard listed in {INDEX_NAME} is missing")
             header = self._headers.get(name)
             for key, entry in header.entries.items():
                 if key in self._where:

@@ -270,3 +270,21 @@ def test_nested_torch_file_is_flattened(tmp_path):
     torch.save({"model": {"a": torch.ones(2), "b": {"c": torch.zeros(3)}}, "step": 7}, str(tmp_path / "n.pt"))
     got = dict(lazy_load(str(tmp_path / "n.pt")))
     assert sorted(got) == ["model.a", "model.b.c"]
+
+
+# ---------------------------------------------------------------------------------------
+# The Hugging Face reader behind ``checkpointer convert``
+# ---------------------------------------------------------------------------------------
+
+
+def test_hf_source_shard_missing_names_the_index(tmp_path):
+    from checkpointer.interop.hf import HFTensors
+
+    write_hf_index(str(tmp_path / "hf"), hf_state())
+    os.remove(tmp_path / "hf" / "model-00002-of-00003.safetensors")
+    with pytest.raises(CorruptCheckpointError) as info:
+        HFTensors(str(tmp_path / "hf"))
+    message = str(info.value)
+    assert "model-00002-of-00003.safetensors" in message and "model.safetensors.index.json" in message
+    assert "metadata.json" not in message.replace("model.safetensors.index.json", "")
+
