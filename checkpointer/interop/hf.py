@@ -115,6 +115,6 @@ class HFTensors:
         if out.numel():
             try:
                 self.storage.read_into(name, [(entry.start, memoryview_of(out.view(-1)))])
-            except (OSError, EOFError) as ex:
+            except (FileNotFoundError, EOFError) as ex:  # other OSErrors are I/O failures, not damage
                 raise CorruptCheckpointError(f"{self.storage.join(name)}: cannot read tensor {key!r}: {ex}") from ex
         return out

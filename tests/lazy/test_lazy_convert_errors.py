@@ -288,3 +288,18 @@ def test_hf_source_shard_missing_names_the_index(tmp_path):
     assert "model-00002-of-00003.safetensors" in message and "model.safetensors.index.json" in message
     assert "metadata.json" not in message.replace("model.safetensors.index.json", "")
 
+
+class _DroppedConnection(CountingStorage):
+    def read_into(self, name, requests):
+        raise ConnectionResetError(f"connection reset while reading {self.join(name)}")
+
+
+def test_hf_source_io_failure_is_an_os_error_not_corruption(tmp_path):
+    """A network failure says nothing about the file: it must not be called a damaged checkpoint."""
+    from checkpointer.interop.hf import HFTensors
+
+    save_file(hf_state(), str(tmp_path / "model.safetensors"))
+    src = HFTensors(_DroppedConnection(str(tmp_path)))
+    key = src.entries()[0][0]
+    with pytest.raises(ConnectionResetError, match="model.safetensors"):
+        src.fetch(key)
