@@ -102,6 +102,8 @@ def parse_dtype(dtype: str | torch.dtype | None) -> str | None:
     if dtype is None:
         return None
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"cannot cast floating-point tensors to {dtype}: use bf16, fp16, fp32 or fp64")
         return code_from_dtype(dtype)
     text = str(dtype).strip()
     if text.upper() in DTYPE_CODES and text.upper() in _FLOAT_CODES:

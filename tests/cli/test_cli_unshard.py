@@ -162,6 +162,17 @@ def test_parse_size_and_dtype():
     assert [export_module.parse_dtype(x) for x in ("bf16", "float16", torch.float32, "F64", None)] == [
         "BF16", "F16", "F32", "F64", None,
     ]
+    for bad in ("int8", torch.int8, torch.int64, torch.bool, torch.uint8):
+        with pytest.raises(ValueError, match="bf16"):
+            export_module.parse_dtype(bad)
+
+
+def test_export_refuses_a_dtype_that_is_not_floating_point(tmp_path):
+    """``dtype=torch.int8`` would truncate every weight to an integer: refused like ``"int8"``."""
+    checkpointer.Checkpointer().save(str(tmp_path / "ck"), {"w": torch.randn(4, 3)})
+    with pytest.raises(ValueError, match="torch.int8"):
+        export_safetensors(str(tmp_path / "ck"), str(tmp_path / "out.safetensors"), dtype=torch.int8)
+    assert not os.path.exists(tmp_path / "out.safetensors")
 
 
 def _flip_byte_of(path: str, key: str, at: float) -> None:
