@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from .dtypes import DTYPE_CODES, itemsize
+from .dtypes import READABLE_CODES, itemsize
 from .metadata import MAX_NDIM, reject_duplicate_keys
 
 __all__ = [
@@ -79,7 +79,7 @@ def parse_header(header_json: bytes, *, where: str, file_size: int) -> Safetenso
         try:
             dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
             ok = (
-                dtype in DTYPE_CODES
+                isinstance(dtype, str)
                 and isinstance(shape, list)
                 and len(shape) <= MAX_NDIM
                 and all(type(d) is int and d >= 0 for d in shape)
@@ -91,6 +91,10 @@ def parse_header(header_json: bytes, *, where: str, file_size: int) -> Safetenso
             ok = False
         if not ok:
             raise CorruptCheckpointError(f"{where}: bad safetensors header entry for {key!r}")
+        if dtype not in READABLE_CODES:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} has dtype {dtype!r:.40}, which cannot be read (known: {', '.join(READABLE_CODES)})"
+            )
         numel = math.prod(shape)
         if (end - start) != numel * itemsize(dtype) or data_start + end > file_size:
             raise CorruptCheckpointError(

@@ -15,7 +15,7 @@ import torch
 from ..buffers import memoryview_of
 from ..checksums import ALGORITHM, CHUNK_BYTES, chunk_crcs
 from ..errors import CheckpointError
-from ..format.dtypes import dtype_from_code
+from ..format.dtypes import DTYPE_CODES, dtype_from_code
 from ..engine.save import check_directory, commit_metadata, release_lock
 from ..format.layout import FILE_ID_KEY, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import TensorShardSpec, TensorStorageMetadata, new_metadata
@@ -43,6 +43,12 @@ def write_checkpoint(
     """
     if not entries:
         raise CheckpointError("nothing to write: the source holds no tensor")
+    foreign = [(key, code) for key, _, code in entries if code not in DTYPE_CODES]
+    if foreign:
+        raise CheckpointError(
+            f"cannot write {foreign[0][0]!r} ({len(foreign)} tensors in all): its dtype {foreign[0][1]} is not one "
+            f"this library's checkpoints hold ({', '.join(DTYPE_CODES)})"
+        )
     storage = open_storage(dst)
     # As a save does: refuse, or make the old checkpoint read as incomplete from here on.
     lock = check_directory(storage, save_overwrite, retire_old=True)

@@ -11,7 +11,7 @@ import torch
 from lazy_helpers import CountingStorage, expected_slice, reference_state, write_hf_index
 from safetensors.torch import save_file
 
-from checkpointer import Checkpointer, lazy_load
+from checkpointer import Checkpointer, CorruptCheckpointError, lazy_load
 
 DIMS_A = {"embed.weight": 0, "proj.weight": 1, "proj.bias": 0, "tiny": 0, "ids": 2, "mask": 1, "empty": 0}
 DIMS_B = {"embed.weight": 1, "proj.weight": 0, "tiny": 1, "ids": -2, "mask": 0, "empty": 1}
@@ -326,3 +326,54 @@ def test_hf_source_over_http_a_file_whose_name_is_percent_encoded(http_root):
     save_file({"w": w}, os.path.join(root, "my model+v2%.safetensors"))
     src = HFTensors(server.url + "/" + quote("my model+v2%.safetensors"))
     assert [key for key, _, _ in src.entries()] == ["w"] and torch.equal(src.fetch("w"), w)
+
+
+# ---------------------------------------------------------------------------------------
+# Dtypes other safetensors writers use (not this library's own format)
+# ---------------------------------------------------------------------------------------
+
+
+def test_safetensors_dtypes_beyond_our_format(tmp_path):
+    """uint16/32/64 and complex64 are valid safetensors (safetensors.torch writes them); a
+    lazy load must read them, exactly, as it reads the same tensors from a .pt file."""
+    g = torch.Generator().manual_seed(4)
+    state = {
+        "u16": torch.randint(0, 1 << 16, (6, 5), generator=g).to(torch.uint16),
+        "u32": torch.randint(0, 1 << 31, (7, 3), generator=g).to(torch.uint32),
+        "u64": torch.randint(0, 1 << 62, (5,), generator=g).to(torch.uint64),
+        "c64": torch.randn(4, 6, generator=g, dtype=torch.complex64),
+    }
+    dims = {"u16": 1, "u32": 0, "u64": 0, "c64": 1}
+    save_file(state, str(tmp_path / "q.safetensors"))
+    write_hf_index(str(tmp_path / "hf"), state, files=2)
+    for path in (str(tmp_path / "q.safetensors"), str(tmp_path / "hf")):
+        for tp_rank in range(2):
+            got = dict(lazy_load(path, dims, tp_rank=tp_rank, tp_size=2))
+            for key, full in state.items():
+                want = expected_slice(full, dims[key], tp_rank, 2)
+                assert got[key].dtype == full.dtype, key
+                assert torch.equal(got[key].view(torch.uint8), want.contiguous().view(torch.uint8)), key
+
+
+def test_safetensors_dtype_we_cannot_read_is_named(tmp_path):
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}).encode()
+    (tmp_path / "f4.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+    with pytest.raises(CorruptCheckpointError, match=r"f4.safetensors.*'w'.*dtype 'F4'"):
+        list(lazy_load(str(tmp_path / "f4.safetensors")))
+
+
+def test_convert_of_a_dtype_our_format_cannot_hold_writes_nothing(tmp_path):
+    from checkpointer import CheckpointError
+    from checkpointer.interop.convert import convert
+
+    q = torch.arange(6, dtype=torch.int32).to(torch.uint32)
+    save_file({"w": torch.ones(2), "q": q}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="'q'.*U32"):
+        convert(str(tmp_path / "model.safetensors"), str(tmp_path / "ck"), to="checkpointer")
+    assert not os.path.exists(tmp_path / "ck") or not os.listdir(tmp_path / "ck")
+    convert(str(tmp_path / "model.safetensors"), str(tmp_path / "out.safetensors"), to="hf")
+    got = dict(lazy_load(str(tmp_path / "out.safetensors")))
+    assert torch.equal(got["q"], q)
