@@ -6,8 +6,9 @@ The recipe (after Megatron-core's two-stage strategy):
 2. All ranks exchange what they need: ``(file, key, element interval)`` lists (one all-gather).
 3. Every rank computes the same schedule (:func:`~checkpointer.planning.readers.assign_readers`):
    units of elements each needed by one set of ranks, each with one reader among them.
-4. Units go in batches of bounded size. While batch ``k`` is shared (one broadcast when every
-   rank needs a unit, point-to-point sends otherwise), a thread reads batch ``k + 1``.
+4. Units, cut to at most a batch each, go in batches of bounded size. While batch ``k`` is
+   shared (one broadcast when every rank needs a unit, point-to-point sends otherwise), a
+   thread reads batch ``k + 1``.
 5. Each rank copies the units it needs into its tensors. A rank whose read failed still
    takes part in every exchange, then all ranks raise at the closing agreement.
 """
@@ -19,7 +20,7 @@ import logging
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -107,7 +108,7 @@ def load_two_stage(
         dist.agree(error, "two-stage load")
     needs_per_rank = [[Need(*n) for n in g["needs"]] for g in gathered]
     sizes = {key: itemsize(meta.dtype) for key, meta in metadata.tensors.items()}
-    units = assign_readers(needs_per_rank, sizes)
+    units = _split(assign_readers(needs_per_rank, sizes), sizes)
     lap("planning")
 
     headers = HeaderCache(storage, metadata.file_ids)
@@ -167,6 +168,15 @@ def load_two_stage(
     dist.agree(error, "two-stage load")
     log.debug("two-stage load on rank %d: %s", rank, stats)
     return stats
+
+
+def _split(units: list[ReadUnit], sizes: dict[str, int]) -> list[ReadUnit]:
+    """Units of at most a batch each: a large replicated tensor is staged a batch at a time."""
+    out: list[ReadUnit] = []
+    for u in units:
+        step = max(1, _BATCH_BYTES // sizes[u.key])
+        out.extend(replace(u, start=lo, end=min(lo + step, u.end)) for lo in range(u.start, u.end, step))
+    return out
 
 
 def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit]]:

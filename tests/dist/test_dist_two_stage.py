@@ -50,3 +50,31 @@ def test_two_stage_reads_replicated_data_once(run_distributed, tmp_path):
     two_stage_total = run_distributed(_load_counting, 4, ckpt, "two_stage")[0]
     assert default_total >= 4 * data_bytes * 0.99, default_total  # every rank reads it all
     assert data_bytes * 0.99 <= two_stage_total <= data_bytes * 1.1, (two_stage_total, data_bytes)
+
+
+def _load_with_small_batches(rank, world_size, ckpt, batch_bytes):
+    from checkpointer import dist as ckpt_dist
+    from checkpointer.engine import two_stage
+
+    shared: list[int] = []
+    real_share = ckpt_dist.share_tensor
+
+    def share_tensor(buf, reader, ranks, tag):
+        shared.append(buf.numel())
+        return real_share(buf, reader, ranks, tag)
+
+    state = {k: torch.zeros_like(v) for k, v in full().items()}
+    with mock.patch.object(two_stage, "_BATCH_BYTES", batch_bytes), mock.patch.object(ckpt_dist, "share_tensor", share_tensor):
+        Checkpointer().load(ckpt, state, strategy="two_stage")
+    expected = full()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    return max(shared)
+
+
+def test_two_stage_buffers_stay_within_a_batch(run_distributed, tmp_path):
+    """A replicated tensor larger than a batch goes in batch-sized parts: a 1 MiB tensor must
+    not be staged whole (a 1 GiB embedding would cost 1 GiB, twice with the read-ahead)."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save, 1, ckpt)
+    largest = run_distributed(_load_with_small_batches, 2, ckpt, 64 << 10)
+    assert max(largest) <= 64 << 10, largest
