@@ -27,11 +27,12 @@ import torch
 
 from .. import dist
 from ..buffers import memoryview_of
+from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
-from .load import copy_into, plan_local_loads
+from .load import LocalLoad, copy_into, plan_local_loads
 from .rankfile import HeaderCache, ReadJob, piece_start, read_file_ranges, verify_reads
 
 __all__ = ["LoadStats", "load_two_stage"]
@@ -54,10 +55,25 @@ class LoadStats:
 
 
 @dataclass
+class _Staged:
+    """A destination read through host memory (on a device, or not contiguous): its buffer is
+    made when its first unit arrives, and copied into place and let go when its last one has."""
+
+    load: LocalLoad
+    missing: int  # elements not received yet
+    flat: torch.Tensor | None = None
+
+    def buffer(self) -> torch.Tensor:
+        if self.flat is None:
+            self.flat = torch.empty(self.load.local.numel, dtype=self.load.local.data.dtype)
+        return self.flat
+
+
+@dataclass
 class _Dest:
     start: int  # element offset into the piece
     numel: int
-    dest: torch.Tensor  # flat destination
+    dest: torch.Tensor | _Staged  # flat destination, or one filled through host memory
     offset: int  # element offset into dest
 
 
@@ -82,19 +98,20 @@ def load_two_stage(
     error: BaseException | None = None
     needs: list[Need] = []
     dests: dict[tuple[str, str], list[_Dest]] = defaultdict(list)
-    staged: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    staged: list[_Staged] = []
     jobs: list[ReadJob] = []
     try:
         for load in plan_local_loads(storage, metadata, state_dict):
             if load.local.numel == 0:
                 continue
             data = load.local.data
+            flat: torch.Tensor | _Staged
             if data.device.type == "cpu" and data.is_contiguous():
                 flat = data.view(-1)
+                jobs.append(load.job(flat))
             else:
-                flat = torch.empty(load.local.numel, dtype=data.dtype)
-                staged.append((load.key, flat, data))
-            jobs.append(load.job(flat))
+                flat = _Staged(load, load.local.numel)
+                staged.append(flat)
             for item in load.plan.items:
                 needs.append(Need(item.file, load.plan.key, item.src_offset, item.src_offset + item.numel))
                 dests[(item.file, load.plan.key)].append(_Dest(item.src_offset, item.numel, flat, item.dst_offset))
@@ -108,10 +125,12 @@ def load_two_stage(
         dist.agree(error, "two-stage load")
     needs_per_rank = [[Need(*n) for n in g["needs"]] for g in gathered]
     sizes = {key: itemsize(meta.dtype) for key, meta in metadata.tensors.items()}
-    units = _split(assign_readers(needs_per_rank, sizes), sizes)
+    # By key: the units of a tensor follow each other, so one staged tensor is in host memory at a time.
+    units = sorted(_split(assign_readers(needs_per_rank, sizes), sizes), key=lambda u: (u.key, u.file, u.start))
     lap("planning")
 
     headers = HeaderCache(storage, metadata.file_ids)
+    chunk = metadata.checksum_chunk_bytes if verify else None
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
 
@@ -149,22 +168,20 @@ def load_two_stage(
             lap("broadcasts")
             try:
                 for u in batch:
-                    _scatter_unit(u, bufs[u], dests[(u.file, u.key)], sizes[u.key])
+                    for done in _scatter_unit(u, bufs[u], dests[(u.file, u.key)], sizes[u.key]):
+                        _finish(storage, done, headers, chunk)
             except BaseException as ex:  # noqa: BLE001 - raised after the exchanges
                 error = error or ex
             lap("copies")
-    if verify and metadata.checksum_chunk_bytes and error is None:
+    if chunk and error is None:
         try:
-            verify_reads(storage, jobs, headers=headers, chunk_bytes=metadata.checksum_chunk_bytes)
+            verify_reads(storage, jobs, headers=headers, chunk_bytes=chunk)
         except BaseException as ex:  # noqa: BLE001 - reported to every rank
             error = ex
         lap("verify")
-    try:
-        for key, flat, data in staged:
-            copy_into(key, data, flat)
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank
-        error = error or ex
-    lap("copies")
+    unfilled = [s.load.key for s in staged if s.missing]
+    if unfilled and error is None:
+        error = CheckpointError(f"two-stage load left {unfilled[:5]} unfilled ({len(unfilled)} tensors)")
     dist.agree(error, "two-stage load")
     log.debug("two-stage load on rank %d: %s", rank, stats)
     return stats
@@ -194,12 +211,28 @@ def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit
     return out
 
 
-def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: list[_Dest], size: int) -> None:
-    """Copy the parts of a unit this rank needs into its destination tensors."""
+def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: list[_Dest], size: int) -> list[_Staged]:
+    """Copy the parts of a unit this rank needs into its destinations; returns the staged
+    destinations this unit completed."""
+    done = []
     for d in dests:
         lo, hi = max(unit.start, d.start), min(unit.end, d.start + d.numel)
         if hi <= lo:
             continue
-        target = d.dest.view(torch.uint8) if d.dest.dtype != torch.uint8 else d.dest
+        flat = d.dest.buffer() if isinstance(d.dest, _Staged) else d.dest
+        target = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
         dst = (d.offset + lo - d.start) * size
         target[dst : dst + (hi - lo) * size].copy_(buf[(lo - unit.start) * size : (hi - unit.start) * size])
+        if isinstance(d.dest, _Staged):
+            d.dest.missing -= hi - lo
+            if d.dest.missing == 0:
+                done.append(d.dest)
+    return done
+
+
+def _finish(storage: Storage, staged: _Staged, headers: HeaderCache, chunk: int | None) -> None:
+    """Check a completed staged tensor's checksums (with ``chunk``), copy it into place, let it go."""
+    flat, staged.flat = staged.buffer(), None
+    if chunk:
+        verify_reads(storage, [staged.load.job(flat)], headers=headers, chunk_bytes=chunk)
+    copy_into(staged.load.key, staged.load.local.data, flat)

@@ -78,3 +78,57 @@ def test_two_stage_buffers_stay_within_a_batch(run_distributed, tmp_path):
     run_distributed(_save, 1, ckpt)
     largest = run_distributed(_load_with_small_batches, 2, ckpt, 64 << 10)
     assert max(largest) <= 64 << 10, largest
+
+
+STAGED = {f"w{i}": (64, 64) for i in range(8)}  # 16 KiB each
+
+
+def _staged_full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(12)
+    return {k: torch.randn(*shape, generator=g) for k, shape in STAGED.items()}
+
+
+def _save_flat_halves(rank, world_size, ckpt):
+    from checkpointer import FlatShardedTensor
+
+    state = {}
+    for key, t in _staged_full().items():
+        n = t.numel()
+        lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+        state[key] = FlatShardedTensor(t.reshape(-1)[lo:hi].clone(), tuple(t.shape), ((lo, hi),))
+    Checkpointer().save(ckpt, state)
+    return True
+
+
+def _load_strided_measuring_staging(rank, world_size, ckpt):
+    """Load into transposed (non-contiguous) tensors, as device tensors load: through host
+    memory. Returns the most float32 host memory two-stage held at once."""
+    import weakref
+
+    live, peak = [0], [0]
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype == torch.float32:
+            live[0] += t.numel() * 4
+            peak[0] = max(peak[0], live[0])
+            weakref.finalize(t, lambda n=t.numel() * 4: live.__setitem__(0, live[0] - n))
+        return t
+
+    state = {k: torch.zeros(shape[1], shape[0]).t() for k, shape in STAGED.items()}
+    with mock.patch.object(torch, "empty", empty):
+        Checkpointer().load(ckpt, state, strategy="two_stage", verify=True)
+    expected = _staged_full()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    return peak[0]
+
+
+def test_two_stage_stages_one_tensor_at_a_time(run_distributed, tmp_path):
+    """A model on a GPU (or with strided tensors) is loaded through host memory; two-stage held a
+    host copy of every such tensor until the end: a whole replicated model on every rank."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_flat_halves, 2, ckpt)
+    peaks = run_distributed(_load_strided_measuring_staging, 2, ckpt)
+    one = 64 * 64 * 4
+    assert max(peaks) <= 2 * one, (peaks, one)
