@@ -55,6 +55,7 @@ HF_INDEX = "model.safetensors.index.json"
 HF_BIN_INDEX = "pytorch_model.bin.index.json"
 HF_SINGLE = "model.safetensors"
 HF_BIN_SINGLE = "pytorch_model.bin"
+DCP_METADATA = ".metadata"
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
 
@@ -256,6 +257,11 @@ def _open_dir(storage: Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyT
         if _has(storage, single):
             file_storage, name = _resolve(storage, single)
             return _open_file(file_storage, name, storage.join(single), mmap=mmap, restrict=restrict)
+    if _has(storage, DCP_METADATA):
+        raise CorruptCheckpointError(
+            f"{storage.url} is a torch DCP checkpoint, which lazy_load does not read: convert it first "
+            f"(checkpointer convert {storage.url} OUT --to checkpointer --allow-pickle, for a DCP checkpoint you trust)"
+        )
     for root in (storage, storage.child("model")):
         try:
             names = root.list()

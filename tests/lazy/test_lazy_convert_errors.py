@@ -303,3 +303,16 @@ def test_hf_source_io_failure_is_an_os_error_not_corruption(tmp_path):
     key = src.entries()[0][0]
     with pytest.raises(ConnectionResetError, match="model.safetensors"):
         src.fetch(key)
+
+
+def test_dcp_directory_is_named_with_the_way_out(tmp_path):
+    """A torch DCP directory is a checkpoint lazy_load does not read: say so, not 'no checkpoint found'."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    with pytest.raises(CorruptCheckpointError, match=r"dcp is a torch DCP checkpoint.*checkpointer convert"):
+        lazy_load(str(tmp_path / "dcp"))
