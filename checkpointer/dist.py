@@ -44,6 +44,7 @@ __all__ = [
     "all_reduce_min",
     "all_equal",
     "agree",
+    "agree_after",
     "barrier",
     "share_from",
     "run_alone",
@@ -82,6 +83,7 @@ def _device(group: Any = None) -> torch.device:
 _ARRIVALS = "checkpointer/arrivals"
 _STRAGGLER_S = 5.0  # how long a survivor waits for ranks that have not arrived yet, at most
 _STORE_S = 10.0  # the most the store may take to answer on the failure path
+_PULSE_S = 5.0  # how often ranks that wait for another's long work show they are alive
 
 
 class _Arrival:
@@ -298,6 +300,36 @@ def agree(error: BaseException | None, what: str, *, no_dist: bool = False, grou
         raise error
     rank, status = failed[0]
     _raise_remote(rank, status, what)
+
+
+def agree_after(work: Callable[[], Any], what: str, *, no_dist: bool = False) -> Any:
+    """Run ``work()`` on every rank, then :func:`agree` on its outcome; returns its result.
+
+    Work of very different lengths (one rank writing a whole file) must not look like a dead
+    rank: while it runs, on a thread, every rank answers a short all-gather every
+    :data:`_PULSE_S` seconds until all are done, so only a rank that stops answering for
+    ``CHECKPOINTER_TIMEOUT_S`` fails the phase, however long the work takes."""
+    if no_dist or not is_distributed():
+        return work()
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["result"] = work()
+        except BaseException as ex:  # noqa: BLE001 - brought to the agreement
+            outcome["error"] = ex
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="checkpointer-work", daemon=True).start()
+    while True:
+        done.wait(min(_PULSE_S, timeout_seconds() / 4))
+        finished = [json.loads(b) for b in all_gather_bytes(json.dumps(done.is_set()).encode())]
+        if all(finished):
+            break
+    agree(outcome.get("error"), what)
+    return outcome.get("result")
 
 
 def _raise_remote(rank: int, status: dict, what: str) -> None:

@@ -446,31 +446,31 @@ def run_export(
     """
     rank = 0 if no_dist else dist.get_rank()
     files: list[str] = []
-    error = prepared_error
-    storage: Storage | None = None
-    if error is None:
+
+    def write_mine() -> Storage:
+        if prepared_error is not None:
+            raise prepared_error
+        if plan.single_file:
+            parent, filename = split_output(str(out))
+            storage = open_storage(parent)
+        else:
+            storage, filename = open_storage(out), ""
+        storage.prepare()
+        mine = [s for s in plan.shards if s.writer == rank]
+        bar = make_progress(sum(s.nbytes for s in mine), sum(len(s.tensors) for s in mine)) if make_progress else None
+        staging = Staging()
         try:
-            if plan.single_file:
-                parent, filename = split_output(str(out))
-                storage = open_storage(parent)
-            else:
-                storage, filename = open_storage(out), ""
-            storage.prepare()
-            mine = [s for s in plan.shards if s.writer == rank]
-            bar = make_progress(sum(s.nbytes for s in mine), sum(len(s.tensors) for s in mine)) if make_progress else None
-            staging = Staging()
-            try:
-                for shard in mine:
-                    files.append(_write_shard(storage, filename or shard.name, shard, fetch, bar, staging))
-            finally:
-                if bar is not None:
-                    bar.close()
-        except BaseException as ex:  # noqa: BLE001 - reported to every rank
-            error = ex
-    dist.agree(error, "export", no_dist=no_dist)
+            for shard in mine:
+                files.append(_write_shard(storage, filename or shard.name, shard, fetch, bar, staging))
+        finally:
+            if bar is not None:
+                bar.close()
+        return storage
+
+    # One rank may write for much longer than another (a single file is all rank 0's work).
+    storage = dist.agree_after(write_mine, "export", no_dist=no_dist)
     if plan.single_file:
         return files
-    assert storage is not None
     index_error: BaseException | None = None
     if rank == 0:
         try:

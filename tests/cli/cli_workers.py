@@ -162,3 +162,21 @@ def slow_convert(rank: int, world_size: int, src: str, dst: str, to: str, second
         else:
             os.environ["CHECKPOINTER_TIMEOUT_S"] = before
     return None
+
+
+def export_one_file_slowly(rank: int, world_size: int, dir: str, out: str, timeout_s: str, delay_s: float) -> list[str]:
+    """A one-file export (rank 0 writes it all) that takes longer than CHECKPOINTER_TIMEOUT_S."""
+    import time
+    from unittest import mock
+
+    from checkpointer import export_safetensors
+    from checkpointer.engine import export
+
+    real = export._write_tensor
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        time.sleep(delay_s)
+        real(*args, **kwargs)
+
+    with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": timeout_s}), mock.patch.object(export, "_write_tensor", slow):
+        return export_safetensors(dir, out)

@@ -240,3 +240,17 @@ def test_an_empty_path_is_refused(ckpts, capsys, tmp_path, monkeypatch, argv):
     assert (code, stdout) == (1, "")
     assert "the path is empty" in err and len(err.splitlines()) == 1
     assert os.listdir(tmp_path) == []
+
+
+def test_one_file_export_longer_than_the_timeout_under_a_process_group(tmp_path, run_distributed):
+    """Under torchrun a one-file export is rank 0's work alone; the other ranks waited for it in a
+    collective bounded by CHECKPOINTER_TIMEOUT_S, so every export longer than that (300 s: any
+    large model) failed on all ranks with 'rank 0 stopped answering' though rank 0 was writing."""
+    from cli_workers import export_one_file_slowly
+
+    src = str(tmp_path / "ck")
+    checkpointer.Checkpointer().save(src, {"a": torch.arange(6.0), "b": torch.ones(2, 3)})
+    out = str(tmp_path / "one.safetensors")
+    per_rank = run_distributed(export_one_file_slowly, 2, src, out, "2", 2.5, timeout=120)
+    assert per_rank == [[out], []]
+    assert_same_tensors(load_file(out), {"a": torch.arange(6.0), "b": torch.ones(2, 3)})
