@@ -47,7 +47,6 @@ __all__ = [
     "agree_after",
     "barrier",
     "share_from",
-    "run_alone",
     "share_tensor",
     "new_cpu_group",
     "join_from_env",
@@ -120,7 +119,7 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _in_thread(fn: Callable[[], Any], *, name: str = "checkpointer-store") -> Future:
+def _in_thread(fn: Callable[[], Any]) -> Future:
     """``fn()`` on a daemon thread: a future of its result or error, to be waited for with a bound."""
     future: Future = Future()
 
@@ -130,7 +129,7 @@ def _in_thread(fn: Callable[[], Any], *, name: str = "checkpointer-store") -> Fu
         except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(ex)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=run, name="checkpointer-store", daemon=True).start()
     return future
 
 
@@ -363,29 +362,6 @@ def share_from(src: int, produce, what: str, *, no_dist: bool = False) -> bytes:
     status = json.loads(data[1:])
     _raise_remote(src, status, what)
     raise AssertionError("unreachable")
-
-
-def run_alone(src: int, fn: Callable[[], Any], what: str) -> Any:
-    """``fn()`` on rank ``src`` while the other ranks wait for it, however long it takes: its result
-    on ``src``, None elsewhere; its error reaches every rank. One collective would give up after
-    ``CHECKPOINTER_TIMEOUT_S``, so ``src`` runs ``fn`` on a thread and says every quarter of that
-    timeout whether it has finished."""
-    if not is_distributed():
-        return fn()
-    mine = get_rank() == src
-    outcome: Future = _in_thread(fn, name="checkpointer-alone") if mine else Future()
-    finished = False
-    while not finished:
-        status = None
-        if mine:
-            try:
-                outcome.exception(timeout=timeout_seconds() / 4)
-                status = b"1"
-            except FutureTimeout:
-                status = b"0"
-        finished = broadcast_bytes(status, src=src) == b"1"
-    agree(outcome.exception() if mine else None, what)
-    return outcome.result() if mine else None
 
 
 def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int) -> None:

@@ -131,9 +131,11 @@ def convert(
     assert fmt is not None
 
     def alone() -> list[str]:
+        if dist.get_rank() != 0:
+            return []
         return _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes)
 
-    return dist.run_alone(0, alone, "convert") or []
+    return dist.agree_after(alone, "convert")
 
 
 def _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes) -> list[str]:
