@@ -321,12 +321,14 @@ def agree_after(work: Callable[[], Any], what: str, *, no_dist: bool = False) ->
         finally:
             done.set()
 
-    threading.Thread(target=run, name="checkpointer-work", daemon=True).start()
+    worker = threading.Thread(target=run, name="checkpointer-work", daemon=True)
+    worker.start()
     while True:
         done.wait(min(_PULSE_S, timeout_seconds() / 4))
         finished = [json.loads(b) for b in all_gather_bytes(json.dumps(done.is_set()).encode())]
         if all(finished):
             break
+    worker.join()  # gone before the caller goes on (to exit, say), not only done
     agree(outcome.get("error"), what)
     return outcome.get("result")
 

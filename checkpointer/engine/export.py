@@ -301,7 +301,6 @@ class CheckpointTensors:
             )
         return full
 
-
     def fetch_streaming(self, key: str) -> tuple[torch.Tensor, Iterator[int]]:
         """Like :meth:`fetch`, reading in blocks on a thread: returns the tensor at once and an
         iterator of how many of its bytes are ready, so the caller writes while the rest is read.
