@@ -96,6 +96,15 @@ class _Arrival:
     def _key(self, rank: int) -> str:
         return f"{_ARRIVALS}/{self.group.group_name}/{rank}"
 
+    def settle(self) -> None:
+        """After the collective: let the count's thread finish. One still inside the store's C++
+        client when the process exits (or destroys its group) aborts the process: 'terminate
+        called without an active exception', seen at the end of CLI runs under torchrun."""
+        try:
+            self.count.exception(timeout=_STORE_S)
+        except FutureTimeout:
+            pass
+
     def missing(self) -> list[int]:
         """The ranks that have not entered this collective (after waiting a little for stragglers)."""
         mine = self.count.result()  # raises what the store raised
@@ -168,6 +177,8 @@ def _wait(work: dist.Work | None, what: str, arrival: _Arrival | None = None, pe
         raise RankFailedError(
             f"{what}: {who} stopped answering (died, or exceeded {TIMEOUT_ENV}={timeout_seconds():g}s){detail}: {ex}"
         ) from ex
+    if arrival is not None:
+        arrival.settle()
 
 
 def _to_tensor(payload: bytes, size: int, group: Any = None) -> torch.Tensor:
