@@ -81,7 +81,10 @@ class RetryPolicy:
     def delay(self, retry: int) -> float:
         """Backoff before retry number ``retry`` (1-based): exponential, jittered in its upper half."""
         cap = min(self.max_delay, self.base_delay * (2 ** (retry - 1)))
-        return random.uniform(cap / 2, cap)
+        return _JITTER.uniform(cap / 2, cap)
+
+
+_JITTER = random.Random()  # its own: retries must not move the sequence of a user's seeded `random`
 
 
 class HTTPStatusError(OSError):

@@ -253,3 +253,17 @@ def test_part_writer_grows_parts_and_bounds_their_count() -> None:
     with pytest.raises(OSError, match="more than 3 parts: raise part_size"):
         capped.write([memoryview(data)])
     capped.abort()
+
+
+def test_backoff_jitter_leaves_the_global_random_alone():
+    """A job that seeds ``random`` gets the same numbers whether or not a transfer retried."""
+    import random
+
+    from checkpointer.storage.retry import RetryPolicy
+
+    random.seed(1234)
+    want = [random.random() for _ in range(3)]
+    random.seed(1234)
+    delays = [RetryPolicy(retries=3).delay(n) for n in (1, 2, 3)]
+    assert [random.random() for _ in range(3)] == want
+    assert 0.125 <= delays[0] <= 0.25 and 0.5 <= delays[2] <= 1.0
