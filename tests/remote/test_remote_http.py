@@ -25,6 +25,16 @@ from checkpointer.cli import main as cli_main
 SLACK = 1.1
 
 
+def load_into_fresh_model(url: str, want_model: dict, want_optim: dict):
+    """Load ``url`` into a new plain model and optimizer, check them, and return them."""
+    model = build_model(1, seed=1)
+    optim = build_optim(model, "adamw", fresh=True)
+    load_model_and_optim_state(url, model, optim)
+    assert_same(want_model, model_full_state(model))
+    assert_same(want_optim, optim_full_state(model, optim))
+    return model, optim
+
+
 def test_load_over_http(run_distributed, file_server, proxies, tmp_path, capsys, loopback_env):
     root = tmp_path / "served"
     saved = run_distributed(save_model, 2, None, str(root / "step5"))
@@ -43,11 +53,7 @@ def test_load_over_http(run_distributed, file_server, proxies, tmp_path, capsys,
         assert rank_file_gets and all(s.headers.get("Range", "").startswith("bytes=") for s in rank_file_gets)
         assert share <= proxy.bytes_out <= SLACK * share + metadata_bytes, (rank, proxy.bytes_out, share)
 
-    model = build_model(1, seed=1)
-    optim = build_optim(model, "adamw", fresh=True)
-    load_model_and_optim_state(url, model, optim)
-    assert_same(want_model, model_full_state(model))
-    assert_same(want_optim, optim_full_state(model, optim))
+    load_into_fresh_model(url, want_model, want_optim)
     assert_same(want_model, unshard_model_state(url))
     assert_same(want_optim, optim_as_flat(unshard_optim_state(url), names))
     assert_same(want_model, dict(lazy_load(url)))
@@ -79,11 +85,7 @@ def test_load_over_http_from_a_server_answering_403_for_missing_files(file_serve
     want_model, want_optim = model_full_state(model), optim_full_state(model, optim)
     url = f"{file_server(str(tmp_path), missing_status=403).url}/step5"
 
-    fresh = build_model(1, seed=1)
-    fresh_optim = build_optim(fresh, "adamw", fresh=True)
-    load_model_and_optim_state(url, fresh, fresh_optim)
-    assert_same(want_model, model_full_state(fresh))
-    assert_same(want_optim, optim_full_state(fresh, fresh_optim))
+    fresh, fresh_optim = load_into_fresh_model(url, want_model, want_optim)
     assert_same(want_model, unshard_model_state(url))
     assert_same(want_model, dict(lazy_load(url)))
 
