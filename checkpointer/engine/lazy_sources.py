@@ -254,7 +254,7 @@ def torch_file_tensors(
     if not isinstance(obj, Mapping):
         raise CorruptCheckpointError(f"{where}: holds a {type(obj).__name__}, not a state dict")
     flat: dict[str, torch.Tensor] = {}
-    _flatten(obj, "", flat)
+    _flatten(obj, "", flat, where)
     del obj
     if keys is not None:
         missing = [k for k in keys if k not in flat]
@@ -312,13 +312,15 @@ def _is_bad_archive(ex: OSError) -> bool:
     return ex.errno == errno.EINVAL and ex.filename is None
 
 
-def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
+def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], where: str) -> None:
     for k, v in obj.items():
         key = f"{prefix}{k}"
         if isinstance(v, torch.Tensor):
+            if key in out:  # {"a.b": x, "a": {"b": y}}: one would silently replace the other
+                raise CorruptCheckpointError(f"{where}: two tensors flatten to the key {key!r}")
             out[key] = v.detach()
         elif isinstance(v, Mapping):
-            _flatten(v, f"{key}.", out)
+            _flatten(v, f"{key}.", out, where)
 
 
 # ---------------------------------------------------------------------------------------

@@ -377,3 +377,14 @@ def test_convert_of_a_dtype_our_format_cannot_hold_writes_nothing(tmp_path):
     convert(str(tmp_path / "model.safetensors"), str(tmp_path / "out.safetensors"), to="hf")
     got = dict(lazy_load(str(tmp_path / "out.safetensors")))
     assert torch.equal(got["q"], q)
+
+
+def test_torch_file_whose_nested_keys_collide_is_refused(tmp_path):
+    """``{"a.b": x, "a": {"b": y}}`` flattens both to ``a.b``: one used to replace the other silently."""
+    path = str(tmp_path / "collide.pt")
+    torch.save({"a.b": torch.zeros(2), "a": {"b": torch.ones(2)}, "c": torch.ones(1)}, path)
+    with pytest.raises(CorruptCheckpointError, match=r"collide\.pt: two tensors flatten to the key 'a\.b'"):
+        dict(lazy_load(path))
+    torch.save({"a": {"b": torch.ones(2)}, "a.c": torch.zeros(1)}, path)  # nested and dotted, no clash
+    got = dict(lazy_load(path))
+    assert sorted(got) == ["a.b", "a.c"] and torch.equal(got["a.b"], torch.ones(2))
