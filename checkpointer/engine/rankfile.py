@@ -182,9 +182,11 @@ class HeaderCache:
     With ``file_ids`` (``metadata.json``'s), a file whose header names another id is refused:
     it was written by another save than the metadata describes."""
 
-    def __init__(self, storage: Storage, file_ids: Mapping[str, str] | None = None):
+    def __init__(self, storage: Storage, file_ids: Mapping[str, str] | None = None, *,
+                 what: str = f"rank file listed in {METADATA_FILENAME}"):
         self.storage = storage
         self.file_ids = file_ids or {}
+        self.what = what  # what a file is, for the error when one is missing
         self._headers: dict[str, SafetensorsHeader] = {}
         self._lock = threading.Lock()
 
@@ -197,7 +199,7 @@ class HeaderCache:
         try:
             size = self.storage.size(name)
         except FileNotFoundError as ex:
-            raise CorruptCheckpointError(f"{where}: rank file listed in metadata.json is missing") from ex
+            raise CorruptCheckpointError(f"{where}: {self.what} is missing") from ex
         except (PermissionError, IsADirectoryError, NotADirectoryError, ValueError) as ex:
             raise CorruptCheckpointError(f"{where}: not a readable file inside the checkpoint ({ex})") from ex
         except OSError as ex:

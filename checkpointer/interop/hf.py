@@ -58,12 +58,11 @@ class HFTensors:
             self.storage = open_storage(url)
             files = self._files()
         self.url = self.storage.url
-        self._headers = HeaderCache(self.storage)
+        what = "safetensors file" if self._index is None else f"shard listed in {INDEX_NAME}"
+        self._headers = HeaderCache(self.storage, what=what)
         self._where: dict[str, str] = {}
         order: list[tuple[str, int, str]] = []
         for name in files:
-            if self._index is not None and not self.storage.exists(name):
-                raise CorruptCheckpointError(f"{self.storage.join(name)}: shard listed in {INDEX_NAME} is missing")
             header = self._headers.get(name)
             for key, entry in header.entries.items():
                 if key in self._where:
