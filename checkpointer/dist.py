@@ -378,20 +378,27 @@ def share_from(src: int, produce, what: str, *, no_dist: bool = False) -> bytes:
 
 
 def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int) -> None:
-    """Give ``buf`` from ``reader`` to every rank in ``ranks``: one broadcast when that is every
-    rank, point-to-point sends otherwise. Every rank in ``ranks`` calls it; others must not."""
+    """Give ``buf`` (host memory) from ``reader`` to every rank in ``ranks``: one broadcast when
+    that is every rank, point-to-point sends otherwise. Every rank in ``ranks`` calls it; others
+    must not. Under NCCL the bytes travel through a device buffer of the same size."""
     if not is_distributed() or len(ranks) <= 1:
         return
     me = get_rank()
+    dev = _device()
+    if dev.type == "cpu":
+        wire = buf
+    else:
+        wire = buf.to(dev) if me == reader else torch.empty(buf.shape, dtype=buf.dtype, device=dev)
     if len(ranks) == get_world_size():
-        _wait(dist.broadcast(buf, reader, async_op=True), "two-stage broadcast")
-        return
-    if me == reader:
-        works = [(r, dist.isend(buf, dst=r, tag=tag)) for r in ranks if r != reader]
+        _wait(dist.broadcast(wire, reader, async_op=True), "two-stage broadcast")
+    elif me == reader:
+        works = [(r, dist.isend(wire, dst=r, tag=tag)) for r in ranks if r != reader]
         for r, work in works:
             _wait(work, "two-stage send", peer=r)
     else:
-        _wait(dist.irecv(buf, src=reader, tag=tag), "two-stage receive", peer=reader)
+        _wait(dist.irecv(wire, src=reader, tag=tag), "two-stage receive", peer=reader)
+    if wire is not buf and me != reader:
+        buf.copy_(wire)
 
 
 def new_cpu_group() -> Any:
