@@ -4,7 +4,8 @@
 function ``fn(rank, world_size, *args)`` on every rank of a session-wide pool of that world
 size and returns the per-rank results; a failing rank fails the test with its traceback.
 ``init_pg=False`` runs it in workers with no process group at all; ``dead_ok=True`` lets a
-rank's process exit (its result is ``"died"``, and the pool is restarted for the next test).
+rank's process exit (its result is ``"died"``, and the pool is restarted for the next test);
+``backend="nccl"`` runs it in a pool whose ranks each hold a GPU.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ def _pool_manager(pytestconfig):
 
 @pytest.fixture(scope="session")
 def run_distributed(_pool_manager):
-    def run(fn, world_size, *args, timeout=120.0, init_pg=True, dead_ok=False, **kwargs):
+    def run(fn, world_size, *args, timeout=120.0, init_pg=True, dead_ok=False, backend="gloo", **kwargs):
         __tracebackhide__ = True
         try:
             return _pool_manager.run(
-                fn, world_size, *args, timeout=timeout, init_pg=init_pg, dead_ok=dead_ok, **kwargs
+                fn, world_size, *args, timeout=timeout, init_pg=init_pg, dead_ok=dead_ok, backend=backend, **kwargs
             )
         except DistributedTestFailure as e:
             report = str(e)

@@ -93,10 +93,12 @@ class _Worker:
 
 @dataclass
 class WorkerPool:
-    """``world_size`` workers in one gloo process group (or none, with ``init_pg=False``)."""
+    """``world_size`` workers in one process group (gloo unless ``backend`` says otherwise; none
+    with ``init_pg=False``). With NCCL, rank ``r`` uses GPU ``r`` modulo the GPUs there are."""
 
     world_size: int
     init_pg: bool = True
+    backend: str = "gloo"
     workers: list[_Worker] = field(default_factory=list)
     tmpdir: str = ""
     tasks_run: int = 0
@@ -141,6 +143,8 @@ class WorkerPool:
                         init_file,
                         "--init-pg",
                         "1" if self.init_pg else "0",
+                        "--backend",
+                        self.backend,
                     ],
                     env=env,
                     cwd=REPO_ROOT,
@@ -340,19 +344,19 @@ class _WorkerDied(Exception):
 
 
 class PoolManager:
-    """One lazily started pool per (world size, with/without a process group)."""
+    """One lazily started pool per (world size, with/without a process group, backend)."""
 
     def __init__(self) -> None:
-        self._pools: dict[tuple[int, bool], WorkerPool] = {}
+        self._pools: dict[tuple[int, bool, str], WorkerPool] = {}
 
-    def pool(self, world_size: int, init_pg: bool = True) -> WorkerPool:
-        key = (world_size, init_pg)
+    def pool(self, world_size: int, init_pg: bool = True, backend: str = "gloo") -> WorkerPool:
+        key = (world_size, init_pg, backend)
         pool = self._pools.get(key)
         if pool is not None and not pool.alive():
             pool.kill()
             pool = None
         if pool is None:
-            pool = WorkerPool(world_size, init_pg)
+            pool = WorkerPool(world_size, init_pg, backend)
             self._pools[key] = pool
             pool.launch()
         if not pool.ready:
@@ -369,9 +373,9 @@ class PoolManager:
     def prestart(self, keys: list[tuple[int, bool]]) -> None:
         """Launch several pools at once, so that their start-up costs overlap."""
         for world_size, init_pg in keys:
-            if (world_size, init_pg) not in self._pools:
+            if (world_size, init_pg, "gloo") not in self._pools:
                 pool = WorkerPool(world_size, init_pg)
-                self._pools[(world_size, init_pg)] = pool
+                self._pools[(world_size, init_pg, "gloo")] = pool
                 pool.launch()
 
     def run(
@@ -382,6 +386,7 @@ class PoolManager:
         timeout: float = 120.0,
         init_pg: bool = True,
         dead_ok: bool = False,
+        backend: str = "gloo",
         **kwargs: Any,
     ) -> list[Any]:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; the per-rank results.
@@ -389,7 +394,7 @@ class PoolManager:
         ``dead_ok``: a rank whose process exits gives ``"died"`` (and the pool is restarted
         afterwards) instead of failing the task.
         """
-        return self.pool(world_size, init_pg).run(fn, args, kwargs, timeout, dead_ok)
+        return self.pool(world_size, init_pg, backend).run(fn, args, kwargs, timeout, dead_ok)
 
     def shutdown(self) -> None:
         for pool in self._pools.values():
@@ -437,6 +442,7 @@ def _worker_main(argv: list[str]) -> int:
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--init-file", required=True)
     p.add_argument("--init-pg", type=int, default=1)
+    p.add_argument("--backend", default="gloo")
     a = p.parse_args(argv)
 
     import faulthandler
@@ -452,9 +458,11 @@ def _worker_main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    if "nccl" in a.backend:
+        torch.cuda.set_device(a.rank % torch.cuda.device_count())
     if a.init_pg:
         dist.init_process_group(
-            "gloo",
+            a.backend,
             rank=a.rank,
             world_size=a.world_size,
             init_method=f"file://{a.init_file}",
