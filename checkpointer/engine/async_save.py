@@ -10,6 +10,7 @@ in flight.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Mapping
@@ -23,7 +24,26 @@ from ..storage.base import Storage
 from .save import PlannedSave, SavePlanCache, plan_save, write_and_commit
 from .save import release_lock
 
-__all__ = ["AsyncSaver"]
+__all__ = ["AsyncSaver", "wait_for_writes_into"]
+
+_writing: Counter[str] = Counter()  # storage URL -> async saves of this process writing there
+_writing_changed = threading.Condition()
+
+
+def wait_for_writes_into(url: str) -> None:
+    """Block while an async save of this process is writing the checkpoint at ``url``: reading
+    it then would find it incomplete."""
+    with _writing_changed:
+        _writing_changed.wait_for(lambda: _writing[url] == 0)
+
+
+def _track(planned: list[PlannedSave], step: int) -> None:
+    with _writing_changed:
+        for p in planned:
+            _writing[p.storage.url] += step
+            if _writing[p.storage.url] <= 0:
+                del _writing[p.storage.url]
+        _writing_changed.notify_all()
 
 
 class AsyncSaver:
@@ -77,6 +97,7 @@ class AsyncSaver:
                         release_lock(p.storage, p.lock)
                 result.set_exception(ex)
                 return result
+            _track(planned, +1)
             self._inflight = self._executor.submit(self._write, planned, staged, result)
             return result
 
@@ -85,12 +106,15 @@ class AsyncSaver:
         try:
             for p, s in zip(planned, staged):
                 out.append((p.metadata, write_and_commit(p, pieces=s, group=self._group)))
-            result.set_result(out)
         except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
             for p in planned[len(out) :]:  # rank 0's locks of the saves this failure stopped
                 if p.lock is not None:
                     release_lock(p.storage, p.lock)
+            _track(planned, -1)
             result.set_exception(ex)
+        else:
+            _track(planned, -1)
+            result.set_result(out)
 
     def _drop_unused(self, wanted: set[tuple[int, str]]) -> None:
         for slot in list(self._buffers):

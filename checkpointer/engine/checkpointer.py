@@ -11,7 +11,7 @@ from ..format.metadata import StorageMetadata
 from ..storage.base import Storage, open_storage
 from .. import dist
 from .load import load_state_dict, read_metadata
-from .async_save import AsyncSaver
+from .async_save import AsyncSaver, wait_for_writes_into
 from .save import SavePlanCache, save_state_dict
 from .two_stage import LoadStats, load_two_stage
 from .unshard import unshard_state_dict
@@ -104,7 +104,8 @@ class Checkpointer:
         strategy: str = "default",
         verify: bool = False,
     ) -> None:
-        """Fill the tensors of ``state_dict`` in place from the checkpoint in ``dir``.
+        """Fill the tensors of ``state_dict`` in place from the checkpoint in ``dir`` (after an
+        async save of this process into ``dir``, if one is still writing).
 
         Args:
             dir: the checkpoint directory (path or URL).
@@ -123,6 +124,7 @@ class Checkpointer:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown load strategy {strategy!r}; expected one of {STRATEGIES}")
         storage = open_storage(dir)
+        wait_for_writes_into(storage.url)
         if verify and metadata is not None and metadata.checksum_algorithm is None:
             metadata = None  # the checksums are in metadata.json: verifying must not skip them
         if strategy == "two_stage" and not no_dist and dist.is_distributed():
@@ -149,13 +151,17 @@ class Checkpointer:
             no_dist: no collectives; this process reads everything alone.
             num_threads: parallel reads (default ``CHECKPOINTER_IO_THREADS`` or 4).
         """
+        storage = open_storage(dir)
+        wait_for_writes_into(storage.url)
         return unshard_state_dict(
-            open_storage(dir), device=device, rank0_only=rank0_only, no_dist=no_dist, num_threads=num_threads
+            storage, device=device, rank0_only=rank0_only, no_dist=no_dist, num_threads=num_threads
         )
 
     def get_metadata(self, dir: str | Storage, *, no_dist: bool = False) -> StorageMetadata:
         """The checkpoint's metadata (read by rank 0 and shared, unless ``no_dist``)."""
-        return read_metadata(open_storage(dir), no_dist=no_dist)
+        storage = open_storage(dir)
+        wait_for_writes_into(storage.url)
+        return read_metadata(storage, no_dist=no_dist)
 
 
 def _first(future: Future[list[Any]]) -> Future[Any]:

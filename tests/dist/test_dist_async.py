@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from dist_helpers import (
@@ -111,3 +112,35 @@ def test_failed_async_write_releases_every_lock(run_distributed, tmp_path):
         assert error is not None, f"rank {rank}: the failed save reported no error"
         assert left == [], f"rank {rank}: locks left behind: {left}"
         assert retry is None, f"rank {rank}: saving again failed: {retry}"
+
+
+def _load_while_async_save_writes(rank, world_size, ckpt):
+    from unittest import mock
+
+    from checkpointer.engine import async_save
+
+    model = build_model(world_size)
+    optim = build_optim(model, "adamw")
+    train(model, optim, range(2))
+    saved = (model_full_state(model), optim_full_state(model, optim))
+    real_write = async_save.write_and_commit
+
+    def slow_write(*args, **kwargs):
+        time.sleep(1.0)  # the load below starts while this is still writing
+        return real_write(*args, **kwargs)
+
+    with mock.patch.object(async_save, "write_and_commit", slow_write):
+        future = async_save_model_and_optim_state(ckpt, model, optim)
+        fresh = build_model(world_size, seed=1)
+        fresh_optim = build_optim(fresh, "adamw", fresh=True)
+        load_model_and_optim_state(ckpt, fresh, fresh_optim)
+        assert future.done()
+    assert_same(saved[0], model_full_state(fresh), "model")
+    assert_same(saved[1], optim_full_state(fresh, fresh_optim), "optimizer")
+    unsharded = Checkpointer().unshard(os.path.join(ckpt, "model"))
+    return sorted(unsharded)
+
+
+def test_load_waits_for_an_async_save_into_the_same_directory(run_distributed, tmp_path):
+    keys = run_distributed(_load_while_async_save_writes, 2, str(tmp_path / "ckpt"))
+    assert keys[0] == keys[1] and keys[0]
