@@ -165,7 +165,15 @@ def fill_in_place(
         else:
             staged.append(load)
     execute_reads(storage, direct, **options)
-    # Host staging in batches of bounded size, for device or strided destinations.
+    _fill_through_host(storage, staged, options)
+
+
+def _fill_through_host(storage: Storage, staged: list[LocalLoad], options: dict[str, Any]) -> None:
+    """Read destinations that cannot be read into (on a GPU, or strided) through host buffers,
+    in batches of at most half of ``_STAGE_BYTES``. Copies to a GPU run on its current stream
+    from pinned memory while the next batch is read; a third batch waits for the first's copies,
+    so at most two batches are in host memory."""
+    in_flight: list[list[torch.cuda.Event]] = []
     batch: list[tuple[LocalLoad, torch.Tensor]] = []
     batch_bytes = 0
     for load in staged + [None]:
@@ -174,18 +182,35 @@ def fill_in_place(
             host = torch.empty(load.local.numel, dtype=data.dtype, pin_memory=data.is_cuda)
             batch.append((load, host))
             batch_bytes += host.numel() * host.element_size()
-        if batch and (load is None or batch_bytes >= _STAGE_BYTES):
+        if batch and (load is None or batch_bytes >= _STAGE_BYTES // 2):
+            if len(in_flight) == 2:
+                for event in in_flight.pop(0):
+                    event.synchronize()
             execute_reads(storage, [ld.job(host) for ld, host in batch], **options)
+            devices = set()
             for ld, host in batch:
-                copy_into(ld.key, ld.local.data, host)
+                copy_into(ld.key, ld.local.data, host, non_blocking=ld.local.data.is_cuda)
+                if ld.local.data.is_cuda:
+                    devices.add(ld.local.data.device)
+            in_flight.append([_copies_done(device) for device in devices])
             batch, batch_bytes = [], 0
+    for events in in_flight:
+        for event in events:
+            event.synchronize()
 
 
-def copy_into(key: str, dest: torch.Tensor, flat: torch.Tensor) -> None:
+def _copies_done(device: torch.device) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def copy_into(key: str, dest: torch.Tensor, flat: torch.Tensor, *, non_blocking: bool = False) -> None:
     """Copy ``key``'s loaded elements (``flat``, in row-major order) into its tensor ``dest``, which
     could not be read into directly; a tensor that cannot take them (an expanded view, whose
-    elements share memory) is an error naming the key."""
+    elements share memory) is an error naming the key. ``non_blocking``: a copy from pinned
+    memory to a GPU may still run when this returns (``flat`` stays reserved until it is done)."""
     try:
-        dest.copy_(flat.view(dest.shape))
+        dest.copy_(flat.view(dest.shape), non_blocking=non_blocking)
     except RuntimeError as ex:
         raise CheckpointError(f"cannot load {key!r} into its tensor: {ex}") from ex

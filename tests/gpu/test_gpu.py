@@ -391,3 +391,26 @@ def test_async_save_of_a_gpu_model_keeps_the_state_it_was_called_with(run_distri
     loaded, devices = run_distributed(_load_fresh, 1, ckpt, "cuda", "fsdp2", backend=NCCL)[0]
     assert devices == {"cuda"}
     _assert_same(loaded, saved)
+
+
+def _load_in_many_batches(rank: int, world_size: int, ckpt: str) -> list[str]:
+    """Loads into CUDA tensors in batches of 0.5 MiB, so that each batch's copies to the GPU are
+    still running while the next batch is read into other pinned buffers."""
+    from checkpointer.engine import load as load_module
+
+    gen = torch.Generator().manual_seed(11)
+    saved = {f"t{i}": torch.randn(128 + i, 257, generator=gen) for i in range(24)}
+    saved["half"] = torch.randn(300, 300, generator=gen).to(torch.bfloat16)
+    Checkpointer().save(ckpt, saved)
+    wrong = []
+    for verify in (False, True):
+        loaded = {k: torch.zeros_like(v, device="cuda") for k, v in saved.items()}
+        loaded["t3"] = torch.zeros(saved["t3"].shape[1], saved["t3"].shape[0], device="cuda").t()
+        with mock.patch.object(load_module, "_STAGE_BYTES", 1 << 20):
+            Checkpointer().load(ckpt, loaded, verify=verify)
+        wrong += [f"{k} (verify={verify})" for k, v in saved.items() if not torch.equal(loaded[k].cpu(), v)]
+    return wrong
+
+
+def test_loads_into_cuda_tensors_overlap_batches_and_copies(run_distributed, tmp_path):
+    assert run_distributed(_load_in_many_batches, 1, str(tmp_path / "batches"), backend=NCCL) == [[]]
