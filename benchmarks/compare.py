@@ -118,7 +118,7 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def build_model(dim: int, world: int, fsdp: bool, seed: int):
+def build_model(dim: int, world: int, fsdp: bool, seed: int, device: str = "cpu"):
     import torch
     import torch.nn as nn
 
@@ -128,12 +128,12 @@ def build_model(dim: int, world: int, fsdp: bool, seed: int):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         for layer in model:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    g = torch.Generator().manual_seed(seed)
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             _local(p).normal_(0.0, 0.02, generator=g)
@@ -141,11 +141,11 @@ def build_model(dim: int, world: int, fsdp: bool, seed: int):
     return model, optim
 
 
-def train_step(model, optim, dim: int) -> None:
+def train_step(model, optim, dim: int, device: str = "cpu") -> None:
     """One real forward/backward/AdamW step, so the optimizer has its state."""
     import torch
 
-    x = torch.randn(4, dim, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(4, dim, generator=torch.Generator().manual_seed(7)).to(device)
     model(x).square().mean().backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
@@ -315,6 +315,17 @@ def load_dcp(d, model, optim):
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=d)
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def start_async_save_dcp(d, model, optim, group) -> Callable[[], Any]:
+    """Start DCP's ``async_save`` through ``group`` (it needs a CPU backend); returns the wait
+    until the files are written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=group)
+    return fut.upload_completion.result if hasattr(fut, "upload_completion") else fut.result
 
 
 def save_seed(d, model, optim):
@@ -641,19 +652,12 @@ def run_async(g: Group, cfg: dict, model, optim) -> None:
     dcp_group = dist.new_group(backend="gloo")
 
     def async_dcp(d: str) -> dict:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         probe = PeakProbe()
         t0 = time.perf_counter()
-        msd, osd = get_state_dict(model, optim)
-        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=dcp_group)
+        wait = start_async_save_dcp(d, model, optim, dcp_group)
         blocking = time.perf_counter() - t0
         rss_blocking = probe.extra_mib()
-        if hasattr(fut, "upload_completion"):
-            fut.upload_completion.result()
-        else:
-            fut.result()
+        wait()
         return {"blocking_s": blocking, "rss_blocking_mib": rss_blocking}
 
     runners = {"ours": async_ours, "dcp": async_dcp}
@@ -728,6 +732,24 @@ def _env() -> dict:
     return env
 
 
+def wait_or_kill(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
+    """Exit codes of ``procs`` (None: still running at the deadline, then killed)."""
+    deadline = time.time() + timeout_s
+    codes: list[int | None] = []
+    try:
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(1, deadline - time.time())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:  # timed out, or the orchestrator is being stopped: no orphans
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes
+
+
 def spawn(cfg: dict, nprocs: int, tmp: str, name: str, timeout_s: float) -> dict | None:
     """Run ``nprocs`` workers on ``cfg``; the parsed result file of rank 0, or None on failure."""
     cfg = dict(cfg)
@@ -740,19 +762,7 @@ def spawn(cfg: dict, nprocs: int, tmp: str, name: str, timeout_s: float) -> dict
         subprocess.Popen([sys.executable, __file__, "--worker", path, "--rank", str(r)], env=_env())
         for r in range(nprocs)
     ]
-    deadline = time.time() + timeout_s
-    codes = []
-    try:
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(1, deadline - time.time())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for p in procs:  # timed out, or the orchestrator is being stopped: no orphans
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = wait_or_kill(procs, timeout_s)
     if any(c != 0 for c in codes):
         print(f"!! worker group {name} exited with {codes}", flush=True)
     if os.path.exists(cfg["result"]):
