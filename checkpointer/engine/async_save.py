@@ -51,7 +51,7 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-async-save")
-        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._arenas: dict[int, _HostArena] = {}  # per save target of a call
         self._group: Any = None
         self._group_made = False
         self._inflight: Future | None = None
@@ -86,7 +86,8 @@ class AsyncSaver:
                     planned.append(plan_save(st, sd, save_overwrite=save_overwrite, cache=cache))
                 staging_error: BaseException | None = None
                 try:
-                    self._drop_unused({(i, key) for i, p in enumerate(planned) for key in p.keys})
+                    for index in [i for i in self._arenas if i >= len(planned)]:
+                        self._arenas.pop(index).release()
                     staged = [self._stage(i, p) for i, p in enumerate(planned)]
                 except BaseException as ex:  # noqa: BLE001 - one rank's: the agreement tells the others
                     staging_error = ex
@@ -116,24 +117,70 @@ class AsyncSaver:
             _track(planned, -1)
             result.set_result(out)
 
-    def _drop_unused(self, wanted: set[tuple[int, str]]) -> None:
-        for slot in list(self._buffers):
-            if slot not in wanted:
-                del self._buffers[slot]
-
     def _stage(self, index: int, planned: PlannedSave) -> list[tuple[str, LocalTensor]]:
-        """Copy this rank's pieces into reusable host buffers."""
+        """Copy this rank's pieces into a reusable host arena."""
+        pieces = list(planned.local_pieces())
+        layout = [(key, lt.data.numel(), lt.data.dtype, lt.data.is_cuda) for key, lt in pieces]
+        arena = self._arenas.get(index)
+        if arena is None or arena.layout != layout:
+            if arena is not None:
+                self._arenas.pop(index).release()
+            arena = self._arenas[index] = _HostArena(layout)
         staged = []
-        cuda = False
-        for key, lt in planned.local_pieces():
-            data = lt.data
-            buf = self._buffers.get((index, key))
-            if buf is None or buf.numel() != data.numel() or buf.dtype != data.dtype:
-                buf = torch.empty(data.numel(), dtype=data.dtype, pin_memory=data.is_cuda)
-                self._buffers[(index, key)] = buf
-            buf.view(data.shape).copy_(data, non_blocking=data.is_cuda)
-            cuda = cuda or data.is_cuda
+        for slot, (key, lt) in enumerate(pieces):
+            buf = arena.piece(slot)
+            buf.view(lt.data.shape).copy_(lt.data, non_blocking=lt.data.is_cuda)
             staged.append((key, replace(lt, data=buf)))
-        if cuda:
+        if arena.pinned:
             torch.cuda.synchronize()
         return staged
+
+
+_ALIGN = 64
+_PAGE = 4096
+
+
+class _HostArena:
+    """One host allocation holding the staged pieces of one save target, in order. Pieces from a
+    GPU make it page-locked, registered with CUDA at exactly its size (torch's pinned allocator
+    rounds every allocation up to a power of two: 12 GiB for 6.2 GiB of 129 MiB pieces)."""
+
+    def __init__(self, layout: list[tuple[str, int, torch.dtype, bool]]):
+        self.layout = layout
+        self.offsets: list[int] = []
+        total = 0
+        for _, numel, dtype, _ in layout:
+            self.offsets.append(total)
+            total += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        self.pinned = any(cuda for *_, cuda in layout)
+        self.registered = False
+        if not self.pinned:
+            self.base = torch.empty(max(total, _ALIGN), dtype=torch.uint8)
+            return
+        # Whole pages of its own: a page shared with another registered range cannot be registered.
+        size = -(-max(total, 1) // _PAGE) * _PAGE
+        whole = torch.empty(size + _PAGE, dtype=torch.uint8)
+        skip = -whole.data_ptr() % _PAGE
+        self.base = whole[skip : skip + size]
+        cudart = torch.cuda.cudart()
+        self.registered = int(cudart.cudaHostRegister(self.base.data_ptr(), size, 0)) == 0
+        if not self.registered:
+            if hasattr(cudart, "cudaGetLastError"):
+                cudart.cudaGetLastError()  # or the next kernel launch check reports it
+            self.base = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def piece(self, slot: int) -> torch.Tensor:
+        _, numel, dtype, _ = self.layout[slot]
+        start = self.offsets[slot]
+        return self.base[start : start + numel * dtype.itemsize].view(dtype)
+
+    def release(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self.registered = False
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - CUDA may be gone at interpreter exit
+            pass
