@@ -292,7 +292,7 @@ def execute_reads(
     """Run load plans, straight into their destinations.
 
     Reads for one file are sorted by offset (adjacent ones become one ``preadv``) and split
-    into chunks spread over a small thread pool. With ``verify_chunk_bytes``, every
+    into chunks of about ``_SPLIT_BYTES`` (a larger read too) spread over a small thread pool. With ``verify_chunk_bytes``, every
     checksummed chunk the reads touch is checked: on local storage, whole chunks next to each
     other are read in one call (up to 32 MiB) and each is hashed right after it, by the thread
     that read it; elsewhere, and for chunks the reads cover only in part, after all the reads.
@@ -318,7 +318,7 @@ def execute_reads(
         reqs.sort(key=lambda r: r[0])
         chunk: list[ReadRequest] = []
         chunk_bytes = 0
-        for req in reqs:
+        for req in (part for req in reqs for part in _split_request(req)):
             chunk.append(req)
             chunk_bytes += len(req[1])
             if chunk_bytes >= _SPLIT_BYTES:
@@ -331,6 +331,14 @@ def execute_reads(
     _run(num_threads, checks + hashed + tasks)
     if verify_chunk_bytes and not fused:
         verify_reads(storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)
+
+
+def _split_request(req: ReadRequest) -> list[ReadRequest]:
+    """A large read as reads of at most ``_SPLIT_BYTES``, which the threads share."""
+    start, buf = req
+    if len(buf) <= _SPLIT_BYTES:
+        return [req]
+    return [(start + i, buf[i : i + _SPLIT_BYTES]) for i in range(0, len(buf), _SPLIT_BYTES)]
 
 
 @dataclass

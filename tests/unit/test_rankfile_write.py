@@ -123,3 +123,27 @@ def test_header_cache_refuses_a_file_whose_id_is_not_the_one_metadata_lists(tmp_
         name = next(iter(ids))
         with pytest.raises(CorruptCheckpointError, match=rf"{name}: written by another save .* \(file id {found}, expected"):
             rankfile.HeaderCache(storage, ids).get(name)
+
+
+def test_a_large_tensor_is_read_in_parts_shared_by_the_threads(tmp_path, monkeypatch):
+    """One tensor larger than a read chunk is read as several reads, which run on several threads
+    (a 129 MiB tensor was one read on one thread: loads through host staging ran at one thread's speed)."""
+    import threading
+
+    monkeypatch.setattr(rankfile, "_SPLIT_BYTES", 1 << 20)
+    saved = {"big": torch.randn(5 << 18, generator=torch.Generator().manual_seed(3))}  # 5 MiB
+    Checkpointer().save(str(tmp_path / "ckpt"), saved)
+    reads, threads = [], set()
+    real_read_into = LocalStorage.read_into
+
+    def read_into(self, name, requests):
+        reads.extend(len(buf) for _, buf in requests)
+        threads.add(threading.get_ident())
+        return real_read_into(self, name, requests)
+
+    monkeypatch.setattr(LocalStorage, "read_into", read_into)
+    loaded = {"big": torch.zeros_like(saved["big"])}
+    Checkpointer().load(str(tmp_path / "ckpt"), loaded, no_dist=True)
+    assert torch.equal(loaded["big"], saved["big"])
+    assert len(reads) >= 5 and max(reads) <= 1 << 20, reads
+    assert len(threads) > 1
