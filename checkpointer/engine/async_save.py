@@ -163,7 +163,8 @@ class _HostArena:
         skip = -whole.data_ptr() % _PAGE
         self.base = whole[skip : skip + size]
         cudart = torch.cuda.cudart()
-        self.registered = int(cudart.cudaHostRegister(self.base.data_ptr(), size, 0)) == 0
+        portable = 1  # cudaHostRegisterPortable: page-locked for every device's context, not one
+        self.registered = int(cudart.cudaHostRegister(self.base.data_ptr(), size, portable)) == 0
         if not self.registered:
             if hasattr(cudart, "cudaGetLastError"):
                 cudart.cudaGetLastError()  # or the next kernel launch check reports it
