@@ -1,0 +1,31 @@
+"""The host arena an async save stages one target's pieces into."""
+
+from __future__ import annotations
+
+import torch
+
+from checkpointer.engine.async_save import _HostArena
+
+
+def test_pieces_are_aligned_disjoint_views_of_one_allocation():
+    layout = [
+        ("a", 3, torch.float32, False),
+        ("empty", 0, torch.int64, False),
+        ("b", 1001, torch.bfloat16, False),
+        ("c", 17, torch.int64, False),
+        ("d", 1, torch.uint8, False),
+    ]
+    arena = _HostArena(layout)
+    assert not arena.pinned and not arena.registered
+    pieces = [arena.piece(slot) for slot in range(len(layout))]
+    for (_, numel, dtype, _), piece in zip(layout, pieces):
+        assert piece.dtype == dtype and piece.numel() == numel and piece.is_contiguous()
+        assert piece.untyped_storage().data_ptr() == arena.base.untyped_storage().data_ptr()
+        assert (piece.data_ptr() - arena.base.data_ptr()) % 64 == 0
+    for slot, piece in enumerate(pieces):
+        piece.fill_(slot + 1)
+    for slot, piece in enumerate(pieces):
+        assert bool((piece == slot + 1).all()), layout[slot][0]  # no piece overlaps another
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in pieces if p.numel())
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert arena.base.numel() <= sum(-(-n * d.itemsize // 64) * 64 for _, n, d, _ in layout)
