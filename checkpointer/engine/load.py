@@ -171,21 +171,21 @@ def fill_in_place(
 def _fill_through_host(storage: Storage, staged: list[LocalLoad], options: dict[str, Any]) -> None:
     """Read destinations that cannot be read into (on a GPU, or strided) through host buffers,
     in batches of at most half of ``_STAGE_BYTES``. Copies to a GPU run on its current stream
-    from pinned memory while the next batch is read; a third batch waits for the first's copies,
-    so at most two batches are in host memory."""
+    from pinned memory while the next batch is read; a third batch is allocated only once the
+    first's copies are done, so at most two batches are in host memory."""
     in_flight: list[list[torch.cuda.Event]] = []
     batch: list[tuple[LocalLoad, torch.Tensor]] = []
     batch_bytes = 0
     for load in staged + [None]:
         if load is not None:
+            if not batch and len(in_flight) == 2:  # a batch's buffers are reserved until its copies end
+                for event in in_flight.pop(0):
+                    event.synchronize()
             data = load.local.data
             host = torch.empty(load.local.numel, dtype=data.dtype, pin_memory=data.is_cuda)
             batch.append((load, host))
             batch_bytes += host.numel() * host.element_size()
         if batch and (load is None or batch_bytes >= _STAGE_BYTES // 2):
-            if len(in_flight) == 2:
-                for event in in_flight.pop(0):
-                    event.synchronize()
             execute_reads(storage, [ld.job(host) for ld, host in batch], **options)
             devices = set()
             for ld, host in batch:
