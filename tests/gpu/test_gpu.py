@@ -419,5 +419,5 @@ def _load_in_many_batches(rank: int, world_size: int, ckpt: str) -> list[str]:
     return wrong
 
 
-def test_loads_into_cuda_tensors_overlap_batches_and_copies(run_distributed, tmp_path):
+def test_loads_into_cuda_tensors_are_exact_across_many_overlapping_batches(run_distributed, tmp_path):
     assert run_distributed(_load_in_many_batches, 1, str(tmp_path / "batches"), backend=NCCL) == [[]]
