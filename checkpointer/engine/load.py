@@ -152,8 +152,9 @@ def fill_in_place(
     num_threads: int | None = None,
     verify_chunk_bytes: int | None = None,
     file_ids: Mapping[str, str] | None = None,
+    headers: HeaderCache | None = None,
 ) -> None:
-    headers = HeaderCache(storage, file_ids)
+    headers = headers or HeaderCache(storage, file_ids)
     options = dict(headers=headers, num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
     direct, staged = [], []
     for load in loads:

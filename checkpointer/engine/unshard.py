@@ -9,14 +9,14 @@ import torch
 from .. import dist
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
-from ..format.metadata import StorageMetadata
+from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..planning.overlap import SourceIndex
 from ..planning.plan import build_load_plan, spec_ranges
 from ..storage.base import Storage
-from .load import read_metadata
+from .load import fill_in_place, plan_local_loads, read_metadata
 from .rankfile import HeaderCache, ReadJob, check_files_hold, execute_reads
 
-__all__ = ["unshard_state_dict", "read_full"]
+__all__ = ["unshard_state_dict", "read_full", "read_full_onto"]
 
 
 def unshard_state_dict(
@@ -36,14 +36,15 @@ def unshard_state_dict(
     metadata = read_metadata(storage, no_dist=no_dist or rank0_only)
     out: dict[str, torch.Tensor] = {}
     error: BaseException | None = None
+    device = torch.device(device) if device is not None else torch.device("cpu")
     try:
-        out = read_full(storage, metadata, list(metadata.tensors), num_threads=num_threads, verify=verify)
+        if device.type == "cpu":
+            out = read_full(storage, metadata, list(metadata.tensors), num_threads=num_threads, verify=verify)
+        else:
+            out = read_full_onto(device, storage, metadata, num_threads=num_threads, verify=verify)
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "unshard", no_dist=no_dist or rank0_only)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cpu":
-        out = {k: v.to(device) for k, v in out.items()}
     for alias, target in (metadata.aliases or {}).items():
         out[alias] = out[target]
     return out
@@ -69,10 +70,7 @@ def read_full(
     for key in keys:
         meta = metadata.tensors[key]
         specs = meta.shard_spec_per_file
-        index = SourceIndex([spec_ranges(s, meta.shape) for s in specs.values()])
-        if index.covered() != meta.numel:
-            raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
-        check_files_hold(headers, key, meta)
+        _check_whole(headers, key, meta)
         full = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
         out[key] = full
         if meta.numel:
@@ -88,3 +86,35 @@ def read_full(
             verify_chunk_bytes=metadata.checksum_chunk_bytes if verify else None,
         )
     return out
+
+
+def read_full_onto(
+    device: torch.device,
+    storage: Storage,
+    metadata: StorageMetadata,
+    *,
+    num_threads: int | None = None,
+    verify: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Every full tensor, allocated on ``device`` and filled as a load fills its tensors: through
+    host buffers of bounded size, never the whole checkpoint in host memory at once."""
+    headers = HeaderCache(storage, metadata.file_ids)
+    for key, meta in metadata.tensors.items():
+        _check_whole(headers, key, meta)
+    out = {
+        key: torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype), device=device)
+        for key, meta in metadata.tensors.items()
+    }
+    chunk = metadata.checksum_chunk_bytes if verify else None
+    with torch.no_grad():
+        loads = plan_local_loads(storage, metadata, out)
+        fill_in_place(storage, loads, num_threads=num_threads, verify_chunk_bytes=chunk, headers=headers)
+    return out
+
+
+def _check_whole(headers: HeaderCache, key: str, meta: TensorStorageMetadata) -> None:
+    """Before a full ``key`` is allocated: its pieces cover it, and the files hold them."""
+    index = SourceIndex([spec_ranges(s, meta.shape) for s in meta.shard_spec_per_file.values()])
+    if index.covered() != meta.numel:
+        raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
+    check_files_hold(headers, key, meta)
