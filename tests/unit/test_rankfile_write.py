@@ -135,10 +135,16 @@ def test_a_large_tensor_is_read_in_parts_shared_by_the_threads(tmp_path, monkeyp
     Checkpointer().save(str(tmp_path / "ckpt"), saved)
     reads, threads = [], set()
     real_read_into = LocalStorage.read_into
+    # The first two reads wait for each other: one thread doing all the reads would time out here.
+    # (Merely counting threads was flaky: a pool reuses an idle thread when the reads are quick.)
+    both_reading = threading.Barrier(2, timeout=60)
+    calls = iter(range(1 << 30))
 
     def read_into(self, name, requests):
         reads.extend(len(buf) for _, buf in requests)
         threads.add(threading.get_ident())
+        if next(calls) < 2:
+            both_reading.wait()
         return real_read_into(self, name, requests)
 
     monkeypatch.setattr(LocalStorage, "read_into", read_into)
