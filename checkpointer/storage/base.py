@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import posixpath
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Callable, Sequence
 
 __all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "check_name"]
 
@@ -106,6 +106,17 @@ class Storage(ABC):
             if len(data) != buf.nbytes:
                 raise OSError(f"short read of {self.join(name)} at {offset}: {len(data)} of {buf.nbytes} bytes")
             buf[:] = data
+
+    def read_blocks(
+        self, name: str, start: int, buf: memoryview, block: int, after: Callable[[memoryview], None]
+    ) -> None:
+        """Fill ``buf`` with the bytes from ``start`` on, ``block`` bytes at a time, calling
+        ``after`` on each block as soon as it is read (while it is still in the CPU cache)."""
+        buf = memoryview(buf).cast("B")
+        for b in range(0, buf.nbytes, block):
+            part = buf[b : b + block]
+            self.read_into(name, [(start + b, part)])
+            after(part)
 
     @abstractmethod
     def write(self, name: str, data: bytes) -> None:

@@ -124,6 +124,20 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def read_blocks(
+        self, name: str, start: int, buf: memoryview, block: int, after: Callable[[memoryview], None]
+    ) -> None:
+        path = self._path(name)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            buf = memoryview(buf).cast("B")
+            for b in range(0, buf.nbytes, block):
+                part = buf[b : b + block]
+                _preadv_exact(fd, [part], start + b, path)
+                after(part)
+        finally:
+            os.close(fd)
+
     def write(self, name: str, data: bytes) -> None:
         with self.open_writer(name) as writer:
             writer.write([memoryview(data)])

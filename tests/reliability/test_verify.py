@@ -129,14 +129,22 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
     Checkpointer().save(path, saved)
     rechunk(path, 4096)
     monkeypatch.setattr(rankfile, "_SPLIT_BYTES", 3 * 4096)
-    hashed = []
-    real_crc32c = rankfile.crc32c
+    monkeypatch.setattr(rankfile, "_HASH_BLOCK", 1024)  # a chunk read and hashed as 4 blocks
+    hashed, blocks = [], []  # one entry per chunk checked (its bytes if hashed whole); bytes of each block
+    real_crc32c, real_extend = rankfile.crc32c, rankfile.crc32c_extend
 
     def counting_crc32c(view):
         hashed.append(len(view))
         return real_crc32c(view)
 
+    def counting_extend(crc, view):
+        blocks.append(len(view))
+        if crc == 0:  # a chunk's first block: count the chunk once, with its bytes in blocks
+            hashed.append(0)
+        return real_extend(crc, view)
+
     monkeypatch.setattr(rankfile, "crc32c", counting_crc32c)
+    monkeypatch.setattr(rankfile, "crc32c_extend", counting_extend)
     read_order = []
     real_run = rankfile._run
 
@@ -149,8 +157,9 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
     Checkpointer().load(path, target, verify=True)
     assert len(read_order) > 3 and read_order == sorted(read_order)
     assert all(torch.equal(target[k], saved[k]) for k in sizes)
-    assert sum(hashed) == sum(n * 4 for n in sizes.values())
+    assert sum(hashed) + sum(blocks) == sum(n * 4 for n in sizes.values())
     assert len(hashed) == sum(-(-n * 4 // 4096) for n in sizes.values())
+    assert len(blocks) > len(hashed) and max(blocks) == 1024
     flip(os.path.join(path, "rank_0.safetensors"), "a", 5 * 1024 + 300)  # byte 21,680: chunk 5
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'a', chunk 5\b"):
         Checkpointer().load(path, {k: torch.zeros(n) for k, n in sizes.items()}, verify=True)

@@ -101,6 +101,22 @@ class TestStorageContract:
             storage.read_into("short", [(5, memoryview(bytearray(20)))])
         assert "short" in str(err.value)
 
+    def test_read_blocks_calls_back_after_each_block(self, storage: Storage) -> None:
+        data = blob(100_000)
+        storage.write("b", data)
+        out = bytearray(70_001)
+        seen: list[bytes] = []
+        # The callback sees each block filled, in order, before the next is read.
+        storage.read_blocks("b", 1_234, memoryview(out), 16_384, lambda part: seen.append(bytes(part)) or None)
+        assert bytes(out) == data[1_234 : 1_234 + 70_001]
+        assert [len(b) for b in seen] == [16_384] * 4 + [70_001 - 4 * 16_384]
+        assert b"".join(seen) == bytes(out)
+        with pytest.raises(OSError) as err:
+            storage.read_blocks("b", 90_000, memoryview(bytearray(20_000)), 4_096, seen.append)
+        assert "b" in str(err.value) and not isinstance(err.value, FileNotFoundError)
+        with pytest.raises(FileNotFoundError):
+            storage.read_blocks("nope", 0, memoryview(bytearray(8)), 4, seen.append)
+
     def test_read_into_from_threads(self, storage: Storage) -> None:
         data = blob(300_000)
         storage.write("t", data)
