@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -49,8 +50,32 @@ class _NoGlobals(pickle.Unpickler):
         raise CorruptCheckpointError("refused a pickle with persistent ids: only plain builtins are allowed")
 
 
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_memo_indices(data: bytes, where: str) -> None:
+    """Refuse a memo index no honest pickle of ``len(data)`` bytes could hold.
+
+    The unpickler grows its memo to fit the largest index it is told to store at, so a
+    ``LONG_BINPUT 2**31`` in a ten-byte payload would make it allocate gigabytes. Indices are
+    handed out from 0 and each store takes at least two bytes, so an honest index is always
+    below the payload length. The scan decodes opcodes only; it builds no object.
+    """
+    try:
+        for opcode, arg, _pos in pickletools.genops(data):
+            if opcode.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg < len(data)):
+                raise CorruptCheckpointError(
+                    f"{where}: refused a pickle that stores at memo index {arg} in a {len(data)}-byte payload"
+                )
+    except CorruptCheckpointError:
+        raise
+    except Exception as ex:  # noqa: BLE001 - any malformed pickle is corrupt data
+        raise CorruptCheckpointError(f"{where}: not a valid pickle of builtins ({type(ex).__name__}: {ex})") from ex
+
+
 def decode_builtins(data: bytes, *, where: str) -> Any:
     """Decode pickle bytes holding only plain builtins; anything else is a :class:`CorruptCheckpointError`."""
+    _check_memo_indices(bytes(data), where)
     try:
         value = _NoGlobals(io.BytesIO(data)).load()
     except CorruptCheckpointError as ex:

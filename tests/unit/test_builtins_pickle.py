@@ -6,6 +6,7 @@ import io
 import os
 import pickle
 import pickletools
+import struct
 
 import pytest
 from hypothesis import given, settings
@@ -99,3 +100,27 @@ def test_self_referencing_list_is_refused():
 def test_malformed_pickles_are_corrupt(data):
     with pytest.raises(CorruptCheckpointError):
         decode_builtins(data, where=WHERE)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x80\x04N" + b"q" + bytes([200]) + b".",  # BINPUT 200 in an 8-byte payload
+        b"\x80\x04N" + b"r" + struct.pack("<I", 2**20) + b".",  # LONG_BINPUT: an 8 MiB memo
+        b"Np1000000\n.",  # PUT (protocol 0, decimal index)
+        b"\x80\x02]q\x00(K\x01K\x02er" + struct.pack("<I", 2**20) + b".",  # after an honest store
+    ],
+    ids=["binput", "long-binput", "put", "after-honest-put"],
+)
+def test_memo_bomb_is_refused_before_allocating(data):
+    # The unpickler grows its memo to the largest index it stores at: an index past the
+    # payload length is refused by a scan of the opcodes, before anything is unpickled.
+    with pytest.raises(CorruptCheckpointError, match="memo index"):
+        decode_builtins(data, where=WHERE)
+
+
+def test_honest_memo_indices_decode():
+    shared = [1, 2]
+    value = {"a": shared, "b": shared, "c": (shared, "x" * 300)}
+    for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):
+        assert decode_builtins(pickle.dumps(value, protocol=protocol), where=WHERE) == value
