@@ -42,12 +42,15 @@ __all__ = [
     "torch_file_tensors",
     "GatheredReads",
     "MAX_INDEX_BYTES",
+    "MAX_NESTING",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(local_shape, global_offset)`` of the part of a tensor to read."""
 
 MAX_INDEX_BYTES = 256 << 20
+MAX_NESTING = 100
+"""How deeply the mappings of a torch pickle may nest (``{"model": {"layers": ...}}``)."""
 _GAP_BYTES = 1 << 20
 _SPAN_BYTES = 64 << 20
 _STAGE_BYTES = 16 << 20
@@ -246,7 +249,7 @@ def torch_file_tensors(
 ) -> Iterator[LazyTensor]:
     """The tensors of a ``torch.save`` file: loaded whole now (``mmap``: mapped), cut when read.
 
-    Nested mappings are flattened with ``.`` (``{"model": {"w": t}}`` gives ``model.w``);
+    Nested mappings (up to :data:`MAX_NESTING` deep) are flattened with ``.`` (``{"model": {"w": t}}`` gives ``model.w``);
     values that are neither tensors nor mappings are skipped.
     """
     where = storage.join(name)
@@ -312,7 +315,9 @@ def _is_bad_archive(ex: OSError) -> bool:
     return ex.errno == errno.EINVAL and ex.filename is None
 
 
-def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], where: str) -> None:
+def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], where: str, depth: int = 1) -> None:
+    if depth > MAX_NESTING:  # a hostile file (or a mapping holding itself) would exhaust the stack
+        raise CorruptCheckpointError(f"{where}: state dict nests mappings more than {MAX_NESTING} deep")
     for k, v in obj.items():
         key = f"{prefix}{k}"
         if isinstance(v, torch.Tensor):
@@ -320,7 +325,7 @@ def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], 
                 raise CorruptCheckpointError(f"{where}: two tensors flatten to the key {key!r}")
             out[key] = v.detach()
         elif isinstance(v, Mapping):
-            _flatten(v, f"{key}.", out, where)
+            _flatten(v, f"{key}.", out, where, depth + 1)
 
 
 # ---------------------------------------------------------------------------------------
