@@ -124,7 +124,16 @@ def _out(text: str) -> None:
 
 
 def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    print(f"{PROG}: error: {_printable(message)}", file=sys.stderr, flush=True)
+
+
+def _printable(text: str) -> str:
+    """``text`` with each non-printable character escaped as ``repr`` would (``\\x1b``, ``\\n``,
+    ``\\u202e``), the rest as is: names from a checkpoint are a stranger's text, and a terminal
+    obeys the escape sequences and line breaks it is sent."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def _init_distributed_from_env() -> bool:
@@ -172,16 +181,18 @@ def render_table(parts: list[tuple[str, dict[str, Any]]]) -> str:
     """The human-readable form of :func:`~checkpointer.engine.summary.describe_parts`."""
     blocks = []
     for name, info in parts:
-        head = f"{info['path']}" + (f" ({name})" if name else "")
+        head = _printable(f"{info['path']}") + (f" ({name})" if name else "")
         version = info["format_version"] if info["format_version"] is not None else "unknown (written by OLMo-core?)"
         world = info["world_size"] if info["world_size"] is not None else "unknown"
         rows = [("KEY", "SHAPE", "DTYPE", "SHARDING", "BYTES", "FILES")]
         for t in info["tensors"]:
             kind = "sharded" if t["is_sharded"] else "whole"
             pieces = f"{kind}, {t['pieces']} piece{'s' if t['pieces'] != 1 else ''}"
-            rows.append((t["key"], str(t["shape"]), t["dtype"], pieces, format_bytes(t["bytes"]), _files_label(t["files"])))
+            rows.append(
+                (_printable(t["key"]), str(t["shape"]), t["dtype"], pieces, format_bytes(t["bytes"]), _printable(_files_label(t["files"])))
+            )
         for alias, target in sorted(info["aliases"].items()):
-            rows.append((alias, "", "", f"tied to {target}", "-", ""))
+            rows.append((_printable(alias), "", "", f"tied to {_printable(target)}", "-", ""))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         tied = f" (+{info['num_aliases']} tied)" if info["num_aliases"] else ""
@@ -233,7 +244,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         problems.extend(found)
         checked.append(storage.url)
     for line in problems:
-        _out(line)
+        _out(_printable(line))
     if problems:
         _error(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found in {args.dir}")
         return 1

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 from cli_helpers import cli
 
 RANKS3 = ["rank_0.safetensors", "rank_1.safetensors", "rank_2.safetensors"]
@@ -120,3 +121,48 @@ def test_inspect_a_file_says_it_is_a_file(ckpts, capsys, tmp_path):
             assert (out, err) == ("", f"checkpointer: error: {reason}")
         else:  # verify lists its problems, then sums them up
             assert (out, err) == (reason, f"checkpointer: error: 1 problem found in {rank_file}\n")
+
+
+HOSTILE_KEYS = {
+    "w\x1b]0;pwned\x07\x1b[2J": r"w\x1b]0;pwned\x07\x1b[2J",  # set the title, clear the screen
+    "a\nfake.row  [1]  F32": r"a\nfake.row  [1]  F32",  # a line of its own
+    "b\r\u202eevil": r"b\r\u202eevil",  # carriage return, right-to-left override
+    "é.ok": "é.ok",  # printable non-ASCII stays as it is
+}
+
+
+def test_inspect_escapes_non_printable_characters_in_keys(tmp_path, capsys):
+    """Keys are a stranger's text: the table shows their non-printable characters escaped."""
+    from checkpointer import Checkpointer
+
+    path = str(tmp_path / "ckpt")
+    state = {key: torch.ones(1) for key in HOSTILE_KEYS}
+    state["plain"] = torch.ones(1)
+    Checkpointer().save(path, state)
+    # An alias (a tied name) and its target are printed too.
+    meta_file = os.path.join(path, "metadata.json")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta["aliases"] = {"tied\x1b[5m": "plain"}
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+
+    code, out, err = cli(capsys, "inspect", path)
+    assert (code, err) == (0, "")
+    assert all(ch.isprintable() for ch in out.replace("\n", ""))
+    lines = out.splitlines()
+    assert len(lines) == 2 + len(state) + 1 + 1  # head, column names, tensors, the alias, total
+    for shown in [*HOSTILE_KEYS.values(), "plain", r"tied\x1b[5m"]:
+        assert sum(line.startswith(shown + " ") for line in lines[2:-1]) == 1, shown
+
+    code, out, _ = cli(capsys, "inspect", path, "--json")  # JSON escapes them itself
+    assert code == 0 and "\x1b" not in out
+    assert {t["key"] for t in json.loads(out)["tensors"]} == set(state)
+
+
+def test_error_line_escapes_non_printable_characters(tmp_path, capsys):
+    """The one error line (which quotes names from the checkpoint, or here the path) stays one plain line."""
+    where = str(tmp_path / "x\x1b[2Jy")
+    code, out, err = cli(capsys, "inspect", where)
+    assert (code, out) == (1, "")
+    assert err == f"checkpointer: error: {tmp_path}/x\\x1b[2Jy does not exist or is empty: no checkpoint there\n"
