@@ -113,8 +113,13 @@ def read_full_onto(
 
 
 def _check_whole(headers: HeaderCache, key: str, meta: TensorStorageMetadata) -> None:
-    """Before a full ``key`` is allocated: its pieces cover it, and the files hold them."""
+    """Before a full ``key`` is allocated: the files hold its pieces, and the pieces cover it.
+
+    The headers come first: a piece's ranges (one per row of a box) are only expanded once its
+    file is known to hold that many elements, so a hostile shape in ``metadata.json`` costs
+    nothing before it is refused.
+    """
+    check_files_hold(headers, key, meta)
     index = SourceIndex([spec_ranges(s, meta.shape) for s in meta.shard_spec_per_file.values()])
     if index.covered() != meta.numel:
         raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
-    check_files_hold(headers, key, meta)

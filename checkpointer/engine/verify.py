@@ -8,7 +8,9 @@ The checks, each problem reported as one line naming the file and the tensor:
 3. Each file is a valid safetensors file: its tensors fill the data area back to back, with no
    stray bytes, and it holds exactly the tensors metadata.json places in it.
 4. Each piece's header entry agrees with metadata.json: dtype, element count, flat shape.
-5. Every element of every tensor is in exactly one piece: no gaps, no overlaps.
+5. Every element of every tensor is in exactly one piece: no gaps, no overlaps. Checked only
+   where every piece passed step 4, so that a piece's ranges are expanded only once its file
+   is known to hold them (a hostile shape costs nothing).
 6. Every byte of every piece is read; where the checkpoint has checksums, each chunk's
    CRC32C must match.
 """
@@ -140,17 +142,23 @@ def _check_tensor(
     size = itemsize(meta.dtype)
     chunk_bytes = metadata.checksum_chunk_bytes
     pieces: list[tuple[str, list[Range]]] = []
+    all_held = True  # every piece's file holds as many elements as metadata.json says
     for name, spec in meta.shard_spec_per_file.items():
-        pieces.append((name, spec_ranges(spec, meta.shape)))
         header = headers.get(name)
-        if header is None:
+        if header is None:  # its problem is reported already
+            all_held = False
             continue
         where = storage.join(name)
         entry = header.entries.get(key)
         numel = spec.local_numel
         if entry is None:
             problems.append(f"{where}: tensor {key!r} is in metadata.json but not in the file")
+            all_held = False
             continue
+        if entry.numel != numel:
+            all_held = False
+        else:  # bounded by the file: a box is a range per row, as many as the file holds rows
+            pieces.append((name, spec_ranges(spec, meta.shape)))
         if entry.dtype != meta.dtype or entry.numel != numel:
             problems.append(
                 f"{where}: tensor {key!r} is {entry.dtype} x {entry.numel} in the file "
@@ -173,7 +181,8 @@ def _check_tensor(
         for i, lo in enumerate(range(0, nbytes, step)):
             hi = min(lo + step, nbytes)
             chunks.append(_Chunk(name, key, i, entry.start + lo, entry.start + hi, crcs[i] if crcs is not None else None))
-    problems.extend(_coverage_problems(key, meta.numel, pieces))
+    if all_held:  # else some elements are unaccounted for, and a line says why
+        problems.extend(_coverage_problems(key, meta.numel, pieces))
     return problems
 
 

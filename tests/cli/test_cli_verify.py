@@ -200,3 +200,46 @@ def test_wrong_checksum_count_and_unknown_algorithm(tmp_path, capsys):
     meta["checksum_algorithm"] = "md5"
     open(path, "w").write(json.dumps(meta))
     assert problems_of(capsys, dir)[1] == [f"{path}: unknown checksum algorithm 'md5' (expected 'crc32c'); checksums not checked"]
+
+
+def test_header_disagreement_is_found_before_a_box_is_expanded(tmp_path, monkeypatch):
+    """A box of 2**20 rows (a range per row) that the file does not hold: one line for the
+    disagreement, and its ranges never listed (the old order built them all, then reported
+    every gap between them: for 2**24 rows 30 s and 5 GiB)."""
+    import checkpointer.planning.plan as plan
+
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 10)}, checksums=False)
+    rows = 1 << 20
+    path = os.path.join(dir, "metadata.json")
+    meta = json.loads(open(path).read())
+    meta["tensors"]["w"]["shape"] = [rows, 2]
+    meta["tensors"]["w"]["shard_spec_per_file"]["rank_0.safetensors"].update(
+        flattened_offsets=None, local_shape=[rows, 1], global_offset=[0, 0]
+    )
+    open(path, "w").write(json.dumps(meta))
+    expanded = []
+    real_box_ranges = plan.box_ranges
+    monkeypatch.setattr(plan, "box_ranges", lambda *a: expanded.append(len(r := real_box_ranges(*a))) or r)
+    assert verify_checkpoint(dir) == [
+        f"{os.path.join(dir, 'rank_0.safetensors')}: tensor 'w' is F32 x 10 in the file but F32 x {rows} in metadata.json"
+    ]
+    assert expanded == []
+
+
+def test_a_box_the_file_holds_is_still_checked_for_coverage(tmp_path):
+    """Pieces whose headers agree are expanded: a box leaving out a column is a gap per row."""
+    dir = tmp_path / "box"
+    dir.mkdir()
+    save_file({"w": torch.zeros(3)}, str(dir / "rank_0.safetensors"))
+    specs = {"rank_0.safetensors": TensorShardSpec(local_shape=(3, 1), global_offset=(0, 0))}
+    meta = StorageMetadata(
+        tensors={"w": TensorStorageMetadata(shape=(3, 2), is_sharded=True, dtype="F32", shard_spec_per_file=specs)},
+        format_version=1,
+        world_size=1,
+    )
+    (dir / "metadata.json").write_bytes(meta.to_json_bytes())
+    assert verify_checkpoint(str(dir)) == [
+        "tensor 'w': elements [1, 2) of 6 are in no file",
+        "tensor 'w': elements [3, 4) of 6 are in no file",
+        "tensor 'w': elements [5, 6) of 6 are in no file",
+    ]

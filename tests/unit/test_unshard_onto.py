@@ -62,5 +62,34 @@ def test_a_shape_the_files_do_not_hold_is_refused_before_allocating(saved, monke
     monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
     with pytest.raises(CorruptCheckpointError, match="'w'") as raised:
         read_full_onto(torch.device("cpu"), storage, read_metadata(storage, no_dist=True))
-    assert ("in the file but" if offsets_too else "the files hold") in str(raised.value)
+    # Either the header's entry disagrees with the piece, or the pieces hold too few elements.
+    want = "is F32 x 407 in the file but F32 x" if offsets_too else f"gives it {huge[0] * huge[1]} elements but its files"
+    assert want in str(raised.value) and (offsets_too or str(raised.value).endswith(f"hold {37 * 11}"))
     assert allocated == []
+
+
+def test_headers_are_checked_before_a_box_is_expanded(saved, monkeypatch):
+    """A box of 2**20 rows that the file does not hold is refused before its ranges (one per row)
+    are listed: the old order built a million ranges, and for 2**24 rows took 50 s and 5 GiB."""
+    import checkpointer.planning.plan as plan
+
+    path, _ = saved
+    rows = 1 << 20
+    meta_file = os.path.join(path, "metadata.json")
+    with open(meta_file) as f:
+        doc = json.load(f)
+    entry = doc["tensors"]["w"]
+    entry["shape"] = [rows, 2]
+    for spec in entry["shard_spec_per_file"].values():
+        spec.update(flattened_offsets=None, local_shape=[rows, 1], global_offset=[0, 0], checksums=None)
+    with open(meta_file, "w") as f:
+        json.dump(doc, f)
+    expanded = []
+    real_box_ranges = plan.box_ranges
+    monkeypatch.setattr(plan, "box_ranges", lambda *a: expanded.append(len(r := real_box_ranges(*a))) or r)
+    storage = LocalStorage(path)
+    metadata = read_metadata(storage, no_dist=True)
+    for unshard in (read_full_onto, lambda device, s, m: read_full(s, m, ["w"])):
+        with pytest.raises(CorruptCheckpointError, match=f"'w' is F32 x 407 in the file but F32 x {rows} in metadata"):
+            unshard(torch.device("cpu"), storage, metadata)
+    assert expanded == []
