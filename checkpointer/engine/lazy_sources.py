@@ -30,7 +30,7 @@ from ..planning.overlap import Range, box_ranges
 from ..planning.plan import build_load_plan
 from ..storage.base import ReadRequest, Storage, Writer
 from ..storage.local import LocalStorage
-from .rankfile import HeaderCache, ReadJob, check_files_hold, execute_reads
+from .rankfile import HeaderCache, ReadJob, check_files_hold, execute_reads, read_small_file
 
 __all__ = [
     "Box",
@@ -217,11 +217,9 @@ def read_hf_index(storage: Storage, index_name: str) -> dict[str, list[str]]:
     import json
 
     where = storage.join(index_name)
-    size = storage.size(index_name)
-    if size > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(f"{where}: index of {size} bytes is over the {MAX_INDEX_BYTES} byte limit")
+    data = read_small_file(storage, index_name, limit=MAX_INDEX_BYTES, what="index")
     try:
-        raw = json.loads(storage.read(index_name), object_pairs_hook=reject_duplicate_keys)
+        raw = json.loads(data, object_pairs_hook=reject_duplicate_keys)
     except (ValueError, RecursionError, UnicodeDecodeError) as ex:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({ex})") from ex
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None

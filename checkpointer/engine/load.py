@@ -64,7 +64,13 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
             "(set CHECKPOINTER_MAX_METADATA_MIB to read larger metadata from a source you trust; "
             "parsing takes about 2x the file's size in memory on every rank)"
         )
-    return storage.read(METADATA_FILENAME)
+    # Bytes [0, size) of the size just checked: a file that grows meanwhile is not read on.
+    data = storage.read(METADATA_FILENAME, 0, size)
+    if len(data) != size:
+        raise CorruptCheckpointError(
+            f"{storage.join(METADATA_FILENAME)}: read {len(data)} bytes of {size}: the file changed while it was read"
+        )
+    return data
 
 
 def read_metadata(storage: Storage, *, no_dist: bool = False) -> StorageMetadata:

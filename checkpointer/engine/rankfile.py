@@ -33,6 +33,7 @@ __all__ = [
     "check_files_hold",
     "check_chunk",
     "read_file_ranges",
+    "read_small_file",
     "verify_reads",
 ]
 
@@ -198,16 +199,7 @@ class HeaderCache:
         if cached is not None:
             return cached
         where = self.storage.join(name)
-        try:
-            size = self.storage.size(name)
-        except FileNotFoundError as ex:
-            raise CorruptCheckpointError(f"{where}: {self.what} is missing") from ex
-        except (PermissionError, IsADirectoryError, NotADirectoryError, ValueError) as ex:
-            raise CorruptCheckpointError(f"{where}: not a readable file inside the checkpoint ({ex})") from ex
-        except OSError as ex:
-            if not self.storage.is_local():
-                raise
-            raise CorruptCheckpointError(f"{where}: not a regular file ({ex})") from ex
+        size = _file_size(self.storage, name, self.what)
         prefix = self.storage.read(name, 0, min(size, _SPECULATIVE_HEADER))
         n = header_length(prefix, where=where, file_size=size)
         if PREFIX_BYTES + n <= len(prefix):
@@ -226,6 +218,36 @@ class HeaderCache:
         with self._lock:
             self._headers[name] = header
         return header
+
+
+def _file_size(storage: Storage, name: str, what: str) -> int:
+    """The size of a file the checkpoint needs; a missing or special file is corrupt data."""
+    where = storage.join(name)
+    try:
+        return storage.size(name)
+    except FileNotFoundError as ex:
+        raise CorruptCheckpointError(f"{where}: {what} is missing") from ex
+    except (PermissionError, IsADirectoryError, NotADirectoryError, ValueError) as ex:
+        raise CorruptCheckpointError(f"{where}: not a readable file inside the checkpoint ({ex})") from ex
+    except OSError as ex:
+        if not storage.is_local():
+            raise
+        raise CorruptCheckpointError(f"{where}: not a regular file ({ex})") from ex
+
+
+def read_small_file(storage: Storage, name: str, *, limit: int, what: str) -> bytes:
+    """All of a file read whole (an index, a JSON document): bytes ``[0, size)`` of its size as
+    stat'ed, refused above ``limit`` bytes. One that grows while it is read (or is a FIFO, or a
+    device) is never read past that size, and one that changes size is refused.
+    """
+    where = storage.join(name)
+    size = _file_size(storage, name, what)
+    if size > limit:
+        raise CorruptCheckpointError(f"{where}: {what} of {size} bytes is over the limit of {limit} bytes")
+    data = storage.read(name, 0, size)
+    if len(data) != size:
+        raise CorruptCheckpointError(f"{where}: read {len(data)} bytes of {size}: the file changed while it was read")
+    return data
 
 
 @dataclass(frozen=True)

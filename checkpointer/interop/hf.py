@@ -14,7 +14,8 @@ import torch
 from ..buffers import memoryview_of
 from ..engine.export import INDEX_NAME, split_output
 from ..engine.lazy import split_url
-from ..engine.rankfile import HeaderCache
+from ..engine.lazy_sources import MAX_INDEX_BYTES
+from ..engine.rankfile import HeaderCache, read_small_file
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import is_rank_filename
@@ -22,9 +23,6 @@ from ..format.metadata import reject_duplicate_keys
 from ..storage.base import Storage, check_name, open_storage
 
 __all__ = ["HFTensors", "is_hf"]
-
-_MAX_INDEX_BYTES = 256 << 20
-
 
 def is_hf(url: str, names: set[str]) -> bool:
     """Whether ``url`` (a file, or a directory holding ``names``) looks like Hugging Face safetensors."""
@@ -79,10 +77,9 @@ class HFTensors:
         self._index: dict[str, str] | None = None
         if self.storage.exists(INDEX_NAME):
             where = self.storage.join(INDEX_NAME)
-            if self.storage.size(INDEX_NAME) > _MAX_INDEX_BYTES:
-                raise CorruptCheckpointError(f"{where} is too large for an index")
+            data = read_small_file(self.storage, INDEX_NAME, limit=MAX_INDEX_BYTES, what="index")
             try:
-                raw = json.loads(self.storage.read(INDEX_NAME), object_pairs_hook=reject_duplicate_keys)
+                raw = json.loads(data, object_pairs_hook=reject_duplicate_keys)
                 weight_map = raw["weight_map"]
                 if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                     raise ValueError("weight_map is not an object of file names")

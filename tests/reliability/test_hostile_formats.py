@@ -5,6 +5,7 @@ a CheckpointError naming the file, never another exception, never a hang or a hu
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -12,8 +13,14 @@ import pytest
 import torch
 from rel_helpers import assert_rule, lazy_all, run_loaders
 
+from safetensors.torch import save_file
+
 import checkpointer
-from checkpointer.engine.lazy_sources import MAX_NESTING
+from checkpointer.engine.export import INDEX_NAME
+from checkpointer.engine.lazy_sources import MAX_NESTING, read_hf_index
+from checkpointer.engine.load import read_metadata
+from checkpointer.interop.hf import HFTensors
+from checkpointer.storage.local import LocalStorage
 
 
 def _nested(depth: int) -> dict:
@@ -50,3 +57,93 @@ def test_torch_pickle_nested_to_the_limit_loads(tmp_path):
     (key, tensor), = checkpointer.lazy_load(path)
     assert key == "a." * (MAX_NESTING - 1) + "w"
     assert torch.equal(tensor, torch.ones(2))
+
+
+# ---------------------------------------------------------------------------------------
+# metadata.json and model.safetensors.index.json: read [0, size) of the size as stat'ed
+# ---------------------------------------------------------------------------------------
+
+
+class GrowingStorage(LocalStorage):
+    """Local storage where a writer appends ``grow`` bytes to a file right after each stat of it
+    (whitespace: the JSON stays valid); records the length of every read."""
+
+    def __init__(self, root: str, grow: int = 4 << 20):
+        super().__init__(root)
+        self.grow = grow
+        self.reads: list[tuple[str, int]] = []
+
+    def size(self, name: str) -> int:
+        size = super().size(name)
+        with open(self._path(name), "ab") as f:
+            f.write(b" " * self.grow)
+        return size
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        data = super().read(name, start, end)
+        self.reads.append((name, len(data)))
+        return data
+
+
+def _hf_dir(path: str) -> str:
+    os.makedirs(path)
+    save_file({"a": torch.ones(3)}, os.path.join(path, "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(2)}, os.path.join(path, "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    with open(os.path.join(path, INDEX_NAME), "w") as f:
+        json.dump(index, f)
+    return path
+
+
+def test_metadata_json_that_grows_is_read_to_its_stat_size(tmp_path):
+    """The old read went on to the end of the file, however far that had moved since the stat."""
+    path = str(tmp_path / "ckpt")
+    checkpointer.Checkpointer().save(path, {"w": torch.ones(3)})
+    size = os.path.getsize(os.path.join(path, "metadata.json"))
+    storage = GrowingStorage(path)
+    metadata = read_metadata(storage, no_dist=True)
+    assert list(metadata.tensors) == ["w"]
+    assert [n for name, n in storage.reads if name == "metadata.json"] == [size]
+
+
+@pytest.mark.parametrize("reader", ["read_hf_index", "HFTensors"])
+def test_hf_index_that_grows_is_read_to_its_stat_size(tmp_path, reader):
+    path = _hf_dir(str(tmp_path / "hf"))
+    size = os.path.getsize(os.path.join(path, INDEX_NAME))
+    storage = GrowingStorage(path)
+    if reader == "read_hf_index":
+        assert sorted(read_hf_index(storage, INDEX_NAME)) == sorted(
+            ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        )
+    else:
+        assert [key for key, _, _ in HFTensors(storage).entries()] == ["a", "b"]
+    assert [n for name, n in storage.reads if name == INDEX_NAME] == [size]
+
+
+def _stat_before_a_truncation(storage: LocalStorage) -> LocalStorage:
+    """Sizes reported 10 bytes larger than the file: as if it were cut short after the stat."""
+    real_size = storage.size
+    storage.size = lambda name: real_size(name) + 10  # type: ignore[method-assign]
+    return storage
+
+
+def test_file_that_shrinks_while_read_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt")
+    checkpointer.Checkpointer().save(path, {"w": torch.ones(3)})
+    with pytest.raises(checkpointer.CorruptCheckpointError, match="changed while it was read"):
+        read_metadata(_stat_before_a_truncation(LocalStorage(path)), no_dist=True)
+    hf = _hf_dir(str(tmp_path / "hf"))
+    with pytest.raises(checkpointer.CorruptCheckpointError, match="changed while it was read"):
+        read_hf_index(_stat_before_a_truncation(LocalStorage(hf)), INDEX_NAME)
+
+
+@pytest.mark.parametrize("special", ["fifo", "directory"])
+def test_hf_index_that_is_not_a_regular_file(tmp_path, special):
+    path = _hf_dir(str(tmp_path / "hf"))
+    index = os.path.join(path, INDEX_NAME)
+    os.remove(index)
+    os.mkfifo(index) if special == "fifo" else os.mkdir(index)
+    outcomes = run_loaders(
+        {"lazy_load": lambda: lazy_all(path), "HFTensors": lambda: HFTensors(path).entries()}, path, (str(tmp_path),), hang_s=4
+    )
+    assert_rule(outcomes, must_raise=set(outcomes), needles=(INDEX_NAME,), cls=checkpointer.CorruptCheckpointError)
