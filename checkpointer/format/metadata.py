@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from json import JSONDecodeError
 from typing import Any
 
@@ -28,10 +28,31 @@ __all__ = [
     "StorageMetadata",
     "parse_metadata",
     "MAX_NDIM",
+    "MAX_NUMEL",
+    "dims_fit",
 ]
 
 MAX_NDIM = 64
 MAX_NUMEL = 2**62
+"""The most elements a tensor may have, and the largest a dimension may be: past it, products
+of dimensions (element counts, strides, byte sizes) could overflow torch's int64."""
+
+
+def dims_fit(shape: Sequence[int]) -> bool:
+    """Whether every dimension, and the product of the non-zero ones, is at most :data:`MAX_NUMEL`.
+
+    The non-zero ones: ``[0, 2**62, 2**62]`` has no element, but its strides overflow int64
+    (``torch.empty`` fails), so every partial product of dimensions must fit.
+    """
+    n = 1
+    for d in shape:
+        if d > MAX_NUMEL:
+            return False
+        if d:
+            n *= d
+            if n > MAX_NUMEL:
+                return False
+    return True
 
 
 class TensorShardSpec(BaseModel):
@@ -88,8 +109,8 @@ class TensorStorageMetadata(BaseModel):
     def _shape(cls, shape: tuple[int, ...]) -> tuple[int, ...]:
         if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
             raise ValueError(f"bad shape {shape}")
-        if math.prod(shape) > MAX_NUMEL:
-            raise ValueError(f"shape {shape} has too many elements")
+        if not dims_fit(shape):
+            raise ValueError(f"shape {shape} has too many elements, or a dimension over {MAX_NUMEL}")
         return shape
 
     @field_validator("dtype")
@@ -417,8 +438,8 @@ def _tensor(entry: Any, parser: SpecParser) -> TensorStorageMetadata:
     shape = entry["shape"]
     if type(shape) is not list or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
         raise ValueError(f"bad shape {_short_value(shape)}")
-    if math.prod(shape) > MAX_NUMEL:
-        raise ValueError(f"shape {shape} has too many elements")
+    if not dims_fit(shape):
+        raise ValueError(f"shape {_short_value(shape)} has too many elements, or a dimension over {MAX_NUMEL}")
     shape = tuple(shape)
     if type(entry["is_sharded"]) is not bool:
         raise ValueError("is_sharded must be true or false")

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from .dtypes import READABLE_CODES, itemsize
-from .metadata import MAX_NDIM, reject_duplicate_keys
+from .metadata import MAX_NDIM, MAX_NUMEL, dims_fit, reject_duplicate_keys
 
 __all__ = [
     "HeaderEntry",
@@ -91,6 +91,10 @@ def parse_header(header_json: bytes, *, where: str, file_size: int) -> Safetenso
             ok = False
         if not ok:
             raise CorruptCheckpointError(f"{where}: bad safetensors header entry for {key!r}")
+        if not dims_fit(shape):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} has shape {shape!r:.200} with too many elements, or a dimension over {MAX_NUMEL}"
+            )
         if dtype not in READABLE_CODES:
             raise CorruptCheckpointError(
                 f"{where}: tensor {key!r} has dtype {dtype!r:.40}, which cannot be read (known: {', '.join(READABLE_CODES)})"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 
 import pytest
@@ -147,3 +148,47 @@ def test_hf_index_that_is_not_a_regular_file(tmp_path, special):
         {"lazy_load": lambda: lazy_all(path), "HFTensors": lambda: HFTensors(path).entries()}, path, (str(tmp_path),), hang_s=4
     )
     assert_rule(outcomes, must_raise=set(outcomes), needles=(INDEX_NAME,), cls=checkpointer.CorruptCheckpointError)
+
+
+# ---------------------------------------------------------------------------------------
+# Dimensions past MAX_NUMEL: products of dimensions would overflow int64 in torch
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [0, 2**62, 2**62]], ids=["dim-past-int64", "strides-overflow"])
+def test_huge_dims_of_an_empty_tensor_in_a_safetensors_file(tmp_path, shape):
+    """No element and no byte: torch.empty raised TypeError or RuntimeError for these."""
+    path = str(tmp_path / "hf" / "model.safetensors")
+    os.makedirs(os.path.dirname(path))
+    header = json.dumps({"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+    outcomes = run_loaders(
+        {"lazy_load": lambda: lazy_all(path), "HFTensors": lambda: HFTensors(path).fetch("a")},
+        os.path.dirname(path),
+        (str(tmp_path),),
+    )
+    assert_rule(outcomes, must_raise=set(outcomes), needles=("model.safetensors",), cls=checkpointer.CorruptCheckpointError)
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [0, 2**62, 2**62]], ids=["dim-past-int64", "strides-overflow"])
+def test_huge_dims_of_an_empty_tensor_in_metadata(tmp_path, shape):
+    path = str(tmp_path / "ckpt")
+    checkpointer.Checkpointer().save(path, {"w": torch.ones(3)})
+    meta_file = os.path.join(path, "metadata.json")
+    with open(meta_file) as f:
+        doc = json.load(f)
+    doc["tensors"]["e"] = {"shape": shape, "is_sharded": False, "dtype": "F32", "shard_spec_per_file": {}}
+    with open(meta_file, "w") as f:
+        json.dump(doc, f)
+    c = checkpointer.Checkpointer()
+    outcomes = run_loaders(
+        {
+            "unshard": lambda: c.unshard(path, no_dist=True),
+            "get_metadata": lambda: c.get_metadata(path, no_dist=True),
+            "lazy_load": lambda: lazy_all(path),
+        },
+        path,
+        (str(tmp_path),),
+    )
+    assert_rule(outcomes, must_raise=set(outcomes), needles=("metadata.json",), cls=checkpointer.CorruptCheckpointError)

@@ -224,6 +224,12 @@ def mutate(fn):
     return json.dumps(doc).encode()
 
 
+def _empty_tensor_doc(shape: list[int]) -> bytes:
+    """A tensor of no element, in no file."""
+    entry = {"shape": shape, "is_sharded": False, "dtype": "F32", "shard_spec_per_file": {}}
+    return json.dumps({"tensors": {"a": entry}}).encode()
+
+
 def _set(path, value):
     def fn(doc):
         node = doc
@@ -306,6 +312,9 @@ BAD_DOCS = {
     "nested objects": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
     "nested lists in an extra field": b'{"tensors": {}, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "nested objects in a shape": b'{"tensors": {"a": {"shape": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}}}",
+    "dimension past int64": _empty_tensor_doc([0, 2**63]),
+    "dimension past MAX_NUMEL": _empty_tensor_doc([2**62 + 1, 0]),
+    "strides overflow int64": _empty_tensor_doc([0, 2**62, 2**62]),
     "huge integer": b'{"tensors": {"a": {"shape": [' + b"9" * 5000 + b'], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {}}}}',
     "text after the object": b'{"tensors": {}} x',
     "a second object": b'{"tensors": {}}{}',
@@ -502,3 +511,12 @@ def test_parse_metadata_never_holds_the_whole_document_as_json_values():
     assert peak < 3 * len(data), f"peak {peak / len(data):.1f}x the text"
     spec = metadata.tensors["layers.199.weight"].shard_spec_per_file["rank_127.safetensors"]
     assert spec.flattened_offsets == ((127_000, 128_000),) and spec.checksums == ((199 * 7919 + 127) % 2**32,)
+
+
+@pytest.mark.parametrize("shape", [(0, 2**63), (2**62 + 1, 0), (0, 2**62, 2**62), (0, 2**40, 2**40)])
+def test_tensor_storage_metadata_refuses_huge_dims(shape):
+    """A tensor with no element can still overflow int64 in a dimension or a stride."""
+    with pytest.raises(ValueError, match="too many elements, or a dimension over"):
+        TensorStorageMetadata(shape=shape, is_sharded=False, dtype="F32", shard_spec_per_file={})
+    TensorStorageMetadata(shape=(0, 2**62), is_sharded=False, dtype="F32", shard_spec_per_file={})
+    assert parse_metadata(_empty_tensor_doc([0, 2**62]), where=WHERE).tensors["a"].shape == (0, 2**62)

@@ -295,3 +295,19 @@ def test_fuzzed_header_is_parsed_or_corrupt(header, data_bytes):
 def test_build_header_refuses_duplicate_or_reserved_keys(pieces):
     with pytest.raises(ValueError):
         build_header(pieces)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(0, 2**63), (2**62 + 1, 0), (0, 2**62, 2**62), (0, 2**40, 2**40), (2**31, 2**31, 2**1, 0)],
+    ids=["dim-past-int64", "dim-past-max-numel", "strides-overflow", "strides-overflow-small-dims", "with-zero-last"],
+)
+def test_empty_tensor_with_huge_dims_is_refused(shape):
+    """No element, no bytes, yet torch cannot make it: a dimension, or a partial product of
+    dimensions (a stride), past 2**62 could overflow int64."""
+    with pytest.raises(CorruptCheckpointError, match="too many elements, or a dimension over"):
+        parse_with_data(header_json({"a": entry("F32", shape, (0, 0))}), 0)
+
+
+def test_largest_dims_still_parse():
+    parse_with_data(header_json({"a": entry("F32", (0, 2**62), (0, 0)), "b": entry("F32", (2**31, 2**31, 0), (0, 0))}), 0)
