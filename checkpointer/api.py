@@ -10,7 +10,6 @@ the state that exists, and a load allocates whatever state the checkpoint has.
 from __future__ import annotations
 
 import contextlib
-import re
 from concurrent.futures import Future
 from typing import Any, Iterator
 
@@ -20,6 +19,7 @@ import torch.nn as nn
 from . import dist
 from .buffers import memoryview_of
 from .engine.checkpointer import Checkpointer
+from .engine.locate import newest_checkpoint
 from .engine.rankfile import HeaderCache, check_files_hold
 from .engine.unshard import read_full
 from .errors import CheckpointMismatchError, CorruptCheckpointError
@@ -28,7 +28,7 @@ from .format.dtypes import dtype_from_code
 from .format.layout import METADATA_FILENAME
 from .format.metadata import StorageMetadata, TensorStorageMetadata
 from .sharding import describe, fsdp1_flat_views, local_data, with_sharding_of
-from .storage.base import open_storage
+from .storage.base import open_storage, path_arg
 
 __all__ = [
     "save_model_and_optim_state",
@@ -150,7 +150,7 @@ def save_model_and_optim_state(
     ``use_orig_params=True``. The optimizer is not stepped: parameters and step counts are
     untouched. Every rank calls it together.
     """
-    dir = str(dir).rstrip("/")
+    dir = path_arg(dir).rstrip("/")
     model_state = model_state_dict(model)
     optim_state = flatten_optim_state(model, optim, model_state)
     _DEFAULT.wait()
@@ -192,7 +192,7 @@ def async_save_model_and_optim_state(
     rank's files, and errors surface from ``.result()``. A new save waits for the one in flight.
     The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
     """
-    dir = str(dir).rstrip("/")
+    dir = path_arg(dir).rstrip("/")
     with torch.no_grad():
         model_state = model_state_dict(model)
         optim_state = flatten_optim_state(model, optim, model_state)
@@ -232,7 +232,7 @@ def load_model_and_optim_state(
     its local elements, and every read must return all its bytes. ``validate`` is kept for
     OLMo-core compatibility; the proof is always on.
     """
-    dir = str(dir).rstrip("/")
+    dir = path_arg(dir).rstrip("/")
     checkpointer = Checkpointer()
     model_state = model_state_dict(model)
     checkpointer.load(f"{dir}/model", model_state, strategy=strategy)
@@ -370,7 +370,7 @@ def unshard_model_state(
     dir: str, *, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
 ) -> dict[str, torch.Tensor]:
     """Full model tensors by name (every tied name included) from ``dir/model``."""
-    return Checkpointer().unshard(f"{str(dir).rstrip('/')}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
+    return Checkpointer().unshard(f"{path_arg(dir).rstrip('/')}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
 
 
 @torch.no_grad()
@@ -378,7 +378,7 @@ def unshard_optim_state(
     dir: str, *, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
 ) -> dict[str, Any]:
     """The full optimizer state from ``dir/optim``, in ``torch.optim.Optimizer.state_dict()`` form."""
-    where = f"{str(dir).rstrip('/')}/optim"
+    where = f"{path_arg(dir).rstrip('/')}/optim"
     flat = Checkpointer().unshard(where, device=device, rank0_only=rank0_only, no_dist=no_dist)
     if not flat:
         return {}
@@ -402,39 +402,19 @@ def _unflatten_optim(flat: dict[str, torch.Tensor], where: str) -> dict[str, Any
     return {"state": state, "param_groups": groups}
 
 
-_NUMBER = re.compile(r"(\d+)")
-_STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
-
-
-def _step_of(name: str) -> int | None:
-    """The number after ``step`` in the name (``epoch2-step900``), else its last number."""
-    step = _STEP.search(name)
-    numbers = [step.group(1)] if step else _NUMBER.findall(name)
-    return int(numbers[-1]) if numbers else None
-
-
 def latest_checkpoint(run_dir: str) -> str | None:
-    """The newest complete checkpoint among the sub-directories of ``run_dir``: the highest
-    step (the number after ``step`` in the name, else its last number)."""
-    storage = open_storage(run_dir)
-    best: tuple[int, str] | None = None
-    for name in storage.list():
-        step = _step_of(name)
-        if step is None:
-            continue
-        child = storage.child(name)
-        if child.exists(METADATA_FILENAME):
-            complete = True
-        else:
-            complete = all(child.child(part).exists(METADATA_FILENAME) for part in ("model", "optim")) if _is_dir(child) else False
-        if complete and (best is None or step > best[0]):
-            best = (step, name)
-    return None if best is None else f"{str(run_dir).rstrip('/')}/{best[1]}"
+    """The newest complete checkpoint among the sub-directories of ``run_dir``, or None.
 
+    Newest is the highest step: the number after ``step`` in the name (``epoch2-step900``),
+    else its last number. A sub-directory is complete when it holds ``metadata.json`` or
+    ``model/`` and ``optim/`` that both do; incomplete ones (a save that died) are skipped.
 
-def _is_dir(storage) -> bool:
-    try:
-        return bool(storage.list())
-    except OSError:
-        return False
+    Example::
 
+        last = checkpointer.latest_checkpoint("/ckpt/run1")   # "/ckpt/run1/step1000", or None
+        if last is not None:
+            checkpointer.load_model_and_optim_state(last, model, optim)
+    """
+    run_dir = path_arg(run_dir, "run directory")
+    newest = newest_checkpoint(open_storage(run_dir))
+    return None if newest is None else f"{run_dir.rstrip('/')}/{newest}"

@@ -39,7 +39,7 @@ from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, items
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
 from ..planning.plan import TensorLoadPlan, build_load_plan
-from ..storage.base import Storage, Writer, open_storage
+from ..storage.base import Storage, Writer, open_storage, path_arg
 from .load import read_metadata
 from .locate import model_checkpoint
 from .rankfile import HeaderCache, ReadJob, check_chunk, check_files_hold, execute_reads, verify_reads
@@ -496,6 +496,7 @@ def export_checkpoint(
     make_progress: Callable[[int, int], Any] | None = None,
 ) -> list[str]:
     """:func:`export_safetensors`, with a progress bar factory ``make_progress(bytes, tensors)``."""
+    out = path_arg(out, "output path")
     world = 1 if no_dist else dist.get_world_size()
     plan: ExportPlan | None = None
     fetch: Fetch = _unplanned

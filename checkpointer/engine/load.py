@@ -25,6 +25,7 @@ from ..format.metadata import StorageMetadata, TensorStorageMetadata, parse_meta
 from ..planning.plan import TensorLoadPlan, build_load_plan, piece_ranges
 from ..sharding import LocalTensor
 from ..storage.base import Storage
+from .locate import missing_metadata_message
 from .rankfile import HeaderCache, ReadJob, execute_reads
 from .save import describe_state_dict
 
@@ -48,9 +49,7 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
     try:
         size = storage.size(METADATA_FILENAME)
     except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint"
-        ) from None
+        raise IncompleteCheckpointError(missing_metadata_message(storage)) from None
     except (PermissionError, IsADirectoryError, NotADirectoryError) as ex:
         raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a readable file ({ex})") from ex
     except OSError as ex:
