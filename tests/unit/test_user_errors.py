@@ -224,3 +224,38 @@ def test_a_local_dir_named_like_a_scheme_can_be_given_with_dot_slash(tmp_path, m
     Checkpointer().save("./s3:/x", {"w": torch.ones(2)})
     assert (tmp_path / "s3:" / "x" / "metadata.json").exists()
 
+
+# ---------------------------------------------------------------------------------------------
+# Shape and dtype mismatches name the checkpoint and the key; a dtype mismatch says how to convert
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shape_mismatch_names_the_checkpoint_and_the_key(tmp_path):
+    ckpt = str(tmp_path / "c")
+    Checkpointer().save(ckpt, {"layer.w": torch.zeros(2, 3)})
+    with pytest.raises(checkpointer.CheckpointMismatchError) as ex:
+        Checkpointer().load(ckpt, {"layer.w": torch.zeros(3, 2)})
+    message = str(ex.value)
+    assert "'layer.w'" in message and ckpt in message
+    assert "[2, 3]" in message and "[3, 2]" in message
+
+
+def test_dtype_mismatch_names_the_checkpoint_and_says_how_to_convert(tmp_path):
+    ckpt = str(tmp_path / "c")
+    Checkpointer().save(ckpt, {"layer.w": torch.zeros(2, 3)})
+    with pytest.raises(checkpointer.CheckpointMismatchError) as ex:
+        Checkpointer().load(ckpt, {"layer.w": torch.zeros(2, 3, dtype=torch.bfloat16)})
+    message = str(ex.value)
+    assert "'layer.w'" in message and ckpt in message
+    assert "F32 (torch.float32)" in message and "BF16 (torch.bfloat16)" in message
+    assert "never casts" in message and ".to(torch.bfloat16)" in message
+
+
+def test_model_dtype_mismatch_names_the_model_checkpoint(run_dir):
+    model, optim = _model()
+    model.to(torch.bfloat16)
+    step = f"{run_dir}/step20"
+    with pytest.raises(checkpointer.CheckpointMismatchError, match=f"in the checkpoint at {step}/model.*model.to"):
+        checkpointer.load_model_and_optim_state(step, model, optim)
+    model.to(torch.float32)  # as the message says: load in the checkpoint's dtype, then convert
+    checkpointer.load_model_and_optim_state(step, model, optim)
