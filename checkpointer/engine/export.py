@@ -197,11 +197,11 @@ def plan_export(
     """Pack ``tensors`` in order into shards of at most ``max_shard_size`` bytes and give each a writer."""
     if not tensors:
         raise ValueError("nothing to export: no tensor is selected")
+    limit = parse_size(max_shard_size)  # checked for one file too, where it does not apply
     groups: list[list[ExportTensor]] = []
     if single_file:
         groups = [list(tensors)]
     else:
-        limit = parse_size(max_shard_size)
         size = 0
         for t in tensors:
             if not groups or (groups[-1] and size + t.nbytes > limit):
@@ -539,7 +539,7 @@ def export_safetensors(
         out: a path or URL ending in ``.safetensors`` for one file; otherwise a directory that
             gets ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``.
         max_shard_size: the most bytes per shard (``"5GB"``, ``"500MB"``, ``"2GiB"`` or an int); a
-            larger tensor gets a shard of its own. Ignored for a single file.
+            larger tensor gets a shard of its own. Checked, but not used, for a single file.
         dtype: cast floating-point tensors to it (``"bf16"``, ``torch.float16``...).
         keys: a regular expression; only tensors whose name it matches (``re.search``) are written.
             Or a list (any collection) of names: exactly those are written; a name that is not in
