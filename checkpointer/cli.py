@@ -309,9 +309,16 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             notes=note,
         )
     except FileExistsError as ex:
-        raise FileExistsError(f"{ex}; on the command line: --overwrite") from ex
+        raise FileExistsError(overwrite_for_command_line(str(ex))) from ex
     _say(args, _wrote(files, args.dst))
     return 0
+
+
+def overwrite_for_command_line(message: str) -> str:
+    """The library's ``FileExistsError`` text, which tells a Python caller to pass
+    ``save_overwrite=True``, told the command line's way: ``--overwrite``."""
+    text = message.replace("save_overwrite=True", "--overwrite")
+    return text if "--overwrite" in text else f"{text} (pass --overwrite to replace it)"
 
 
 def _wrote(files: list[str], out: str) -> str:
