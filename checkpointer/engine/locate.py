@@ -50,8 +50,12 @@ def is_complete(storage: Storage) -> bool:
 
 def newest_checkpoint(run: Storage) -> str | None:
     """The name of the newest complete checkpoint among the sub-directories of ``run``: the
-    highest step (:func:`step_of`), incomplete ones skipped; None when there is none."""
-    steps = [(step, i, name) for i, name in enumerate(_lists(run)) if (step := step_of(name)) is not None]
+    highest step (:func:`step_of`), incomplete ones skipped; None when there is none.
+
+    Raises:
+        OSError: ``run`` cannot be listed (a missing directory lists as empty).
+    """
+    steps = [(step, i, name) for i, name in enumerate(run.list()) if (step := step_of(name)) is not None]
     for _, _, name in sorted(steps, key=lambda s: (-s[0], s[1])):
         if is_complete(run.child(name)):
             return name
@@ -80,7 +84,10 @@ def _name(storage: Storage) -> str:
 
 def run_directory_hint(run: Storage) -> str | None:
     """When ``run`` holds complete checkpoints in sub-directories: a sentence naming the newest."""
-    newest = newest_checkpoint(run)
+    try:
+        newest = newest_checkpoint(run)
+    except (OSError, io.UnsupportedOperation, NotImplementedError):
+        return None
     if newest is None:
         return None
     return (
