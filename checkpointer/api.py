@@ -149,6 +149,24 @@ def save_model_and_optim_state(
     Works for plain modules, DDP, FSDP2, DTensor tensor parallelism and FSDP1 with
     ``use_orig_params=True``. The optimizer is not stepped: parameters and step counts are
     untouched. Every rank calls it together.
+
+    Args:
+        dir: a local path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` URL
+            (a ``str``: ``pathlib.Path("s3://b/k")`` is ``s3:/b/k``, which is refused).
+        model: the model, sharded any way.
+        optim: its optimizer; the state it has is saved, keyed by parameter name.
+        save_overwrite: replace a checkpoint already saved in ``dir``.
+
+    Returns:
+        The files this rank created.
+
+    Raises:
+        FileExistsError: ``dir`` holds a checkpoint and ``save_overwrite`` is False (no rank
+            writes anything then).
+
+    Example::
+
+        checkpointer.save_model_and_optim_state(f"{run_dir}/step{step}", model, optim)
     """
     dir = path_arg(dir).rstrip("/")
     model_state = model_state_dict(model)
@@ -191,6 +209,13 @@ def async_save_model_and_optim_state(
     Writing goes on in the background while training continues; the future gives this
     rank's files, and errors surface from ``.result()``. A new save waits for the one in flight.
     The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
+
+    Args:
+        dir, model, optim, save_overwrite: as for :func:`save_model_and_optim_state`.
+
+    Returns:
+        A ``concurrent.futures.Future`` of this rank's files; ``FileExistsError`` (no
+        ``save_overwrite``) and write errors come from its ``.result()``.
     """
     dir = path_arg(dir).rstrip("/")
     with torch.no_grad():
@@ -228,9 +253,32 @@ def load_model_and_optim_state(
 ) -> None:
     """Load ``dir/model`` (and ``dir/optim``) in place, whatever topology saved them.
 
-    Every element of every tensor is proven loaded: each rank's read plan must cover all
-    its local elements, and every read must return all its bytes. ``validate`` is kept for
-    OLMo-core compatibility; the proof is always on.
+    Tensors already allocated in the model and optimizer are filled one at a time; missing
+    optimizer state is allocated. Every rank calls it together.
+
+    Args:
+        dir: the directory :func:`save_model_and_optim_state` wrote (path or URL), e.g. what
+            :func:`latest_checkpoint` returns (check it for None first).
+        model: the model to fill, sharded any way.
+        optim: its optimizer, or None to load the model only.
+        validate: every element of every tensor is proven loaded: each rank's read plan must
+            cover all its local elements, and every read must return all its bytes. Kept for
+            OLMo-core compatibility; the proof is always on.
+        strategy: ``"default"`` (every rank reads what it needs) or ``"two_stage"`` (each piece
+            several ranks need is read once and broadcast).
+
+    Raises:
+        TypeError: ``dir`` is None.
+        IncompleteCheckpointError: no ``metadata.json`` (the message names the directory meant
+            when ``dir`` is a run directory or one level off).
+        CorruptCheckpointError: the files are damaged or disagree with the metadata.
+        CheckpointMismatchError: a key is missing, or a shape or dtype differs (no casting).
+
+    Example::
+
+        last = checkpointer.latest_checkpoint(run_dir)
+        if last is not None:
+            checkpointer.load_model_and_optim_state(last, model, optim)
     """
     dir = path_arg(dir).rstrip("/")
     checkpointer = Checkpointer()
@@ -369,7 +417,14 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def unshard_model_state(
     dir: str, *, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full model tensors by name (every tied name included) from ``dir/model``."""
+    """Full model tensors by name (every tied name included) from ``dir/model``.
+
+    Args:
+        dir: the directory :func:`save_model_and_optim_state` wrote (path or URL).
+        device: where the tensors go (CPU by default).
+        rank0_only: only rank 0 reads; the other ranks get ``{}``.
+        no_dist: no collectives; this process reads everything alone.
+    """
     return Checkpointer().unshard(f"{path_arg(dir).rstrip('/')}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
 
 
@@ -377,7 +432,17 @@ def unshard_model_state(
 def unshard_optim_state(
     dir: str, *, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
 ) -> dict[str, Any]:
-    """The full optimizer state from ``dir/optim``, in ``torch.optim.Optimizer.state_dict()`` form."""
+    """The full optimizer state from ``dir/optim``, in ``torch.optim.Optimizer.state_dict()`` form.
+
+    ``param_groups[i]["params"]`` are indices, as ``state_dict()`` has them, in the saved order;
+    state tensors are full (unsharded).
+
+    Args:
+        dir: the directory :func:`save_model_and_optim_state` wrote (path or URL).
+        device: where the tensors go (CPU by default).
+        rank0_only: only rank 0 reads; the other ranks get ``{}``.
+        no_dist: no collectives; this process reads everything alone.
+    """
     where = f"{path_arg(dir).rstrip('/')}/optim"
     flat = Checkpointer().unshard(where, device=device, rank0_only=rank0_only, no_dist=no_dist)
     if not flat:

@@ -9,6 +9,7 @@ the shared folder; a change to either side shows up as a failure naming the diff
 from __future__ import annotations
 
 import ast
+import re
 import inspect
 import subprocess
 import sys
@@ -232,3 +233,43 @@ def test_console_script_and_module_entry_point():
     assert result.returncode == 0, result.stderr
     for command in ("inspect", "verify", "unshard", "convert"):
         assert command in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Docstrings: every public name has one, naming every parameter and the contract's errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _public_callables():
+    out = [(name, getattr(checkpointer, name)) for name in sorted(FUNCTIONS)]
+    out += [(f"Checkpointer.{name}", getattr(checkpointer.Checkpointer, name)) for name in sorted(METHODS)]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(checkpointer.__all__))
+def test_every_public_name_has_a_docstring(name):
+    assert (inspect.getdoc(getattr(checkpointer, name)) or "").strip(), name
+
+
+@pytest.mark.parametrize("name, fn", _public_callables(), ids=[n for n, _ in _public_callables()])
+def test_docstrings_name_every_parameter(name, fn):
+    doc = inspect.getdoc(fn) or ""
+    missing = [p for p in inspect.signature(fn).parameters if p != "self" and not re.search(rf"\b{p}\b", doc)]
+    assert not missing, f"{name}'s docstring does not mention {missing}"
+
+
+@pytest.mark.parametrize(
+    "name, errors",
+    [
+        ("save_model_and_optim_state", ["FileExistsError"]),
+        ("async_save_model_and_optim_state", ["FileExistsError", ".result()"]),
+        ("load_model_and_optim_state", ["IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointMismatchError"]),
+        ("Checkpointer.save", ["FileExistsError"]),
+        ("Checkpointer.load", ["IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointMismatchError"]),
+        ("Checkpointer.get_metadata", ["IncompleteCheckpointError"]),
+    ],
+)
+def test_docstrings_name_the_contract_errors(name, errors):
+    doc = inspect.getdoc(dict(_public_callables())[name]) or ""
+    for error in errors:
+        assert error in doc, f"{name}'s docstring does not mention {error}"
