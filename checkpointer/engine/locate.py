@@ -104,7 +104,11 @@ def missing_metadata_message(storage: Storage) -> str:
             f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint "
             "(its save never finished)"
         )
-    return f"no checkpoint at {storage.url}: {wrong_directory_hint(storage)}"
+    try:
+        hint = wrong_directory_hint(storage)
+    except OSError:  # the hint probes storage; its failure must not hide the error it explains
+        hint = f"{storage.url} does not exist or is empty"
+    return f"no checkpoint at {storage.url}: {hint}"
 
 
 def wrong_directory_hint(storage: Storage) -> str:

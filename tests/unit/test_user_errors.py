@@ -259,3 +259,15 @@ def test_model_dtype_mismatch_names_the_model_checkpoint(run_dir):
         checkpointer.load_model_and_optim_state(step, model, optim)
     model.to(torch.float32)  # as the message says: load in the checkpoint's dtype, then convert
     checkpointer.load_model_and_optim_state(step, model, optim)
+
+
+def test_a_failing_hint_does_not_hide_the_missing_checkpoint(tmp_path, monkeypatch):
+    from checkpointer.engine import locate
+
+    def probe_fails(storage):
+        raise OSError("listing refused")
+
+    monkeypatch.setattr(locate, "wrong_directory_hint", probe_fails)
+    nowhere = str(tmp_path / "nowhere")
+    with pytest.raises(IncompleteCheckpointError, match=f"no checkpoint at {nowhere}: {nowhere} does not exist"):
+        Checkpointer().get_metadata(nowhere)
