@@ -10,7 +10,6 @@ the state that exists, and a load allocates whatever state the checkpoint has.
 from __future__ import annotations
 
 import contextlib
-import re
 from concurrent.futures import Future
 from typing import Any, Iterator
 
@@ -20,6 +19,7 @@ import torch.nn as nn
 from . import dist
 from .buffers import memoryview_of
 from .engine.checkpointer import Checkpointer
+from .engine.locate import newest_checkpoint
 from .engine.rankfile import HeaderCache, check_files_hold
 from .engine.unshard import read_full
 from .errors import CheckpointMismatchError, CorruptCheckpointError
@@ -28,7 +28,7 @@ from .format.dtypes import dtype_from_code
 from .format.layout import METADATA_FILENAME
 from .format.metadata import StorageMetadata, TensorStorageMetadata
 from .sharding import describe, fsdp1_flat_views, local_data, with_sharding_of
-from .storage.base import open_storage
+from .storage.base import open_storage, path_arg
 
 __all__ = [
     "save_model_and_optim_state",
@@ -149,8 +149,26 @@ def save_model_and_optim_state(
     Works for plain modules, DDP, FSDP2, DTensor tensor parallelism and FSDP1 with
     ``use_orig_params=True``. The optimizer is not stepped: parameters and step counts are
     untouched. Every rank calls it together.
+
+    Args:
+        dir: a local path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` URL
+            (a ``str``: ``pathlib.Path("s3://b/k")`` is ``s3:/b/k``, which is refused).
+        model: the model, sharded any way.
+        optim: its optimizer; the state it has is saved, keyed by parameter name.
+        save_overwrite: replace a checkpoint already saved in ``dir``.
+
+    Returns:
+        The files this rank created.
+
+    Raises:
+        FileExistsError: ``dir`` holds a checkpoint and ``save_overwrite`` is False (no rank
+            writes anything then).
+
+    Example::
+
+        checkpointer.save_model_and_optim_state(f"{run_dir}/step{step}", model, optim)
     """
-    dir = str(dir).rstrip("/")
+    dir = path_arg(dir).rstrip("/")
     model_state = model_state_dict(model)
     optim_state = flatten_optim_state(model, optim, model_state)
     _DEFAULT.wait()
@@ -191,8 +209,15 @@ def async_save_model_and_optim_state(
     Writing goes on in the background while training continues; the future gives this
     rank's files, and errors surface from ``.result()``. A new save waits for the one in flight.
     The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
+
+    Args:
+        dir, model, optim, save_overwrite: as for :func:`save_model_and_optim_state`.
+
+    Returns:
+        A ``concurrent.futures.Future`` of this rank's files; ``FileExistsError`` (no
+        ``save_overwrite``) and write errors come from its ``.result()``.
     """
-    dir = str(dir).rstrip("/")
+    dir = path_arg(dir).rstrip("/")
     with torch.no_grad():
         model_state = model_state_dict(model)
         optim_state = flatten_optim_state(model, optim, model_state)
@@ -228,11 +253,34 @@ def load_model_and_optim_state(
 ) -> None:
     """Load ``dir/model`` (and ``dir/optim``) in place, whatever topology saved them.
 
-    Every element of every tensor is proven loaded: each rank's read plan must cover all
-    its local elements, and every read must return all its bytes. ``validate`` is kept for
-    OLMo-core compatibility; the proof is always on.
+    Tensors already allocated in the model and optimizer are filled one at a time; missing
+    optimizer state is allocated. Every rank calls it together.
+
+    Args:
+        dir: the directory :func:`save_model_and_optim_state` wrote (path or URL), e.g. what
+            :func:`latest_checkpoint` returns (check it for None first).
+        model: the model to fill, sharded any way.
+        optim: its optimizer, or None to load the model only.
+        validate: every element of every tensor is proven loaded: each rank's read plan must
+            cover all its local elements, and every read must return all its bytes. Kept for
+            OLMo-core compatibility; the proof is always on.
+        strategy: ``"default"`` (every rank reads what it needs) or ``"two_stage"`` (each piece
+            several ranks need is read once and broadcast).
+
+    Raises:
+        TypeError: ``dir`` is None.
+        IncompleteCheckpointError: no ``metadata.json`` (the message names the directory meant
+            when ``dir`` is a run directory or one level off).
+        CorruptCheckpointError: the files are damaged or disagree with the metadata.
+        CheckpointMismatchError: a key is missing, or a shape or dtype differs (no casting).
+
+    Example::
+
+        last = checkpointer.latest_checkpoint(run_dir)
+        if last is not None:
+            checkpointer.load_model_and_optim_state(last, model, optim)
     """
-    dir = str(dir).rstrip("/")
+    dir = path_arg(dir).rstrip("/")
     checkpointer = Checkpointer()
     model_state = model_state_dict(model)
     checkpointer.load(f"{dir}/model", model_state, strategy=strategy)
@@ -369,16 +417,33 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def unshard_model_state(
     dir: str, *, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full model tensors by name (every tied name included) from ``dir/model``."""
-    return Checkpointer().unshard(f"{str(dir).rstrip('/')}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
+    """Full model tensors by name (every tied name included) from ``dir/model``.
+
+    Args:
+        dir: the directory :func:`save_model_and_optim_state` wrote (path or URL).
+        device: where the tensors go (CPU by default).
+        rank0_only: only rank 0 reads; the other ranks get ``{}``.
+        no_dist: no collectives; this process reads everything alone.
+    """
+    return Checkpointer().unshard(f"{path_arg(dir).rstrip('/')}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
 
 
 @torch.no_grad()
 def unshard_optim_state(
     dir: str, *, device: torch.device | str | None = None, rank0_only: bool = False, no_dist: bool = False
 ) -> dict[str, Any]:
-    """The full optimizer state from ``dir/optim``, in ``torch.optim.Optimizer.state_dict()`` form."""
-    where = f"{str(dir).rstrip('/')}/optim"
+    """The full optimizer state from ``dir/optim``, in ``torch.optim.Optimizer.state_dict()`` form.
+
+    ``param_groups[i]["params"]`` are indices, as ``state_dict()`` has them, in the saved order;
+    state tensors are full (unsharded).
+
+    Args:
+        dir: the directory :func:`save_model_and_optim_state` wrote (path or URL).
+        device: where the tensors go (CPU by default).
+        rank0_only: only rank 0 reads; the other ranks get ``{}``.
+        no_dist: no collectives; this process reads everything alone.
+    """
+    where = f"{path_arg(dir).rstrip('/')}/optim"
     flat = Checkpointer().unshard(where, device=device, rank0_only=rank0_only, no_dist=no_dist)
     if not flat:
         return {}
@@ -402,39 +467,19 @@ def _unflatten_optim(flat: dict[str, torch.Tensor], where: str) -> dict[str, Any
     return {"state": state, "param_groups": groups}
 
 
-_NUMBER = re.compile(r"(\d+)")
-_STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
-
-
-def _step_of(name: str) -> int | None:
-    """The number after ``step`` in the name (``epoch2-step900``), else its last number."""
-    step = _STEP.search(name)
-    numbers = [step.group(1)] if step else _NUMBER.findall(name)
-    return int(numbers[-1]) if numbers else None
-
-
 def latest_checkpoint(run_dir: str) -> str | None:
-    """The newest complete checkpoint among the sub-directories of ``run_dir``: the highest
-    step (the number after ``step`` in the name, else its last number)."""
-    storage = open_storage(run_dir)
-    best: tuple[int, str] | None = None
-    for name in storage.list():
-        step = _step_of(name)
-        if step is None:
-            continue
-        child = storage.child(name)
-        if child.exists(METADATA_FILENAME):
-            complete = True
-        else:
-            complete = all(child.child(part).exists(METADATA_FILENAME) for part in ("model", "optim")) if _is_dir(child) else False
-        if complete and (best is None or step > best[0]):
-            best = (step, name)
-    return None if best is None else f"{str(run_dir).rstrip('/')}/{best[1]}"
+    """The newest complete checkpoint among the sub-directories of ``run_dir``, or None.
 
+    Newest is the highest step: the number after ``step`` in the name (``epoch2-step900``),
+    else its last number. A sub-directory is complete when it holds ``metadata.json`` or
+    ``model/`` and ``optim/`` that both do; incomplete ones (a save that died) are skipped.
 
-def _is_dir(storage) -> bool:
-    try:
-        return bool(storage.list())
-    except OSError:
-        return False
+    Example::
 
+        last = checkpointer.latest_checkpoint("/ckpt/run1")   # "/ckpt/run1/step1000", or None
+        if last is not None:
+            checkpointer.load_model_and_optim_state(last, model, optim)
+    """
+    run_dir = path_arg(run_dir, "run directory")
+    newest = newest_checkpoint(open_storage(run_dir))
+    return None if newest is None else f"{run_dir.rstrip('/')}/{newest}"

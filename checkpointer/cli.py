@@ -21,6 +21,8 @@ from .progress import Progress, format_bytes
 __all__ = ["main", "build_parser"]
 
 PROG = "checkpointer"
+DEFAULT_SHARD_SIZE = "5GB"
+_HF_ONLY = ("--dtype", "--max-shard-size")
 _SIGPIPE_STATUS = 141  # 128 + SIGPIPE: how a shell tool ends when its reader has gone
 
 
@@ -79,12 +81,16 @@ def _version() -> str:
 
 def _export_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", metavar="DTYPE", help="cast floating-point tensors: bf16, fp16, fp32 (hf output)")
-    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="most bytes per output shard (default 5GB)")
+    p.add_argument(
+        "--max-shard-size", metavar="SIZE", help=f"most bytes per output shard (default {DEFAULT_SHARD_SIZE}; hf output)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (``python -m checkpointer`` exits with it)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_usage(parser, args)
     joined = False
     try:
         joined = _init_distributed_from_env()
@@ -104,6 +110,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             from . import dist
 
             dist.leave_group()
+
+
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Options that do not apply to the command as given are usage errors (exit 2), not ignored."""
+    if args.command == "convert" and args.to != "hf":
+        given = [flag for flag, value in zip(_HF_ONLY, (args.dtype, args.max_shard_size)) if value is not None]
+        if given:
+            _subcommand(parser, "convert").error(
+                f"{' and '.join(given)} apply only to --to hf (Hugging Face safetensors output); "
+                f"--to {args.to} writes every tensor in its own dtype, with no output shards"
+            )
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand: its usage errors show that command's usage line."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    return parser
+
+
+def _shard_size(args: argparse.Namespace) -> str:
+    return DEFAULT_SHARD_SIZE if args.max_shard_size is None else args.max_shard_size
 
 
 def _one_line(ex: BaseException) -> str:
@@ -263,7 +292,7 @@ def _cmd_unshard(args: argparse.Namespace) -> int:
     files = export_checkpoint(
         args.dir,
         args.out,
-        max_shard_size=args.max_shard_size,
+        max_shard_size=_shard_size(args),
         dtype=args.dtype,
         keys=args.keys,
         make_progress=_progress(args, "unshard", "tensors"),
@@ -284,16 +313,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             args.dst,
             to=args.to,
             allow_pickle=args.allow_pickle,
-            max_shard_size=args.max_shard_size,
+            max_shard_size=_shard_size(args),
             dtype=args.dtype,
             save_overwrite=args.overwrite,
             make_progress=_progress(args, f"convert to {args.to}", "tensors"),
             notes=note,
         )
     except FileExistsError as ex:
-        raise FileExistsError(f"{ex}; on the command line: --overwrite") from ex
+        raise FileExistsError(overwrite_for_command_line(str(ex))) from ex
     _say(args, _wrote(files, args.dst))
     return 0
+
+
+def overwrite_for_command_line(message: str) -> str:
+    """The library's ``FileExistsError`` text, which tells a Python caller to pass
+    ``save_overwrite=True``, told the command line's way: ``--overwrite``."""
+    text = message.replace("save_overwrite=True", "--overwrite")
+    return text if "--overwrite" in text else f"{text} (pass --overwrite to replace it)"
 
 
 def _wrote(files: list[str], out: str) -> str:

@@ -76,6 +76,12 @@ class Checkpointer:
         future holds :meth:`save`'s result, and its errors surface from ``.result()``. A new
         save (async or not) first waits for the one in flight. Every rank calls it together.
         The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
+
+        Args:
+            dir, state_dict, save_overwrite: as for :meth:`save`.
+
+        Returns:
+            A ``concurrent.futures.Future`` of ``(metadata, files this rank created)``.
         """
         return _first(self.async_save_many([(dir, state_dict)], save_overwrite=save_overwrite))
 
@@ -146,6 +152,7 @@ class Checkpointer:
         """Full (unsharded) tensors of every key, tied keys included.
 
         Args:
+            dir: the checkpoint directory (path or URL).
             device: where the tensors go (CPU by default).
             rank0_only: only rank 0 reads; other ranks get ``{}``.
             no_dist: no collectives; this process reads everything alone.
@@ -158,7 +165,16 @@ class Checkpointer:
         )
 
     def get_metadata(self, dir: str | Storage, *, no_dist: bool = False) -> StorageMetadata:
-        """The checkpoint's metadata (read by rank 0 and shared, unless ``no_dist``)."""
+        """The checkpoint's metadata: what ``metadata.json`` in ``dir`` holds.
+
+        Args:
+            dir: the checkpoint directory (path or URL).
+            no_dist: read it in this process alone; by default rank 0 reads it and shares it.
+
+        Raises:
+            IncompleteCheckpointError: ``dir`` has no ``metadata.json``.
+            CorruptCheckpointError: it is not valid metadata.
+        """
         storage = open_storage(dir)
         wait_for_writes_into(storage.url)
         return read_metadata(storage, no_dist=no_dist)

@@ -39,7 +39,7 @@ from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, items
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
 from ..planning.plan import TensorLoadPlan, build_load_plan
-from ..storage.base import Storage, Writer, open_storage
+from ..storage.base import Storage, Writer, open_storage, path_arg
 from .load import read_metadata
 from .locate import model_checkpoint
 from .rankfile import HeaderCache, ReadJob, check_chunk, check_files_hold, execute_reads, verify_reads
@@ -197,11 +197,11 @@ def plan_export(
     """Pack ``tensors`` in order into shards of at most ``max_shard_size`` bytes and give each a writer."""
     if not tensors:
         raise ValueError("nothing to export: no tensor is selected")
+    limit = parse_size(max_shard_size)  # checked for one file too, where it does not apply
     groups: list[list[ExportTensor]] = []
     if single_file:
         groups = [list(tensors)]
     else:
-        limit = parse_size(max_shard_size)
         size = 0
         for t in tensors:
             if not groups or (groups[-1] and size + t.nbytes > limit):
@@ -496,6 +496,7 @@ def export_checkpoint(
     make_progress: Callable[[int, int], Any] | None = None,
 ) -> list[str]:
     """:func:`export_safetensors`, with a progress bar factory ``make_progress(bytes, tensors)``."""
+    out = path_arg(out, "output path")
     world = 1 if no_dist else dist.get_world_size()
     plan: ExportPlan | None = None
     fetch: Fetch = _unplanned
@@ -538,7 +539,7 @@ def export_safetensors(
         out: a path or URL ending in ``.safetensors`` for one file; otherwise a directory that
             gets ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``.
         max_shard_size: the most bytes per shard (``"5GB"``, ``"500MB"``, ``"2GiB"`` or an int); a
-            larger tensor gets a shard of its own. Ignored for a single file.
+            larger tensor gets a shard of its own. Checked, but not used, for a single file.
         dtype: cast floating-point tensors to it (``"bf16"``, ``torch.float16``...).
         keys: a regular expression; only tensors whose name it matches (``re.search``) are written.
             Or a list (any collection) of names: exactly those are written; a name that is not in

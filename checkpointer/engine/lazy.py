@@ -29,7 +29,7 @@ from torch import Tensor
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_save_file
 from ..format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES
-from ..storage.base import Storage, open_storage
+from ..storage.base import Storage, open_storage, path_arg
 from ..storage.local import LocalStorage
 from .lazy_sources import (
     Box,
@@ -41,6 +41,7 @@ from .lazy_sources import (
     torch_file_tensors,
 )
 from .load import read_metadata
+from .locate import run_directory_hint
 from .reshard import tp_bounds
 
 __all__ = ["lazy_load", "StateDictConverter", "split_url"]
@@ -196,7 +197,7 @@ def _renamed_by(converter: StateDictConverter, lazy: LazyTensor) -> str | None:
 def _open(path: str | os.PathLike[str] | Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyTensor]:
     if isinstance(path, Storage):
         return _open_dir(path, mmap=mmap, restrict=restrict) or _no_checkpoint(path)
-    url = os.fspath(path)
+    url = path_arg(path)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() == "file":
         local = os.path.expanduser(rest if sep else url)
@@ -275,9 +276,10 @@ def _open_dir(storage: Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyT
 
 
 def _no_checkpoint(storage: Storage) -> Iterator[LazyTensor]:
+    run = run_directory_hint(storage)
     raise CorruptCheckpointError(
         f"{storage.url}: no checkpoint found: expected {METADATA_FILENAME}, model/{METADATA_FILENAME}, "
-        f"{HF_INDEX}, {HF_SINGLE} or {HF_BIN_SINGLE}"
+        f"{HF_INDEX}, {HF_SINGLE} or {HF_BIN_SINGLE}" + (f"; {run}" if run else "")
     )
 
 

@@ -20,11 +20,13 @@ import torch
 
 from .. import dist
 from ..errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from ..format.dtypes import dtype_from_code
 from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, parse_metadata
 from ..planning.plan import TensorLoadPlan, build_load_plan, piece_ranges
 from ..sharding import LocalTensor
 from ..storage.base import Storage
+from .locate import missing_metadata_message
 from .rankfile import HeaderCache, ReadJob, execute_reads
 from .save import describe_state_dict
 
@@ -48,9 +50,7 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
     try:
         size = storage.size(METADATA_FILENAME)
     except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint"
-        ) from None
+        raise IncompleteCheckpointError(missing_metadata_message(storage)) from None
     except (PermissionError, IsADirectoryError, NotADirectoryError) as ex:
         raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a readable file ({ex})") from ex
     except OSError as ex:
@@ -87,6 +87,25 @@ def _meta_for(metadata: StorageMetadata, key: str, storage: Storage) -> TensorSt
     return meta
 
 
+def _dtype_mismatch(key: str, storage: Storage, saved: str, wanted: str) -> str:
+    """What a load never does silently (cast), and how to do it on purpose."""
+    saved_dtype, wanted_dtype = _torch_name(saved), _torch_name(wanted)
+    return (
+        f"dtype mismatch for {key!r} in the checkpoint at {storage.url}: the checkpoint has {saved} "
+        f"({saved_dtype}), the state dict has {wanted} ({wanted_dtype}). A load never casts: load into "
+        f"{saved_dtype} tensors and convert after (e.g. model.to({saved_dtype}) before loading, "
+        f"model.to({wanted_dtype}) after), or read full tensors with unshard_model_state / "
+        f"Checkpointer().unshard and call .to({wanted_dtype}) on them"
+    )
+
+
+def _torch_name(code: str) -> str:
+    try:
+        return str(dtype_from_code(code))
+    except (CheckpointError, KeyError, ValueError):
+        return code
+
+
 @dataclass(frozen=True)
 class LocalLoad:
     key: str
@@ -107,12 +126,11 @@ def plan_local_loads(storage: Storage, metadata: StorageMetadata, state_dict: Ma
         meta = _meta_for(metadata, key, storage)
         if tuple(meta.shape) != lt.shape:
             raise CheckpointMismatchError(
-                f"shape mismatch for {key!r}: checkpoint has {list(meta.shape)}, state dict has {list(lt.shape)}"
+                f"shape mismatch for {key!r} in the checkpoint at {storage.url}: the checkpoint has "
+                f"{list(meta.shape)}, the state dict has {list(lt.shape)} (global shapes)"
             )
         if meta.dtype != lt.dtype:
-            raise CheckpointMismatchError(
-                f"dtype mismatch for {key!r}: checkpoint has {meta.dtype}, state dict has {lt.dtype}"
-            )
+            raise CheckpointMismatchError(_dtype_mismatch(key, storage, meta.dtype, lt.dtype))
         saved_key = key if key in metadata.tensors else metadata.aliases[key]  # type: ignore[index]
         plan = build_load_plan(saved_key, meta, piece_ranges(lt.piece, lt.shape))
         # Only the files read: a tensor of a large job has thousands, most not this rank's.

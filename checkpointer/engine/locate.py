@@ -4,14 +4,152 @@ from __future__ import annotations
 
 import io
 import os
+import re
 
 from ..errors import IncompleteCheckpointError
-from ..format.layout import METADATA_FILENAME, is_rank_filename
-from ..storage.base import Storage
+from ..format.layout import METADATA_FILENAME, is_rank_filename, is_save_file
+from ..storage.base import Storage, open_storage
 
-__all__ = ["checkpoint_parts", "model_checkpoint"]
+__all__ = [
+    "checkpoint_parts",
+    "model_checkpoint",
+    "newest_checkpoint",
+    "step_of",
+    "is_complete",
+    "wrong_directory_hint",
+    "run_directory_hint",
+    "missing_metadata_message",
+]
 
 PARTS = ("model", "optim")
+_NUMBER = re.compile(r"(\d+)")
+_STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
+
+
+def step_of(name: str) -> int | None:
+    """The number after ``step`` in the name (``epoch2-step900``), else its last number."""
+    step = _STEP.search(name)
+    numbers = [step.group(1)] if step else _NUMBER.findall(name)
+    return int(numbers[-1]) if numbers else None
+
+
+def _lists(storage: Storage) -> list[str]:
+    try:
+        return storage.list()
+    except (OSError, io.UnsupportedOperation, NotImplementedError):
+        return []
+
+
+def is_complete(storage: Storage) -> bool:
+    """A checkpoint directory (``metadata.json``), or a top-level one whose ``model/`` and
+    ``optim/`` are both complete."""
+    if storage.exists(METADATA_FILENAME):
+        return True
+    return bool(_lists(storage)) and all(storage.child(part).exists(METADATA_FILENAME) for part in PARTS)
+
+
+def newest_checkpoint(run: Storage) -> str | None:
+    """The name of the newest complete checkpoint among the sub-directories of ``run``: the
+    highest step (:func:`step_of`), incomplete ones skipped; None when there is none.
+
+    Raises:
+        OSError: ``run`` cannot be listed (a missing directory lists as empty).
+    """
+    steps = [(step, i, name) for i, name in enumerate(run.list()) if (step := step_of(name)) is not None]
+    for _, _, name in sorted(steps, key=lambda s: (-s[0], s[1])):
+        if is_complete(run.child(name)):
+            return name
+    return None
+
+
+def _parent(storage: Storage) -> Storage | None:
+    """The directory above ``storage`` (local, s3://, gs://), or None at a root or for http(s)."""
+    url = storage.url.rstrip("/")
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() in ("http", "https"):
+        return None
+    if not sep:
+        head = os.path.dirname(url)
+        return None if head == url else open_storage(head)
+    bucket, _, key = rest.partition("/")
+    if not key.strip("/"):
+        return None  # a bucket's root
+    head = key.rpartition("/")[0]
+    return open_storage(f"{scheme}://{bucket}" + (f"/{head}" if head else ""))
+
+
+def _name(storage: Storage) -> str:
+    return storage.url.rstrip("/").rpartition("/")[2]
+
+
+def run_directory_hint(run: Storage) -> str | None:
+    """When ``run`` holds complete checkpoints in sub-directories: a sentence naming the newest."""
+    try:
+        newest = newest_checkpoint(run)
+    except (OSError, io.UnsupportedOperation, NotImplementedError):
+        return None
+    if newest is None:
+        return None
+    return (
+        f"{run.url} holds checkpoints, it is not one itself: the newest complete one in it is "
+        f"{run.join(newest)} (latest_checkpoint({run.url!r}) returns it)"
+    )
+
+
+def missing_metadata_message(storage: Storage) -> str:
+    """The message for a checkpoint directory without ``metadata.json``: a save that never
+    finished, or a directory that was not meant (:func:`wrong_directory_hint`)."""
+    if any(is_save_file(n) for n in _lists(storage)):
+        return (
+            f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint "
+            "(its save never finished)"
+        )
+    try:
+        hint = wrong_directory_hint(storage)
+    except OSError:  # the hint probes storage; its failure must not hide the error it explains
+        hint = f"{storage.url} does not exist or is empty"
+    return f"no checkpoint at {storage.url}: {hint}"
+
+
+def wrong_directory_hint(storage: Storage) -> str:
+    """Why ``storage``, expected to be a checkpoint directory, holds no ``metadata.json``, and which
+    directory was probably meant: one holding ``model/`` and ``optim/`` (one level too shallow), a
+    run directory of checkpoints (naming the newest complete one), a directory that does not exist
+    inside a checkpoint (one level too deep), or one that does not exist at all. For error messages
+    only: it lists and probes storage."""
+    names = set(_lists(storage))
+    if names:
+        parts = [p for p in PARTS if p in names and storage.child(p).exists(METADATA_FILENAME)]
+        if parts:
+            joined = " and ".join(f"{p}/" for p in parts)
+            return (
+                f"{storage.url} holds {joined} (the layout of save_model_and_optim_state): pass "
+                f"{' or '.join(storage.join(p) for p in parts)} here, or pass {storage.url} to "
+                "load_model_and_optim_state / unshard_model_state"
+            )
+        run = run_directory_hint(storage)
+        if run is not None:
+            return run
+        if any(step_of(n) is not None for n in names):
+            return f"{storage.url} holds no complete checkpoint (sub-directories without {METADATA_FILENAME}: saves that never finished?)"
+        return f"{storage.url} holds no {METADATA_FILENAME}: it is not a checkpoint directory"
+    parent = _parent(storage)
+    if parent is None:
+        return f"{storage.url} does not exist or is empty"
+    if parent.exists(METADATA_FILENAME):
+        if _name(storage) in PARTS and _name(parent) in PARTS and (above := _parent(parent)) is not None:
+            return (
+                f"{storage.url} does not exist: {parent.url} is itself a checkpoint (one level too deep?); "
+                f"pass {above.url}, the directory holding model/ and optim/"
+            )
+        return f"{storage.url} does not exist: {parent.url} is itself a checkpoint (one level too deep?); pass {parent.url}"
+    if _name(storage) in PARTS:
+        run = run_directory_hint(parent)
+        if run is not None:
+            return run
+        if not _lists(parent):
+            return f"{parent.url} does not exist or is empty"
+    return f"{storage.url} does not exist or is empty"
 
 
 def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:
@@ -41,9 +179,10 @@ def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:
             "(its save never finished)"
         )
     if not parts:
+        run = run_directory_hint(storage)
         raise IncompleteCheckpointError(
             f"{storage.url} is not a checkpoint: it holds no {METADATA_FILENAME} (missing, or its save "
-            "never finished) and no model/ or optim/ sub-directory"
+            "never finished) and no model/ or optim/ sub-directory" + (f"; {run}" if run else "")
         )
     return parts
 

@@ -19,7 +19,7 @@ from ..engine.load import read_metadata
 from ..engine.locate import checkpoint_parts, model_checkpoint
 from ..errors import CheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename
-from ..storage.base import open_storage
+from ..storage.base import open_storage, path_arg
 from .dcp import DCPTensors, is_dcp, write_dcp
 from .hf import HFTensors, is_hf
 from .ours import write_checkpoint
@@ -115,7 +115,8 @@ def convert(
     """
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; expected one of {FORMATS}")
-    if not str(src).strip() or not str(dst).strip():
+    src, dst = path_arg(src, "source"), path_arg(dst, "destination")
+    if not src.strip() or not dst.strip():
         raise ValueError("the path is empty (write '.' for the current directory)")
     fmt: str | None = None
     error: BaseException | None = None

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import code_from_dtype, dtype_from_code
+from ..storage.base import check_url
 
 __all__ = ["DCPTensors", "read_dcp_metadata", "write_dcp", "is_dcp", "DCP_METADATA", "local_path"]
 
@@ -38,7 +39,7 @@ def is_dcp(names: set[str]) -> bool:
 
 def local_path(url: str) -> str:
     """DCP directories are local: a path or ``file://`` URL."""
-    url = str(url)
+    url = check_url(str(url))
     if url.startswith("file://"):
         return url[len("file://") :]
     if "://" in url:

@@ -15,11 +15,13 @@ load, any rank calls :meth:`Storage.read` and :meth:`Storage.read_into` on any f
 
 from __future__ import annotations
 
+import os
 import posixpath
+import re
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
-__all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "check_name"]
+__all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "check_name", "check_url", "path_arg"]
 
 ReadRequest = tuple[int, memoryview]
 """``(byte offset, buffer)``: fill the whole buffer with the bytes starting at the offset."""
@@ -33,6 +35,54 @@ def check_name(name: str) -> str:
     if any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"invalid storage name {name!r}")
     return name
+
+
+_MANGLED_URL = re.compile(r"(s3|gs|gcs|file|https?):/+(?!/)", re.IGNORECASE)
+"""``s3:/bucket/key``: a URL that went through ``pathlib.Path`` (or ``os.path.normpath``),
+which folds ``//`` into ``/``. As a local path it would be a directory named ``s3:``."""
+
+
+def check_url(url: str) -> str:
+    """Refuse a URL whose ``//`` was folded into ``/`` (``Path("s3://b/k")`` is ``s3:/b/k``).
+
+    Raises:
+        ValueError: naming the URL and the one it probably was.
+    """
+    match = _MANGLED_URL.match(url)
+    if match and not url.startswith(f"{match.group(1)}://"):
+        scheme = match.group(1)
+        fixed = f"{scheme}://{'/' if scheme.lower() == 'file' else ''}{url[match.end():]}"
+        raise ValueError(
+            f"{url!r} is not a valid URL: {scheme}: needs two slashes ({fixed!r}). Was it held as a "
+            "pathlib.Path, which folds '//' into '/'? Keep URLs as str. (A local directory whose name "
+            f"starts with '{scheme}:' can be given as ./{url})"
+        )
+    return url
+
+
+def path_arg(value: object, what: str = "checkpoint directory") -> str:
+    """A path or URL argument as ``str``; ``None`` or another type is a ``TypeError`` saying so,
+    a URL mangled by ``pathlib`` a ``ValueError`` (:func:`check_url`).
+
+    ``None`` is what ``latest_checkpoint(run_dir)`` returns when ``run_dir`` holds no complete
+    checkpoint: passed on to a load, it would otherwise read a directory named ``None``.
+    """
+    if value is None:
+        hint = (
+            " (latest_checkpoint(run_dir) returned None? It does when run_dir holds no complete "
+            "checkpoint: check for None before loading)"
+            if what == "checkpoint directory"
+            else ""
+        )
+        raise TypeError(f"the {what} is None, not a path or URL{hint}")
+    if isinstance(value, Storage):
+        return value.url
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"the {what} must be a path or URL (str or os.PathLike), not {type(value).__name__}: {value!r}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise TypeError(f"the {what} must be a str path or URL, not {type(path).__name__}: {path!r}")
+    return check_url(path)
 
 
 class Writer(ABC):
@@ -146,7 +196,7 @@ def open_storage(url: str | Storage) -> Storage:
     """The backend for a URL: a local path, ``file://``, ``s3://``, ``gs://``, ``http(s)://``."""
     if isinstance(url, Storage):
         return url
-    url = str(url)
+    url = path_arg(url)  # also check_url
     if not url.strip():
         raise ValueError("the path is empty (write '.' for the current directory)")
     scheme, sep, _ = url.partition("://")

@@ -89,6 +89,14 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, (urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)) or is_transient(exc)
 
 
+NO_CREDENTIALS = (
+    "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN "
+    "for temporary ones), or AWS_PROFILE naming a profile of ~/.aws/credentials or ~/.aws/config "
+    "(aws configure; aws sso login), or run where an instance or container role provides them; for "
+    "MinIO or another S3-compatible store, also AWS_ENDPOINT_URL_S3"
+)
+"""What to set when boto3's credential chain found nothing (botocore says only "Unable to locate credentials")."""
+
 # The environment settings a client is built from: a client is shared while they are unchanged.
 _CLIENT_SETTINGS = (
     "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
@@ -174,6 +182,8 @@ class S3Storage(Storage):
             if code in _NOT_FOUND or status == 404:
                 raise FileNotFoundError(url) from e
             raise OSError(f"{op} {url}: {redact(str(e))}") from e
+        except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError) as e:
+            raise OSError(f"{op} {url}: {NO_CREDENTIALS} ({type(e).__name__}: {redact(str(e))})") from e
         except botocore.exceptions.BotoCoreError as e:
             raise OSError(f"{op} {url}: {type(e).__name__}: {redact(str(e))}") from e
 

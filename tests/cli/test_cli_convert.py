@@ -142,7 +142,7 @@ def test_convert_refuses_to_overwrite(ckpts, capsys, tmp_path):
     assert code == 1
     assert err == (
         f"checkpointer: error: {dst}/metadata.json exists: a checkpoint is already saved there "
-        "(pass save_overwrite=True to replace it); on the command line: --overwrite\n"
+        "(pass --overwrite to replace it)\n"
     )
     assert cli(capsys, "convert", ckpts.flat3, dst, "--to", "checkpointer", "--overwrite", "-q")[0] == 0
     assert_same_tensors(unshard(dst), ckpts.flat3_full)

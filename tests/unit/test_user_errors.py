@@ -1,0 +1,273 @@
+"""Mistakes a user makes with paths, and the messages that tell them what to do instead.
+
+- ``None`` where a checkpoint directory goes (what ``latest_checkpoint`` returns when there is
+  none) is a ``TypeError`` saying so, not a read of a directory named ``None``.
+- A directory that does not exist is a ``CheckpointError`` naming it.
+- A run directory (checkpoints in sub-directories), or a directory one level too shallow or too
+  deep, is an error that names the directory to pass: the newest complete checkpoint inside.
+- A URL whose ``//`` was folded into ``/`` (``Path("s3://b/k")`` is ``s3:/b/k``) is refused
+  instead of becoming a local directory named ``s3:``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import checkpointer
+from checkpointer import CheckpointError, Checkpointer, IncompleteCheckpointError
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> str:
+    """``run/step10`` and ``run/step20`` complete, ``run/step30`` a save that died before ``optim/``."""
+    run = tmp_path / "run"
+    model, optim = _model()
+    for step in (10, 20, 30):
+        checkpointer.save_model_and_optim_state(str(run / f"step{step}"), model, optim)
+    os.remove(run / "step30" / "optim" / "metadata.json")
+    return str(run)
+
+
+# ---------------------------------------------------------------------------------------------
+# None
+# ---------------------------------------------------------------------------------------------
+
+
+def _calls_taking_a_dir(model, optim):
+    return {
+        "load_model_and_optim_state": lambda d: checkpointer.load_model_and_optim_state(d, model, optim),
+        "unshard_model_state": lambda d: checkpointer.unshard_model_state(d),
+        "unshard_optim_state": lambda d: checkpointer.unshard_optim_state(d),
+        "Checkpointer.load": lambda d: Checkpointer().load(d, {"w": torch.zeros(2)}),
+        "Checkpointer.unshard": lambda d: Checkpointer().unshard(d),
+        "Checkpointer.get_metadata": lambda d: Checkpointer().get_metadata(d),
+        "export_safetensors": lambda d: checkpointer.export_safetensors(d, "out.safetensors"),
+        "lazy_load": lambda d: list(checkpointer.lazy_load(d)),
+    }
+
+
+@pytest.mark.parametrize("call", sorted(_calls_taking_a_dir(None, None)))
+def test_none_as_the_checkpoint_dir_is_a_type_error_naming_latest_checkpoint(call, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, optim = _model()
+    empty_run = tmp_path / "empty_run"
+    empty_run.mkdir()
+    last = checkpointer.latest_checkpoint(str(empty_run))
+    assert last is None
+    with pytest.raises(TypeError, match=r"is None.*latest_checkpoint\(run_dir\) returned None"):
+        _calls_taking_a_dir(model, optim)[call](last)
+    assert not (tmp_path / "None").exists() and not (tmp_path / "out.safetensors").exists()
+
+
+def test_none_as_the_export_output_or_run_dir_is_a_type_error(run_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match="output path is None"):
+        checkpointer.export_safetensors(os.path.join(run_dir, "step10"), None)
+    with pytest.raises(TypeError, match="run directory is None"):
+        checkpointer.latest_checkpoint(None)
+    assert not (tmp_path / "None").exists()
+
+
+def test_a_dir_of_the_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="path or URL.*not int"):
+        Checkpointer().get_metadata(3)
+
+
+def test_path_objects_are_accepted(run_dir):
+    model, optim = _model()
+    checkpointer.load_model_and_optim_state(Path(run_dir) / "step20", model, optim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Directories that do not exist, or are the wrong level
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_dir_that_does_not_exist_is_named(tmp_path):
+    model, optim = _model()
+    nowhere = str(tmp_path / "nowhere")
+    for call in _calls_taking_a_dir(model, optim).values():
+        with pytest.raises((CheckpointError, FileNotFoundError)) as ex:
+            call(nowhere)
+        assert nowhere in str(ex.value)
+        assert "does not exist" in str(ex.value)
+    with pytest.raises(IncompleteCheckpointError, match=f"no checkpoint at {nowhere}.*{nowhere} does not exist"):
+        Checkpointer().load(nowhere, {"w": torch.zeros(2)})
+
+
+def test_latest_checkpoint_skips_the_incomplete_save(run_dir):
+    assert checkpointer.latest_checkpoint(run_dir) == f"{run_dir}/step20"
+
+
+def test_a_run_dir_names_its_newest_complete_checkpoint(run_dir):
+    model, optim = _model()
+    newest = f"{run_dir}/step20"
+    for call in _calls_taking_a_dir(model, optim).values():
+        with pytest.raises(CheckpointError) as ex:
+            call(run_dir)
+        assert newest in str(ex.value), str(ex.value)
+        assert "step30" not in str(ex.value)
+    with pytest.raises(IncompleteCheckpointError) as ex:
+        checkpointer.load_model_and_optim_state(run_dir, model, optim)
+    assert f"latest_checkpoint({run_dir!r})" in str(ex.value)
+
+
+def test_a_run_dir_without_a_complete_checkpoint_says_so(run_dir):
+    shutil.rmtree(os.path.join(run_dir, "step10"))
+    shutil.rmtree(os.path.join(run_dir, "step20"))
+    with pytest.raises(IncompleteCheckpointError, match="holds no complete checkpoint"):
+        Checkpointer().load(run_dir, {"w": torch.zeros(2)})
+
+
+def test_one_level_too_shallow_names_model_and_optim(run_dir):
+    step = f"{run_dir}/step20"
+    for call in (
+        lambda: Checkpointer().load(step, {"w": torch.zeros(2)}),
+        lambda: Checkpointer().unshard(step),
+        lambda: Checkpointer().get_metadata(step),
+    ):
+        with pytest.raises(IncompleteCheckpointError) as ex:
+            call()
+        message = str(ex.value)
+        assert f"{step}/model" in message and f"{step}/optim" in message
+        assert "load_model_and_optim_state" in message
+
+
+def test_one_level_too_deep_names_the_parent(run_dir):
+    model, optim = _model()
+    step = f"{run_dir}/step20"
+    for part in ("model", "optim"):
+        with pytest.raises(IncompleteCheckpointError) as ex:
+            checkpointer.load_model_and_optim_state(f"{step}/{part}", model, optim)
+        assert f"pass {step}," in str(ex.value), str(ex.value)
+        with pytest.raises(IncompleteCheckpointError) as ex:
+            checkpointer.unshard_optim_state(f"{step}/{part}")
+        assert f"pass {step}," in str(ex.value), str(ex.value)
+    with pytest.raises(IncompleteCheckpointError) as ex:
+        Checkpointer().unshard(f"{step}/model/weights")
+    assert f"pass {step}/model" in str(ex.value)
+
+
+def test_a_save_that_never_finished_is_still_called_incomplete(run_dir):
+    with pytest.raises(IncompleteCheckpointError, match="not a complete checkpoint .its save never finished"):
+        Checkpointer().get_metadata(f"{run_dir}/step30/optim")
+
+
+def test_the_right_dirs_still_load(run_dir):
+    model, optim = _model()
+    checkpointer.load_model_and_optim_state(f"{run_dir}/step20", model, optim)
+    assert set(Checkpointer().unshard(f"{run_dir}/step20/model")) == set(dict(model.state_dict()))
+    assert len(list(checkpointer.lazy_load(f"{run_dir}/step20"))) == len(model.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# s3:/bucket (a URL that went through pathlib)
+# ---------------------------------------------------------------------------------------------
+
+MANGLED = ["s3:/bucket/run/step1", "gs:/bucket/run/step1", "S3:/bucket/x", "file:/tmp/x", "https:/host/x"]
+
+
+@pytest.mark.parametrize("url", MANGLED)
+def test_single_slash_urls_are_refused(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, optim = _model()
+    scheme = url.split(":")[0]
+    calls = [
+        lambda: Checkpointer().save(url, {"w": torch.zeros(2)}),
+        lambda: checkpointer.save_model_and_optim_state(url, model, optim),
+        lambda: checkpointer.async_save_model_and_optim_state(url, model, optim).result(),
+        lambda: checkpointer.load_model_and_optim_state(url, model, optim),
+        lambda: list(checkpointer.lazy_load(url)),
+        lambda: checkpointer.latest_checkpoint(url),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=f"{scheme}: needs two slashes") as ex:
+            call()
+        assert "pathlib" in str(ex.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_refusal_names_the_url_meant():
+    with pytest.raises(ValueError, match="'s3://bucket/run/step1'"):
+        Checkpointer().get_metadata("s3:/bucket/run/step1")
+    with pytest.raises(ValueError, match="'file:///tmp/x'"):
+        Checkpointer().get_metadata("file:/tmp/x")
+
+
+def test_a_path_object_made_from_a_url_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, optim = _model()
+    with pytest.raises(ValueError, match="needs two slashes"):
+        checkpointer.save_model_and_optim_state(Path("s3://bucket/run/step1"), model, optim)
+    with pytest.raises(ValueError, match="needs two slashes"):
+        checkpointer.export_safetensors(str(tmp_path), Path("gs://bucket/out"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_local_dir_named_like_a_scheme_can_be_given_with_dot_slash(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Checkpointer().save("./s3:/x", {"w": torch.ones(2)})
+    assert (tmp_path / "s3:" / "x" / "metadata.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape and dtype mismatches name the checkpoint and the key; a dtype mismatch says how to convert
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shape_mismatch_names_the_checkpoint_and_the_key(tmp_path):
+    ckpt = str(tmp_path / "c")
+    Checkpointer().save(ckpt, {"layer.w": torch.zeros(2, 3)})
+    with pytest.raises(checkpointer.CheckpointMismatchError) as ex:
+        Checkpointer().load(ckpt, {"layer.w": torch.zeros(3, 2)})
+    message = str(ex.value)
+    assert "'layer.w'" in message and ckpt in message
+    assert "[2, 3]" in message and "[3, 2]" in message
+
+
+def test_dtype_mismatch_names_the_checkpoint_and_says_how_to_convert(tmp_path):
+    ckpt = str(tmp_path / "c")
+    Checkpointer().save(ckpt, {"layer.w": torch.zeros(2, 3)})
+    with pytest.raises(checkpointer.CheckpointMismatchError) as ex:
+        Checkpointer().load(ckpt, {"layer.w": torch.zeros(2, 3, dtype=torch.bfloat16)})
+    message = str(ex.value)
+    assert "'layer.w'" in message and ckpt in message
+    assert "F32 (torch.float32)" in message and "BF16 (torch.bfloat16)" in message
+    assert "never casts" in message and ".to(torch.bfloat16)" in message
+
+
+def test_model_dtype_mismatch_names_the_model_checkpoint(run_dir):
+    model, optim = _model()
+    model.to(torch.bfloat16)
+    step = f"{run_dir}/step20"
+    with pytest.raises(checkpointer.CheckpointMismatchError, match=f"in the checkpoint at {step}/model.*model.to"):
+        checkpointer.load_model_and_optim_state(step, model, optim)
+    model.to(torch.float32)  # as the message says: load in the checkpoint's dtype, then convert
+    checkpointer.load_model_and_optim_state(step, model, optim)
+
+
+def test_a_failing_hint_does_not_hide_the_missing_checkpoint(tmp_path, monkeypatch):
+    from checkpointer.engine import locate
+
+    def probe_fails(storage):
+        raise OSError("listing refused")
+
+    monkeypatch.setattr(locate, "wrong_directory_hint", probe_fails)
+    nowhere = str(tmp_path / "nowhere")
+    with pytest.raises(IncompleteCheckpointError, match=f"no checkpoint at {nowhere}: {nowhere} does not exist"):
+        Checkpointer().get_metadata(nowhere)
