@@ -147,7 +147,7 @@ def dtensor_box(
     """The box a mesh coordinate holds: ``Shard(d)`` splits dim ``d`` like ``torch.chunk``, in mesh-dim order."""
     sizes, offsets = list(shape), [0] * len(shape)
     for placement, n, c in zip(placements, mesh_sizes, coord):
-        if isinstance(placement, Shard) and type(placement) is Shard:
+        if type(placement) is Shard:
             d = placement.dim
             chunk = math.ceil(sizes[d] / n) if n else 0
             start = min(c * chunk, sizes[d])
