@@ -346,6 +346,8 @@ def _plan_optim_load(
     groups: list[dict[str, Any]] = []
     to_fill: dict[str, Any] = {}
     state_of: dict[int, dict[str, torch.Tensor]] = {}
+    aliases = metadata.aliases or {}
+    shared: dict[str, torch.Tensor] = {}  # saved key -> the state tensor that holds it (one per saved tensor)
     index = 0
     for i, group in enumerate(optim.param_groups):
         key = f"param_group{i}"
@@ -372,12 +374,17 @@ def _plan_optim_load(
             param_state = {}
             for state_key in state_keys:
                 flat_key = f"state.{name}.__{state_key}"
-                meta = metadata.tensors.get(flat_key)
+                # A state tensor shared by several parameters was saved once, the other keys as aliases of it.
+                saved_key = aliases.get(flat_key, flat_key)
+                meta = metadata.tensors.get(saved_key)
                 if meta is None:
                     continue
-                dest = existing.get(state_key)
-                if not _fits(dest, meta, value):
-                    dest = _allocate_state(flat_key, meta, value, headers)
+                dest = shared.get(saved_key)
+                if dest is None or not _fits(dest, meta, value):
+                    dest = existing.get(state_key)
+                    if not _fits(dest, meta, value):
+                        dest = _allocate_state(flat_key, meta, value, headers)
+                    shared.setdefault(saved_key, dest)
                 param_state[state_key] = dest
                 to_fill[flat_key] = _shard_like_param(dest, value)
             if param_state:

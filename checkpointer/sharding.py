@@ -3,14 +3,19 @@
 :func:`describe` turns a state-dict value into a :class:`LocalTensor`: the local memory to
 write from or read into, the full shape, and the :class:`~checkpointer.planning.plan.Piece`
 of the full tensor that memory holds. Values may be plain tensors (replicated), DTensors
-(``Shard(d)`` on any dim and ``Replicate`` over any mesh), :class:`FlatShardedTensor`, or
-OLMo-core's ``ShardedFlatTensor``.
+(``Shard(d)`` on any dim and ``Replicate`` over any mesh, and ``_StridedShard``, which FSDP2
+uses over tensor parallelism), :class:`FlatShardedTensor`, or OLMo-core's ``ShardedFlatTensor``.
+
+A DTensor's local tensor is a box of the full tensor for ``Shard``/``Replicate`` placements.
+With ``_StridedShard`` its indices along a dim may be several runs (interleaved rows); such a
+local tensor is described by the exact flattened ranges it holds, in its own row-major order.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import product
 from typing import Any, Sequence
 
 import torch
@@ -18,9 +23,24 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .format.dtypes import code_from_dtype
+from .planning.overlap import Range, merge_adjacent
 from .planning.plan import Piece
 
-__all__ = ["FlatShardedTensor", "LocalTensor", "describe", "dtensor_box", "with_sharding_of", "local_data"]
+try:  # torch's own type, not a Shard subclass: ``isinstance(_StridedShard(0, split_factor=2), Shard)`` is False
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - torch builds without it
+    _StridedShard = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "FlatShardedTensor",
+    "LocalTensor",
+    "describe",
+    "dtensor_box",
+    "dtensor_index_runs",
+    "runs_piece",
+    "with_sharding_of",
+    "local_data",
+]
 
 
 @dataclass(frozen=True)
@@ -95,14 +115,15 @@ def describe(value: Any) -> LocalTensor:
         coord = value.device_mesh.get_coordinate()
         if coord is None:
             return LocalTensor(local, shape, code_from_dtype(value.dtype), True, Piece(flat=()))
+        mesh_sizes = [value.device_mesh.size(i) for i in range(value.device_mesh.ndim)]
         if all(type(p) is Shard or isinstance(p, Replicate) for p in value.placements):
-            mesh_sizes = [value.device_mesh.size(i) for i in range(value.device_mesh.ndim)]
             sizes, offsets = dtensor_box(shape, value.placements, mesh_sizes, coord)
+            piece = Piece(local_shape=sizes, global_offset=offsets)
         else:
-            sizes, offsets = _torch_box(value)
+            sizes, piece = _strided_piece(value, shape, mesh_sizes, coord)
         if tuple(local.shape) != sizes:
             raise ValueError(f"DTensor local shape {tuple(local.shape)} is not the expected {sizes} for {value.placements}")
-        return LocalTensor(local, shape, code_from_dtype(value.dtype), True, Piece(local_shape=sizes, global_offset=offsets))
+        return LocalTensor(local, shape, code_from_dtype(value.dtype), True, piece)
     if isinstance(value, FlatShardedTensor):
         return LocalTensor(
             value.local, tuple(value.shape), code_from_dtype(value.local.dtype), True, Piece(flat=tuple(map(tuple, value.flattened_offsets)))
@@ -126,7 +147,7 @@ def dtensor_box(
     """The box a mesh coordinate holds: ``Shard(d)`` splits dim ``d`` like ``torch.chunk``, in mesh-dim order."""
     sizes, offsets = list(shape), [0] * len(shape)
     for placement, n, c in zip(placements, mesh_sizes, coord):
-        if isinstance(placement, Shard) and type(placement) is Shard:
+        if type(placement) is Shard:
             d = placement.dim
             chunk = math.ceil(sizes[d] / n) if n else 0
             start = min(c * chunk, sizes[d])
@@ -138,16 +159,106 @@ def dtensor_box(
     return tuple(sizes), tuple(offsets)
 
 
-def _torch_box(value: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Placements beyond Shard/Replicate (FSDP2 over tensor parallelism uses ``_StridedShard``):
-    ask torch, which defines them. Its answer is checked against the local shape by the caller."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def dtensor_index_runs(
+    shape: Sequence[int], placements: Sequence[Any], mesh_sizes: Sequence[int], coord: Sequence[int]
+) -> list[list[Range]]:
+    """Per dim of the full tensor, the global indices a mesh coordinate holds, in local order,
+    as ``[start, end)`` runs.
 
-    for placement in value.placements:
+    Placements apply left to right over the mesh dims, each to what the previous ones left
+    (as ``distribute_tensor`` and torch's ``compute_local_shape_and_global_offset`` do):
+
+    - ``Shard(d)``: chunk ``c`` of ``n`` of the current indices of dim ``d``, like ``torch.chunk``.
+    - ``_StridedShard(d, split_factor=f)``: the current indices are cut into ``f`` chunks, each
+      of those into ``n`` chunks, and chunk ``c`` of each is kept, in order (FSDP2 over tensor
+      parallelism: the TP split that happens after it on the mesh is applied first in effect).
+    - ``Replicate``: nothing.
+
+    Example: ``_StridedShard(0, split_factor=2)`` then ``Shard(0)`` on a 2x2 mesh, 8 rows:
+    coordinate ``(1, 0)`` holds rows ``[2, 4)``; ``Shard(0)`` then ``_StridedShard(0,
+    split_factor=2)`` gives ``(0, 1)`` rows 1 and 3: ``[[(1, 2), (3, 4)], ...]``.
+    """
+    runs: list[list[Range]] = [[(0, n)] for n in shape]
+    for placement, n, c in zip(placements, mesh_sizes, coord):
+        if isinstance(placement, Replicate):
+            continue
         if isinstance(placement, Partial):
             raise TypeError(f"placement {placement} holds partial sums, not values: reduce it before saving")
-    sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-    return tuple(sizes), tuple(offsets)
+        if type(placement) is Shard:
+            d = placement.dim
+            runs[d] = _take(runs[d], *_chunk(_count(runs[d]), n, c))
+        elif _StridedShard is not None and isinstance(placement, _StridedShard):
+            d, f = placement.dim, int(placement.split_factor)
+            size, kept = _count(runs[d]), []
+            for j in range(f):
+                start, end = _chunk(size, f, j)
+                lo, hi = _chunk(end - start, n, c)
+                kept += _take(runs[d], start + lo, start + hi)
+            runs[d] = kept
+        else:
+            raise TypeError(f"placement {placement} is not supported in checkpoints (use Shard or Replicate)")
+    return runs
+
+
+def runs_piece(shape: Sequence[int], runs: Sequence[Sequence[Range]]) -> Piece:
+    """The :class:`Piece` of a local tensor holding, along each dim ``d``, the indices ``runs[d]``
+    in order: a box when every dim is one run, else the flattened ranges in local row-major order."""
+    shape = tuple(shape)
+    sizes = tuple(_count(r) for r in runs)
+    if all(len(r) == 1 for r in runs):
+        return Piece(local_shape=sizes, global_offset=tuple(r[0][0] for r in runs))
+    if math.prod(sizes) == 0:
+        return Piece(flat=())
+    # Dims after ``split`` are whole, so each run of dim ``split`` is one flat range per outer index.
+    split = len(shape) - 1
+    while split > 0 and list(runs[split]) == [(0, shape[split])]:
+        split -= 1
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    outer = [[i for s, e in runs[d] for i in range(s, e)] for d in range(split)]
+    ranges: list[Range] = []
+    for index in product(*outer):
+        base = sum(i * st for i, st in zip(index, strides))
+        ranges.extend((base + s * strides[split], base + e * strides[split]) for s, e in runs[split])
+    return Piece(flat=tuple(merge_adjacent(ranges)))
+
+
+def _strided_piece(value: DTensor, shape: tuple[int, ...], mesh_sizes: list[int], coord: Sequence[int]) -> tuple[tuple[int, ...], Piece]:
+    """Placements beyond Shard/Replicate: the exact indices held (see :func:`dtensor_index_runs`),
+    cross-checked against the local shape torch computes for them."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    runs = dtensor_index_runs(shape, value.placements, mesh_sizes, coord)
+    sizes = tuple(_count(r) for r in runs)
+    torch_sizes, _ = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    if tuple(torch_sizes) != sizes:
+        raise ValueError(
+            f"DTensor placements {value.placements} on mesh {tuple(mesh_sizes)} at {tuple(coord)}: torch says the local "
+            f"shape is {tuple(torch_sizes)}, the checkpointer's reading of the placements gives {sizes}; refusing to guess"
+        )
+    return sizes, runs_piece(shape, runs)
+
+
+def _chunk(size: int, n: int, c: int) -> tuple[int, int]:
+    """``[start, end)`` of chunk ``c`` of ``n`` of ``size`` like ``torch.chunk`` (empty past the last)."""
+    step = -(-size // n) if n else 0
+    start = min(c * step, size)
+    return start, min(start + step, size)
+
+
+def _count(runs: Sequence[Range]) -> int:
+    return sum(e - s for s, e in runs)
+
+
+def _take(runs: Sequence[Range], start: int, end: int) -> list[Range]:
+    """Positions ``[start, end)`` of the indices the runs list, back to back, as runs."""
+    out: list[Range] = []
+    pos = 0
+    for s, e in runs:
+        lo, hi = max(start, pos), min(end, pos + e - s)
+        if hi > lo:
+            out.append((s + lo - pos, s + hi - pos))
+        pos += e - s
+    return out
 
 
 def _is_olmo_flat(value: Any) -> bool:

@@ -25,7 +25,8 @@ class Checkpointer:
     """Saves and loads flat state dicts (string keys; no nesting).
 
     Values may be ``torch.Tensor``, ``nn.Parameter``, ``DTensor`` (``Shard``/``Replicate`` on
-    any mesh) or :class:`~checkpointer.FlatShardedTensor`. In a process group every rank
+    any mesh, and the ``_StridedShard`` of FSDP2 over tensor parallelism)
+    or :class:`~checkpointer.FlatShardedTensor`. In a process group every rank
     calls each method together, with the same keys.
 
     A checkpointer remembers its last save plan: saving the same structure again exchanges

@@ -188,8 +188,12 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
 
     - Parameters (and buffers) that are ``DTensor``s with a ``Shard(d)`` placement on a
       tensor-parallel mesh dimension: ``d``. Under FSDP2 (``fully_shard``), FSDP's own
-      leading mesh dimensions (any ``Replicate`` of HSDP, then FSDP's ``Shard``) are data
-      parallel and skipped; the ``Shard`` after them is tensor parallel.
+      leading mesh dimensions (any ``Replicate`` of HSDP, then FSDP's shard placement) are
+      data parallel and skipped; the ``Shard`` after them is tensor parallel. FSDP's shard
+      placement is ``Shard(0)``, or ``_StridedShard(0, split_factor=tp)`` where the TP
+      placement shards dim 0 too; ``_StridedShard`` is a placement type of its own in torch,
+      not a ``Shard`` subclass. A ``_StridedShard`` after FSDP's dims is not a ``torch.chunk``
+      split, so it gives no TP dim.
     - Modules that declare ``get_shard_dims()`` themselves, returning a mapping (or pairs)
       of their own parameter names to dims; names are prefixed with the module's path.
 
@@ -248,12 +252,14 @@ def _fsdp_module_class() -> type | None:
 
 def _tp_dim(placements: Sequence[Any], *, skip_fsdp: bool) -> int | None:
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     i = 0
     if skip_fsdp:
         while i < len(placements) and isinstance(placements[i], Replicate):
             i += 1  # HSDP's replicate dims
-        if i < len(placements) and isinstance(placements[i], Shard):
-            i += 1  # FSDP's shard dim (Shard or _StridedShard)
-    dims = [p.dim for p in placements[i:] if isinstance(p, Shard)]
+        # FSDP's shard dim: Shard, or _StridedShard over TP (its own type: not an instance of Shard).
+        if i < len(placements) and isinstance(placements[i], (Shard, _StridedShard)):
+            i += 1
+    dims = [p.dim for p in placements[i:] if type(p) is Shard]
     return dims[-1] if dims else None

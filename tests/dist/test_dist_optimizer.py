@@ -145,3 +145,71 @@ def _tensor_lr(rank, world_size, ckpt):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_tensor_learning_rate_stays_a_tensor(run_distributed, tmp_path, world_size):
     assert run_distributed(_tensor_lr, world_size, str(tmp_path / "ckpt")) == [True] * world_size
+
+
+# One state tensor shared by two parameters (an optimizer that keeps one moment for a pair).
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(6, 4))
+        self.b = torch.nn.Parameter(torch.randn(6, 4))
+
+
+def _pair(world_size, fsdp, seed):
+    from dist_helpers import mesh
+
+    torch.manual_seed(seed)
+    model = _Pair()
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh((world_size,)))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.5 if seed else 1e-2)
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shares_memory(x, y):
+    x, y = _local(x), _local(y)
+    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() and x.data_ptr() == y.data_ptr()
+
+
+def _save_shared_state(rank, world_size, ckpt, fsdp):
+    model, optim = _pair(world_size, fsdp, 0)
+    shared = model.a.detach() * 0.5 + 3.0
+    optim.state[model.a] = {"step": torch.tensor(3.0), "exp_avg": shared, "exp_avg_sq": model.a.detach() ** 2}
+    optim.state[model.b] = {"step": torch.tensor(5.0), "exp_avg": shared, "exp_avg_sq": model.b.detach() ** 2 + 1}
+    save_model_and_optim_state(ckpt, model, optim)
+    return optim_full_state(model, optim)
+
+
+def _load_shared_state(rank, world_size, ckpt, fsdp, existing, expected):
+    model, optim = _pair(world_size, fsdp, 1)
+    if existing:  # separate state tensors already there, to be filled in place
+        for p in (model.a, model.b):
+            optim.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    load_model_and_optim_state(ckpt, model, optim)
+    assert_same(expected, optim_full_state(model, optim), f"optimizer state on rank {rank}")
+    a, b = optim.state[model.a], optim.state[model.b]
+    assert _shares_memory(a["exp_avg"], b["exp_avg"]), "the shared exp_avg is two tensors after the load"
+    assert not _shares_memory(a["exp_avg_sq"], b["exp_avg_sq"])
+    return True
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
+def test_state_tensor_shared_by_two_parameters(run_distributed, tmp_path, fsdp):
+    """The checkpoint stores the shared tensor once (the second name is an alias); a load fills
+    both parameters' state and they share one tensor again."""
+    ckpt = str(tmp_path / "ckpt")
+    save_ws = 2 if fsdp else 1
+    expected = run_distributed(_save_shared_state, save_ws, ckpt, fsdp)[0]
+    assert torch.equal(expected["state:a.exp_avg"], expected["state:b.exp_avg"])
+    for load_ws, load_fsdp in ((1, False), (3, True), (save_ws, fsdp)):
+        for existing in (False, True):
+            assert run_distributed(_load_shared_state, load_ws, ckpt, load_fsdp, existing, expected) == [True] * load_ws

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -18,7 +20,7 @@ from dist_helpers import (
     to_layout,
     zeros_like_layout,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from checkpointer import Checkpointer, load_model_and_optim_state, save_model_and_optim_state
 
@@ -309,3 +311,136 @@ def test_fsdp_composed_layouts(run_distributed, tmp_path, save_layout, load_layo
     for layout in load_layouts:
         ws = MLP_WS[layout]
         assert run_distributed(_load_mlp, ws, ckpt, layout, expected_model, expected_optim) == [True] * ws
+
+
+# _StridedShard: FSDP2 over tensor parallelism on a 2-D (dp, tp) mesh. A rank's local rows are
+# interleaved strided rows of the full tensor for some layouts, not a box of it.
+
+
+def _strided_layouts():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # key -> (full shape, placements on the 2x2 mesh)
+    return {
+        "sf2_s0": ((11, 3), (_StridedShard(0, split_factor=2), Shard(0))),  # FSDP2 over 2-way TP: a box
+        "sf4_s0": ((16, 3), (_StridedShard(0, split_factor=4), Shard(0))),  # FSDP over a 4-way TP split
+        "sf3_s0": ((13, 2), (_StridedShard(0, split_factor=3), Shard(0))),  # uneven
+        "s0_sf2": ((9, 4), (Shard(0), _StridedShard(0, split_factor=2))),
+        "sf2_s1": ((10, 4), (_StridedShard(0, split_factor=2), Shard(1))),
+    }
+
+
+def _strided_full(key, shape):
+    base = 1000.0 * sorted(_strided_layouts()).index(key)
+    return (base + torch.arange(math.prod(shape), dtype=torch.float32)).reshape(shape)
+
+
+def _strided_local(full_tensor, placements):
+    """This rank's local tensor as torch defines it (``distribute_tensor`` splitting locally)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full_tensor.clone(), mesh((2, 2)), list(placements), src_data_rank=None).to_local()
+
+
+def _rows_of(local, ncols, base):
+    """The global rows of a local piece of an arange-filled tensor (whole rows only)."""
+    return ((local[:, 0] - base) // ncols).long().tolist() if local.numel() else []
+
+
+def _save_strided(rank, world_size, ckpt):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    state, not_a_box = {}, {}
+    for key, (shape, placements) in _strided_layouts().items():
+        full_tensor = _strided_full(key, shape)
+        d = DTensor.from_local(
+            _strided_local(full_tensor, placements), mesh((2, 2)), list(placements), run_check=False, shape=shape, stride=full_tensor.stride()
+        )
+        state[key] = d
+        if all(p.dim == 0 for p in placements):  # whole rows: are they consecutive?
+            rows = _rows_of(d.to_local(), shape[1], full_tensor[0, 0])
+            not_a_box[key] = rows != list(range(rows[0], rows[0] + len(rows))) if rows else False
+    # A real FSDP2 (dp) over ColwiseParallel (tp) parameter: (_StridedShard(0, sf=2), Shard(0)).
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 11)
+    full_weight = torch.arange(55.0).reshape(11, 5)
+    lin.weight.data.copy_(full_weight)
+    m = mesh((2, 2), ("dp", "tp"))
+    parallelize_module(lin, m["tp"], ColwiseParallel())
+    fully_shard(lin, mesh=m["dp"])
+    assert type(lin.weight.placements[0]).__name__ == "_StridedShard", lin.weight.placements
+    assert torch.equal(lin.weight.to_local(), _strided_local(full_weight, lin.weight.placements))
+    state["fsdp_tp.weight"] = lin.weight
+    Checkpointer().save(ckpt, state)
+    return not_a_box
+
+
+def _expected_strided():
+    out = {key: _strided_full(key, shape) for key, (shape, _) in _strided_layouts().items()}
+    out["fsdp_tp.weight"] = torch.arange(55.0).reshape(11, 5)
+    return out
+
+
+def _load_strided_plain(rank, world_size, ckpt):
+    expected = _expected_strided()
+    state = {k: torch.full_like(v, -1.0) for k, v in expected.items()}
+    Checkpointer().load(ckpt, state)
+    bad = [k for k in expected if not torch.equal(state[k], expected[k])]
+    assert not bad, f"rank {rank}: wrong values for {bad}"
+    return True
+
+
+def _load_strided_sharded(rank, world_size, ckpt, rotate):
+    """Into the strided layouts (each key in another key's placements when ``rotate``) and into
+    plain (Shard(0), Shard(1)) and 1-D Shard(1) DTensors."""
+    from torch.distributed.tensor import distribute_tensor
+
+    expected = _expected_strided()
+    layouts = _strided_layouts()
+    names = sorted(layouts)
+    placements_of = {k: layouts[names[(i + rotate) % len(names)]][1] for i, k in enumerate(names)}
+    placements_of["fsdp_tp.weight"] = layouts["sf4_s0"][1] if rotate else layouts["sf2_s0"][1]
+    targets: dict[str, dict] = {"strided": {}, "2d": {}, "1d": {}}
+    wants: dict[str, dict] = {"strided": {}, "2d": {}, "1d": {}}
+    for k, full_tensor in expected.items():
+        local = _strided_local(full_tensor, placements_of[k])
+        wants["strided"][k] = local
+        targets["strided"][k] = DTensor.from_local(
+            torch.full_like(local, -1.0), mesh((2, 2)), list(placements_of[k]), run_check=False, shape=full_tensor.shape, stride=full_tensor.stride()
+        )
+        wants["2d"][k] = local_piece(full_tensor, mesh((2, 2)), (Shard(0), Shard(1)))
+        targets["2d"][k] = distribute_tensor(torch.full_like(full_tensor, -1.0), mesh((2, 2)), [Shard(0), Shard(1)])
+        wants["1d"][k] = local_piece(full_tensor, mesh((4,)), (Shard(1),))
+        targets["1d"][k] = distribute_tensor(torch.full_like(full_tensor, -1.0), mesh((4,)), [Shard(1)])
+    for state in targets.values():
+        Checkpointer().load(ckpt, state)
+    bad = [(kind, k) for kind in wants for k in wants[kind] if not torch.equal(targets[kind][k].to_local(), wants[kind][k])]
+    assert not bad, f"rank {rank} (rotate={rotate}): wrong values for {bad}"
+    return True
+
+
+def _load_strided_shard0(rank, world_size, ckpt):
+    from torch.distributed.tensor import distribute_tensor
+
+    expected = _expected_strided()
+    state = {k: distribute_tensor(torch.full_like(v, -1.0), mesh((world_size,)), [Shard(0)]) for k, v in expected.items()}
+    Checkpointer().load(ckpt, state)
+    bad = [k for k in expected if not torch.equal(state[k].to_local(), local_piece(expected[k], mesh((world_size,)), (Shard(0),)))]
+    assert not bad, f"rank {rank}: wrong values for {bad}"
+    return True
+
+
+def test_strided_shard_layouts_that_are_not_boxes(run_distributed, tmp_path):
+    """_StridedShard placements (FSDP2 over TP) save the rows each rank really holds, also
+    where they are interleaved, and load into any other layout (and back into strided ones)."""
+    ckpt = str(tmp_path / "ckpt")
+    not_a_box = run_distributed(_save_strided, 4, ckpt)
+    # The layouts do exercise interleaved rows (whole rows only; sf2_s1 is interleaved too).
+    assert not any(r["sf2_s0"] for r in not_a_box)
+    for key in ("sf4_s0", "sf3_s0", "s0_sf2"):
+        assert any(r[key] for r in not_a_box), key
+    assert run_distributed(_load_strided_plain, 1, ckpt) == [True]
+    for rotate in (0, 1, 2):
+        assert run_distributed(_load_strided_sharded, 4, ckpt, rotate) == [True] * 4
+    assert run_distributed(_load_strided_shard0, 3, ckpt) == [True] * 3

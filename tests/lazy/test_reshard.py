@@ -216,3 +216,21 @@ def test_get_shard_dims_fsdp_is_not_tensor_parallel(run_distributed):
 def test_get_shard_dims_fsdp_with_tp_and_hsdp(run_distributed):
     want = ({"0.weight": 0, "0.bias": 0, "1.weight": 1}, {})
     assert run_distributed(_shard_dims_fsdp_tp_and_hsdp, 4, timeout=180) == [want] * 4
+
+
+def test_tp_dim_skips_fsdps_strided_shard():
+    """FSDP2 over TP puts ``_StridedShard`` (its own type, not a ``Shard``) on the DP mesh dim."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from checkpointer.engine.reshard import _tp_dim
+
+    assert not isinstance(_StridedShard(0, split_factor=2), Shard)
+    strided = _StridedShard(0, split_factor=2)
+    assert _tp_dim((strided, Shard(0)), skip_fsdp=True) == 0  # Colwise TP under FSDP
+    assert _tp_dim((Replicate(), strided, Shard(0)), skip_fsdp=True) == 0  # HSDP
+    assert _tp_dim((Shard(0), Shard(1)), skip_fsdp=True) == 1  # Rowwise TP under FSDP
+    assert _tp_dim((strided, Shard(0), Shard(1)), skip_fsdp=True) == 1  # 2-D TP under FSDP
+    assert _tp_dim((Shard(0),), skip_fsdp=True) is None  # FSDP alone
+    assert _tp_dim((strided,), skip_fsdp=False) is None  # a strided split is not a torch.chunk TP split
+    assert _tp_dim((Replicate(), Shard(1)), skip_fsdp=False) == 1
