@@ -147,8 +147,14 @@ def wrong_directory_hint(storage: Storage) -> str:
         run = run_directory_hint(parent)
         if run is not None:
             return run
-        if not _lists(parent):
+        parent_names = _lists(parent)
+        if not parent_names:
             return f"{parent.url} does not exist or is empty"
+        if any(is_save_file(n) for n in parent_names):
+            return (
+                f"{parent.url} holds rank files but no {METADATA_FILENAME}: it is not a complete "
+                "checkpoint (its save never finished)"
+            )
     return f"{storage.url} does not exist or is empty"
 
 

@@ -168,6 +168,15 @@ def test_a_save_that_never_finished_is_still_called_incomplete(run_dir):
         Checkpointer().get_metadata(f"{run_dir}/step30/optim")
 
 
+def test_a_flat_save_that_never_finished_is_called_incomplete_by_the_model_and_optim_loader(tmp_path):
+    step = tmp_path / "step40"
+    Checkpointer().save(str(step), {"w": torch.arange(6.0)})
+    os.remove(step / "metadata.json")
+    with pytest.raises(IncompleteCheckpointError, match="holds rank files but no metadata.json") as ex:
+        checkpointer.load_model_and_optim_state(str(step), *_model())
+    assert str(step) in str(ex.value)
+
+
 def test_the_right_dirs_still_load(run_dir):
     model, optim = _model()
     checkpointer.load_model_and_optim_state(f"{run_dir}/step20", model, optim)
