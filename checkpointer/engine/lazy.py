@@ -41,7 +41,7 @@ from .lazy_sources import (
     torch_file_tensors,
 )
 from .load import read_metadata
-from .locate import run_directory_hint
+from .locate import run_directory_hint, unfinished_save_message
 from .reshard import tp_bounds
 
 __all__ = ["lazy_load", "StateDictConverter", "split_url"]
@@ -269,9 +269,7 @@ def _open_dir(storage: Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyT
         except (OSError, NotImplementedError):  # http(s) cannot list; no model/ there
             names = []
         if any(is_save_file(n) for n in names):  # a save began here (rank files, its lock) and never finished
-            raise IncompleteCheckpointError(
-                f"{root.join(METADATA_FILENAME)} is missing: {root.url} is not a complete checkpoint (its save never finished)"
-            )
+            raise IncompleteCheckpointError(unfinished_save_message(root))
     return None
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "wrong_directory_hint",
     "run_directory_hint",
     "missing_metadata_message",
+    "unfinished_save_message",
 ]
 
 PARTS = ("model", "optim")
@@ -96,14 +97,19 @@ def run_directory_hint(run: Storage) -> str | None:
     )
 
 
+def unfinished_save_message(storage: Storage) -> str:
+    """The message for a directory holding a save's files (rank files, its lock) but no ``metadata.json``."""
+    return (
+        f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint "
+        "(its save never finished)"
+    )
+
+
 def missing_metadata_message(storage: Storage) -> str:
     """The message for a checkpoint directory without ``metadata.json``: a save that never
     finished, or a directory that was not meant (:func:`wrong_directory_hint`)."""
     if any(is_save_file(n) for n in _lists(storage)):
-        return (
-            f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint "
-            "(its save never finished)"
-        )
+        return unfinished_save_message(storage)
     try:
         hint = wrong_directory_hint(storage)
     except OSError:  # the hint probes storage; its failure must not hide the error it explains
@@ -151,10 +157,7 @@ def wrong_directory_hint(storage: Storage) -> str:
         if not parent_names:
             return f"{parent.url} does not exist or is empty"
         if any(is_save_file(n) for n in parent_names):
-            return (
-                f"{parent.url} holds rank files but no {METADATA_FILENAME}: it is not a complete "
-                "checkpoint (its save never finished)"
-            )
+            return unfinished_save_message(parent)
     return f"{storage.url} does not exist or is empty"
 
 
@@ -180,10 +183,7 @@ def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:
             )
         raise IncompleteCheckpointError(f"{storage.url} does not exist or is empty: no checkpoint there")
     if not parts and any(is_rank_filename(n) for n in names):
-        raise IncompleteCheckpointError(
-            f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint "
-            "(its save never finished)"
-        )
+        raise IncompleteCheckpointError(unfinished_save_message(storage))
     if not parts:
         run = run_directory_hint(storage)
         raise IncompleteCheckpointError(
