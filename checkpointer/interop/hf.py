@@ -7,20 +7,17 @@ straight into its memory with one ranged read.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from ..buffers import memoryview_of
 from ..engine.export import INDEX_NAME, split_output
 from ..engine.lazy import split_url
-from ..engine.lazy_sources import MAX_INDEX_BYTES
-from ..engine.rankfile import HeaderCache, read_small_file
+from ..engine.lazy_sources import read_hf_index
+from ..engine.rankfile import HeaderCache
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import is_rank_filename
-from ..format.metadata import reject_duplicate_keys
-from ..storage.base import Storage, check_name, open_storage
+from ..storage.base import Storage, open_storage
 
 __all__ = ["HFTensors", "is_hf"]
 
@@ -76,20 +73,9 @@ class HFTensors:
     def _files(self) -> list[str]:
         self._index: dict[str, str] | None = None
         if self.storage.exists(INDEX_NAME):
-            where = self.storage.join(INDEX_NAME)
-            data = read_small_file(self.storage, INDEX_NAME, limit=MAX_INDEX_BYTES, what="index")
-            try:
-                raw = json.loads(data, object_pairs_hook=reject_duplicate_keys)
-                weight_map = raw["weight_map"]
-                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                    raise ValueError("weight_map is not an object of file names")
-                for name in set(weight_map.values()):
-                    if "/" in check_name(name):
-                        raise ValueError(f"file name {name!r} is not in the directory")
-            except (ValueError, KeyError, TypeError) as ex:
-                raise CorruptCheckpointError(f"{where}: not a valid safetensors index ({ex})") from ex
-            self._index = dict(weight_map)
-            return sorted(set(weight_map.values()))
+            files = read_hf_index(self.storage, INDEX_NAME)
+            self._index = {key: name for name, keys in files.items() for key in keys}
+            return list(files)
         names = [n for n in self.storage.list() if n.endswith(".safetensors") and not is_rank_filename(n)]
         if "model.safetensors" in names:
             return ["model.safetensors"]
