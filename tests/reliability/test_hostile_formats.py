@@ -150,6 +150,17 @@ def test_hf_index_that_is_not_a_regular_file(tmp_path, special):
     assert_rule(outcomes, must_raise=set(outcomes), needles=(INDEX_NAME,), cls=checkpointer.CorruptCheckpointError)
 
 
+@pytest.mark.parametrize("weight_map", ["[" * 100_000 + "]" * 100_000, '{"a": ' * 100_000 + "1" + "}" * 100_000])
+def test_hf_index_nested_too_deeply(tmp_path, weight_map):
+    path = _hf_dir(str(tmp_path / "hf"))
+    with open(os.path.join(path, INDEX_NAME), "w") as f:
+        f.write('{"weight_map": ' + weight_map + "}")
+    outcomes = run_loaders(
+        {"lazy_load": lambda: lazy_all(path), "HFTensors": lambda: HFTensors(path).entries()}, path, (str(tmp_path),)
+    )
+    assert_rule(outcomes, must_raise=set(outcomes), needles=(INDEX_NAME,), cls=checkpointer.CorruptCheckpointError)
+
+
 # ---------------------------------------------------------------------------------------
 # Dimensions past MAX_NUMEL: products of dimensions would overflow int64 in torch
 # ---------------------------------------------------------------------------------------
