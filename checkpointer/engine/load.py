@@ -90,13 +90,28 @@ def _meta_for(metadata: StorageMetadata, key: str, storage: Storage) -> TensorSt
 def _dtype_mismatch(key: str, storage: Storage, saved: str, wanted: str) -> str:
     """What a load never does silently (cast), and how to do it on purpose."""
     saved_dtype, wanted_dtype = _torch_name(saved), _torch_name(wanted)
-    return (
+    head = (
         f"dtype mismatch for {key!r} in the checkpoint at {storage.url}: the checkpoint has {saved} "
-        f"({saved_dtype}), the state dict has {wanted} ({wanted_dtype}). A load never casts: load into "
-        f"{saved_dtype} tensors and convert after (e.g. model.to({saved_dtype}) before loading, "
-        f"model.to({wanted_dtype}) after), or read full tensors with unshard_model_state / "
-        f"Checkpointer().unshard and call .to({wanted_dtype}) on them"
+        f"({saved_dtype}), the state dict has {wanted} ({wanted_dtype}). A load never casts: "
     )
+    if _is_floating(saved) and _is_floating(wanted):
+        return head + (
+            f"load into {saved_dtype} tensors and convert after (e.g. model.to({saved_dtype}) before loading, "
+            f"model.to({wanted_dtype}) after), or read full tensors with unshard_model_state / "
+            f"Checkpointer().unshard and call .to({wanted_dtype}) on them"
+        )
+    # Module.to(dtype) casts only floating-point tensors: no advice to call it here.
+    return head + (
+        f"put a {saved_dtype} tensor under {key!r} in the state dict you load into and convert it after "
+        f"with .to({wanted_dtype}), or read it with unshard_model_state / Checkpointer().unshard"
+    )
+
+
+def _is_floating(code: str) -> bool:
+    try:
+        return dtype_from_code(code).is_floating_point
+    except (CheckpointError, KeyError, ValueError):
+        return False
 
 
 def _torch_name(code: str) -> str:

@@ -260,6 +260,21 @@ def test_dtype_mismatch_names_the_checkpoint_and_says_how_to_convert(tmp_path):
     assert "never casts" in message and ".to(torch.bfloat16)" in message
 
 
+def test_integer_dtype_mismatch_does_not_advise_module_to(tmp_path):
+    # Module.to(dtype) casts only floating-point tensors, so it is no advice for a step counter.
+    ckpt = str(tmp_path / "c")
+    Checkpointer().save(ckpt, {"step": torch.tensor(7, dtype=torch.int64)})
+    with pytest.raises(checkpointer.CheckpointMismatchError) as ex:
+        Checkpointer().load(ckpt, {"step": torch.tensor(0.0)})
+    message = str(ex.value)
+    assert "I64 (torch.int64)" in message and "F32 (torch.float32)" in message
+    assert "model.to" not in message
+    assert "put a torch.int64 tensor under 'step'" in message and ".to(torch.float32)" in message
+    target = {"step": torch.tensor(0, dtype=torch.int64)}  # as the message says
+    Checkpointer().load(ckpt, target)
+    assert target["step"].to(torch.float32).item() == 7.0
+
+
 def test_model_dtype_mismatch_names_the_model_checkpoint(run_dir):
     model, optim = _model()
     model.to(torch.bfloat16)
