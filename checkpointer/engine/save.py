@@ -375,9 +375,11 @@ def commit_metadata(storage: Storage, metadata: StorageMetadata, lock: bytes | N
     release_lock(storage, lock)
 
 
-def _read_lock(storage: Storage) -> bytes | None:
+def _read_lock(storage: Storage, ours: bytes) -> bytes | None:
+    """The lock file's bytes, enough of them to tell whether it is ``ours`` (a larger file is
+    read no further than one byte past the length of ours)."""
     try:
-        return storage.read(LOCK_FILENAME)
+        return storage.read(LOCK_FILENAME, 0, len(ours) + 1)
     except FileNotFoundError:
         return None
 
@@ -385,7 +387,7 @@ def _read_lock(storage: Storage) -> bytes | None:
 def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
     """Before committing: a save that took this directory's lock over (``save_overwrite=True``)
     while this one wrote may have replaced some of its rank files, so this one must not commit."""
-    if lock is not None and _read_lock(storage) != lock:
+    if lock is not None and _read_lock(storage, lock) != lock:
         raise FileExistsError(
             f"another save into {storage.url} took over its lock ({storage.join(LOCK_FILENAME)}) while this "
             "one was writing (two jobs saving there with save_overwrite=True?): this save is not committed"
@@ -395,7 +397,7 @@ def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
 def release_lock(storage: Storage, lock: bytes | None) -> None:
     """Remove the lock this save wrote (``lock``), leaving one another save has taken over."""
     try:
-        if lock is None or _read_lock(storage) == lock:
+        if lock is None or _read_lock(storage, lock) == lock:
             storage.delete(LOCK_FILENAME)
     except OSError:
         pass  # the checkpoint stands; a leftover lock only makes the next save here ask for save_overwrite

@@ -178,6 +178,38 @@ def test_a_save_leaves_the_lock_another_save_holds(tmp_path, monkeypatch):
     assert not os.path.exists(os.path.join(path, "metadata.json"))  # retired before any file was written
 
 
+def test_a_lock_that_grew_past_ours_is_not_ours_and_is_not_read_whole(tmp_path, monkeypatch):
+    """The lock file now holds this save's bytes and then 1 MiB more: it is not this save's lock
+    (only a prefix matches), and telling so reads no further than one byte past ours."""
+    from checkpointer.format.layout import LOCK_FILENAME
+    from checkpointer.storage.local import LocalStorage
+
+    path = str(tmp_path / "ckpt")
+    lock_path = os.path.join(path, LOCK_FILENAME)
+    ours_size = []
+    lock_reads = []
+    real_read = LocalStorage.read
+
+    def recording_read(self, name, start=0, end=None):
+        data = real_read(self, name, start, end)
+        if name == LOCK_FILENAME:
+            lock_reads.append(len(data))
+        return data
+
+    def grow() -> None:
+        with open(lock_path, "r+b") as f:
+            ours_size.append(len(f.read()))
+            f.write(b" " * (1 << 20))
+
+    monkeypatch.setattr(LocalStorage, "read", recording_read)
+    _save_after_this_rank_file(monkeypatch, grow)
+    with pytest.raises(FileExistsError, match="took over its lock"):
+        Checkpointer().save(path, job_state(0))
+    assert os.path.getsize(lock_path) == ours_size[0] + (1 << 20)  # left alone: not ours
+    assert lock_reads and max(lock_reads) == ours_size[0] + 1
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
+
+
 def same_layout_state(job: int) -> dict[str, torch.Tensor]:
     """The same keys, shapes and dtypes for every job; only the values differ."""
     return {k: (v + 10 * (job + 1)).to(v.dtype) for k, v in rel_helpers.flat_full().items()}
