@@ -65,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow reading a torch DCP source: its .metadata is a Python pickle, which can run "
         "arbitrary code when read, so pass this only for checkpoints you trust",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a checkpoint already in DST (--to checkpointer or dcp; hf output, as unshard's, "
+        "always replaces the files it writes)",
+    )
     _export_options(p)
     return parser
 
