@@ -10,6 +10,7 @@ import uuid
 from typing import Callable, Sequence
 
 from .base import ReadRequest, Storage, Writer, check_name
+from .direct import DirectStream, direct_io_enabled
 
 __all__ = ["LocalStorage", "LocalWriter", "fsync_dir"]
 
@@ -174,12 +175,14 @@ def _preadv_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> No
 class LocalWriter(Writer):
     """Writes to a hidden temp file beside the target; commit fsyncs and renames it into place.
 
-    Every :data:`_WRITEBACK_BYTES` written, the kernel is asked to start writing them to disk, so
-    the disk works while later bytes are copied in and the final ``fsync`` has little left to do
-    (about 1.5x faster than write-then-fsync here).
+    Where ``O_DIRECT`` is available (and ``CHECKPOINTER_DIRECT_IO`` is not ``0``), bytes go
+    through a :class:`~checkpointer.storage.direct.DirectStream`, bypassing the page cache.
+    Otherwise they are written buffered and, every :data:`_WRITEBACK_BYTES`, the kernel is asked
+    to start writing them to disk, so the disk works while later bytes are copied in and the
+    final ``fsync`` has little left to do (about 1.5x faster than write-then-fsync here).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, direct: bool | None = None):
         self.path = path
         directory, base = os.path.split(path)
         self.directory = directory
@@ -188,9 +191,14 @@ class LocalWriter(Writer):
         self.done = False
         self.written = 0
         self.flushed = 0
+        use_direct = direct_io_enabled() if direct is None else direct
+        self.stream: DirectStream | None = DirectStream(self.fd, self.tmp) if use_direct else None
 
     def write(self, buffers: Sequence[memoryview]) -> None:
         assert self.fd is not None, "writer is closed"
+        if self.stream is not None:
+            self.stream.write(buffers)
+            return
         bufs = [b.cast("B") for b in buffers if len(b)]
         while bufs:
             n = os.writev(self.fd, bufs[:_IOV_MAX])
@@ -206,6 +214,8 @@ class LocalWriter(Writer):
 
     def commit(self) -> None:
         assert self.fd is not None, "writer is closed"
+        if self.stream is not None:
+            self.stream.finish()
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = None
@@ -214,6 +224,8 @@ class LocalWriter(Writer):
         fsync_dir(self.directory)
 
     def abort(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

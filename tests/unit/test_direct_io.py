@@ -1,0 +1,213 @@
+"""storage/direct.py: O_DIRECT writes through aligned buffers give exactly the bytes written,
+use O_DIRECT for whole blocks where the file system takes it, and fall back to ordinary writes
+where it does not; a failed write reaches the caller and leaves no temp file or thread."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from checkpointer.storage import direct
+from checkpointer.storage.direct import BLOCK_BYTES, DirectStream, direct_io_enabled
+from checkpointer.storage.local import LocalStorage, LocalWriter
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+
+SIZES = [0, 1, 4095, 4096, 4097, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 2 * BLOCK_BYTES + 4096 + 3]
+
+
+def pattern(n: int, seed: int = 0) -> bytes:
+    return bytes((i * 131 + seed + i // 4099) % 256 for i in range(n)) if n < 4096 else os.urandom(n)
+
+
+def write_through(path: str, parts: list[bytes], direct_io: bool = True) -> LocalWriter:
+    writer = LocalWriter(path, direct=direct_io)
+    writer.write([memoryview(p) for p in parts])
+    writer.commit()
+    return writer
+
+
+def hidden(directory) -> list[str]:
+    return [n for n in os.listdir(directory) if n.startswith(".")]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_one_write_of_any_size_round_trips(tmp_path, size):
+    data = pattern(size)
+    path = str(tmp_path / "f")
+    writer = write_through(path, [data])
+    assert writer.stream is not None
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert hidden(tmp_path) == []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.sampled_from([0, 1, 7, 4096, 65536, 1 << 20, 3 << 20, BLOCK_BYTES - 5, BLOCK_BYTES + 9]), max_size=6))
+def test_many_writes_round_trip(tmp_path, sizes):
+    parts = [pattern(n, seed=i) for i, n in enumerate(sizes)]
+    path = str(tmp_path / "many")
+    write_through(path, parts)
+    with open(path, "rb") as f:
+        assert f.read() == b"".join(parts)
+
+
+def test_whole_blocks_are_written_with_o_direct(tmp_path, monkeypatch):
+    """Every aligned write goes out with O_DIRECT set on the descriptor (where this file system
+    takes it); only the last, partial block is written without."""
+    seen: list[tuple[int, int, bool]] = []
+    real_pwrite = os.pwrite
+
+    def recording_pwrite(fd, data, offset):
+        n = real_pwrite(fd, data, offset)
+        seen.append((offset, n, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        return n
+
+    monkeypatch.setattr(direct.os, "pwrite", recording_pwrite)
+    data = os.urandom(2 * BLOCK_BYTES + 8192 + 100)
+    path = str(tmp_path / "f")
+    writer = write_through(path, [data])
+    with open(path, "rb") as f:
+        assert f.read() == data
+    if writer.stream.refused:
+        pytest.skip("this file system refuses O_DIRECT")
+    assert seen == [
+        (0, BLOCK_BYTES, True),
+        (BLOCK_BYTES, BLOCK_BYTES, True),
+        (2 * BLOCK_BYTES, 8192, True),
+        (2 * BLOCK_BYTES + 8192, 100, False),
+    ]
+
+
+def test_fcntl_refusing_o_direct_writes_the_ordinary_way(tmp_path, monkeypatch):
+    real_fcntl = fcntl.fcntl
+
+    def refusing(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(direct.fcntl, "fcntl", refusing)
+    data = os.urandom(BLOCK_BYTES * 2 + 17)
+    path = str(tmp_path / "f")
+    writer = write_through(path, [data])
+    assert writer.stream.refused and not writer.stream.direct
+    with open(path, "rb") as f:
+        assert f.read() == data
+
+
+def test_a_write_refusing_o_direct_is_written_again_the_ordinary_way(tmp_path, monkeypatch):
+    """Some file systems accept O_DIRECT at fcntl and refuse it at write (EINVAL)."""
+    real_pwrite = os.pwrite
+    refused = []
+
+    def pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+    data = os.urandom(BLOCK_BYTES * 3 + 5000)
+    path = str(tmp_path / "f")
+    writer = write_through(path, [data])
+    assert refused == [0] and writer.stream.refused
+    with open(path, "rb") as f:
+        assert f.read() == data
+
+
+def test_a_short_write_goes_on_without_o_direct_for_the_unaligned_rest(tmp_path, monkeypatch):
+    real_pwrite = os.pwrite
+    calls = []
+
+    def short_once(fd, data, offset):
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        calls.append((offset, len(data), bool(flags & os.O_DIRECT)))
+        if len(calls) > 1:
+            return real_pwrite(fd, data, offset)
+        # The first write stops after 1000 bytes (written for real, without O_DIRECT, which
+        # would refuse an unaligned length).
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        n = real_pwrite(fd, data[:1000], offset)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return n
+
+    monkeypatch.setattr(direct.os, "pwrite", short_once)
+    data = os.urandom(BLOCK_BYTES + 10)
+    path = str(tmp_path / "f")
+    write_through(path, [data])
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert calls[1] == (1000, BLOCK_BYTES - 1000, False)
+
+
+def test_a_failing_write_reaches_the_caller_and_leaves_nothing(tmp_path, monkeypatch):
+    """ENOSPC in the background thread is raised at the next write or at commit; the temp file
+    is removed and the thread has ended."""
+    real_pwrite = os.pwrite
+
+    def full(fd, data, offset):
+        if offset >= BLOCK_BYTES:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", full)
+    path = str(tmp_path / "f")
+    with pytest.raises(OSError) as info:
+        with LocalWriter(path, direct=True) as writer:
+            for _ in range(4):
+                writer.write([memoryview(os.urandom(BLOCK_BYTES))])
+            writer.commit()
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpointer-write")]
+
+
+def test_abort_mid_write_removes_the_temp_file(tmp_path):
+    path = str(tmp_path / "f")
+    with LocalWriter(path, direct=True) as writer:
+        writer.write([memoryview(os.urandom(2 * BLOCK_BYTES + 1))])
+    assert os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpointer-write")]
+
+
+def test_buffered_and_direct_files_are_the_same(tmp_path):
+    parts = [pattern(n, seed=n) for n in (100, BLOCK_BYTES + 3, 4096, 1 << 20)]
+    write_through(str(tmp_path / "a"), parts, direct_io=True)
+    write_through(str(tmp_path / "b"), parts, direct_io=False)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == b"".join(parts)
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("", False), ("1", True), (None, True)])
+def test_checkpointer_direct_io_switch(tmp_path, monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("CHECKPOINTER_DIRECT_IO", raising=False)
+    else:
+        monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", value)
+    assert direct_io_enabled() is expected
+    storage = LocalStorage(str(tmp_path))
+    writer = storage.open_writer("x")
+    try:
+        assert (writer.stream is not None) is expected
+    finally:
+        writer.abort()
+
+
+def test_stream_alone_appends_from_offset_zero(tmp_path):
+    path = str(tmp_path / "raw")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        stream = DirectStream(fd, path)
+        data = os.urandom(BLOCK_BYTES + 4096 * 3 + 1)
+        stream.write([memoryview(data)[:5], memoryview(data)[5:]])
+        stream.finish()
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        assert f.read() == data
