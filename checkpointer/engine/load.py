@@ -89,12 +89,13 @@ def _meta_for(metadata: StorageMetadata, key: str, storage: Storage) -> TensorSt
 
 def _dtype_mismatch(key: str, storage: Storage, saved: str, wanted: str) -> str:
     """What a load never does silently (cast), and how to do it on purpose."""
-    saved_dtype, wanted_dtype = _torch_name(saved), _torch_name(wanted)
+    saved_torch, wanted_torch = _torch_dtype(saved), _torch_dtype(wanted)
+    saved_dtype, wanted_dtype = str(saved_torch or saved), str(wanted_torch or wanted)
     head = (
         f"dtype mismatch for {key!r} in the checkpoint at {storage.url}: the checkpoint has {saved} "
         f"({saved_dtype}), the state dict has {wanted} ({wanted_dtype}). A load never casts: "
     )
-    if _is_floating(saved) and _is_floating(wanted):
+    if all(d is not None and d.is_floating_point for d in (saved_torch, wanted_torch)):
         return head + (
             f"load into {saved_dtype} tensors and convert after (e.g. model.to({saved_dtype}) before loading, "
             f"model.to({wanted_dtype}) after), or read full tensors with unshard_model_state / "
@@ -107,18 +108,11 @@ def _dtype_mismatch(key: str, storage: Storage, saved: str, wanted: str) -> str:
     )
 
 
-def _is_floating(code: str) -> bool:
+def _torch_dtype(code: str) -> torch.dtype | None:
     try:
-        return dtype_from_code(code).is_floating_point
+        return dtype_from_code(code)
     except (CheckpointError, KeyError, ValueError):
-        return False
-
-
-def _torch_name(code: str) -> str:
-    try:
-        return str(dtype_from_code(code))
-    except (CheckpointError, KeyError, ValueError):
-        return code
+        return None
 
 
 @dataclass(frozen=True)
