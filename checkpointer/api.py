@@ -18,7 +18,9 @@ import torch.nn as nn
 
 from . import dist
 from .buffers import memoryview_of
+from .engine.async_save import wait_for_writes_into
 from .engine.checkpointer import Checkpointer
+from .engine.load import load_state_dicts
 from .engine.locate import newest_checkpoint
 from .engine.rankfile import HeaderCache, check_files_hold
 from .engine.unshard import read_full
@@ -283,9 +285,33 @@ def load_model_and_optim_state(
     dir = path_arg(dir).rstrip("/")
     checkpointer = Checkpointer()
     model_state = model_state_dict(model)
+    if optim is not None and strategy == "default":
+        _load_model_and_optim(dir, model, optim, model_state)
+        return
     checkpointer.load(f"{dir}/model", model_state, strategy=strategy)
     if optim is not None:
         _load_optim(checkpointer, f"{dir}/optim", model, optim, model_state, strategy)
+
+
+def _load_model_and_optim(dir: str, model: nn.Module, optim: torch.optim.Optimizer, model_state: dict[str, Any]) -> None:
+    """Both checkpoints as one load: one metadata broadcast, one pool of reads, and no tensor
+    of either written before every rank has planned both."""
+    optim_dir = f"{dir}/optim"
+    storages = [open_storage(f"{dir}/model"), open_storage(optim_dir)]
+    for storage in storages:
+        wait_for_writes_into(storage.url)
+    torch_state: dict[str, Any] = {}
+
+    def state_dicts(metadatas: list[StorageMetadata]) -> list[dict[str, Any]]:
+        with _malformed(optim_dir):
+            to_fill, torch_state["optim"] = _plan_optim_load(optim_dir, metadatas[1], model, optim, model_state)
+        return [model_state, to_fill]
+
+    def finish() -> None:
+        with _malformed(optim_dir):
+            optim.load_state_dict(torch_state["optim"])
+
+    load_state_dicts(storages, state_dicts, finish=finish)
 
 
 def _load_optim(

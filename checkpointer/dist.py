@@ -299,6 +299,8 @@ def agree(error: BaseException | None, what: str, *, no_dist: bool = False, grou
         if error is not None:
             raise error
         return
+    if not _any_failed(error is not None, group):
+        return
     mine = {"ok": error is None}
     if error is not None:
         mine.update(type=type(error).__name__, message=str(error), file_exists=isinstance(error, FileExistsError))
@@ -310,6 +312,14 @@ def agree(error: BaseException | None, what: str, *, no_dist: bool = False, grou
         raise error
     rank, status = failed[0]
     _raise_remote(rank, status, what)
+
+
+def _any_failed(failed: bool, group: Any = None) -> bool:
+    """One all-reduce: whether any rank failed (only then are the messages exchanged)."""
+    arrival = _Arrival(group)
+    t = torch.tensor([int(failed)], dtype=torch.int64, device=_device(group))
+    _wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), "agreement", arrival)
+    return bool(t.item())
 
 
 def agree_after(work: Callable[[], Any], what: str, *, no_dist: bool = False) -> Any:

@@ -1,9 +1,11 @@
 """Loading a flat state dict in place: each rank reads only the bytes of its own pieces.
 
-1. Rank 0 reads ``metadata.json`` and shares it (one broadcast).
+1. Rank 0 reads ``metadata.json`` and shares it (one broadcast, for a model's and its
+   optimizer's checkpoints together).
 2. Each rank checks its keys, shapes and dtypes against it and plans, per tensor, which
    byte ranges of which file land where in its local memory. A plan that does not cover
-   every local element is an error, so a completed load has filled every element.
+   every local element is an error, so a completed load has filled every element. All
+   ranks agree that planning succeeded before any tensor is written.
 3. Reads go straight into the destination tensors (``preadv`` locally, ranged requests
    remotely); only CUDA or non-contiguous destinations pass through a host buffer.
 4. All ranks agree: an error on one rank makes every rank raise.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -27,14 +29,17 @@ from ..planning.plan import TensorLoadPlan, build_load_plan, piece_ranges
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .locate import missing_metadata_message
-from .rankfile import HeaderCache, ReadJob, execute_reads
+from .rankfile import HeaderCache, ReadJob, execute_reads, execute_reads_from
 from .save import describe_state_dict
 
 __all__ = [
     "read_metadata",
+    "read_metadatas",
     "load_state_dict",
+    "load_state_dicts",
     "plan_local_loads",
     "fill_in_place",
+    "fill_in_place_from",
     "copy_into",
     "LocalLoad",
     "MAX_METADATA_BYTES",
@@ -74,8 +79,23 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
 
 
 def read_metadata(storage: Storage, *, no_dist: bool = False) -> StorageMetadata:
-    data = dist.share_from(0, lambda: _read_metadata_bytes(storage), "reading metadata", no_dist=no_dist)
-    return parse_metadata(data, where=storage.join(METADATA_FILENAME))
+    return read_metadatas([storage], no_dist=no_dist)[0]
+
+
+def read_metadatas(storages: Sequence[Storage], *, no_dist: bool = False) -> list[StorageMetadata]:
+    """The metadata of several checkpoints: rank 0 reads every ``metadata.json`` and shares them
+    in one broadcast (each framed by its 8-byte length)."""
+
+    def produce() -> bytes:
+        return b"".join(len(data).to_bytes(8, "little") + data for data in map(_read_metadata_bytes, storages))
+
+    shared = memoryview(dist.share_from(0, produce, "reading metadata", no_dist=no_dist))
+    out, at = [], 0
+    for storage in storages:
+        size = int.from_bytes(shared[at : at + 8], "little")
+        out.append(parse_metadata(shared[at + 8 : at + 8 + size], where=storage.join(METADATA_FILENAME)))
+        at += 8 + size
+    return out
 
 
 def _meta_for(metadata: StorageMetadata, key: str, storage: Storage) -> TensorStorageMetadata:
@@ -165,14 +185,51 @@ def load_state_dict(
     num_threads: int | None = None,
     verify: bool = False,
 ) -> None:
-    if metadata is None:
-        metadata = read_metadata(storage, no_dist=no_dist)
+    load_state_dicts(
+        [storage], lambda _: [state_dict], metadatas=[metadata], no_dist=no_dist, num_threads=num_threads, verify=verify
+    )
+
+
+def load_state_dicts(
+    storages: Sequence[Storage],
+    state_dicts: Callable[[list[StorageMetadata]], Sequence[Mapping[str, Any]]],
+    *,
+    metadatas: Sequence[StorageMetadata | None] | None = None,
+    finish: Callable[[], None] | None = None,
+    no_dist: bool = False,
+    num_threads: int | None = None,
+    verify: bool = False,
+) -> None:
+    """Load several checkpoints (a model's and its optimizer's) in place as one load.
+
+    ``state_dicts(metadatas)`` gives the state dict to fill from each storage (it may allocate,
+    or raise a mismatch). The metadata not given is shared in one broadcast; every rank plans
+    everything and all ranks agree that planning succeeded before any tensor is written; then
+    all reads share one thread pool, ``finish()`` runs, and all ranks agree again.
+    """
+    given = list(metadatas or [None] * len(storages))
+    missing = [i for i, m in enumerate(given) if m is None]
+    for i, meta in zip(missing, read_metadatas([storages[i] for i in missing], no_dist=no_dist) if missing else []):
+        given[i] = meta
+    metas: list[StorageMetadata] = given  # type: ignore[assignment]
     error: BaseException | None = None
+    parts: list[tuple[HeaderCache, list[LocalLoad]]] = []
     try:
         with torch.no_grad():
-            chunk = metadata.checksum_chunk_bytes if verify else None
-            loads = plan_local_loads(storage, metadata, state_dict)
-            fill_in_place(storage, loads, num_threads=num_threads, verify_chunk_bytes=chunk, file_ids=metadata.file_ids)
+            for storage, meta, state_dict in zip(storages, metas, state_dicts(metas), strict=True):
+                parts.append((HeaderCache(storage, meta.file_ids), plan_local_loads(storage, meta, state_dict)))
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank
+        error = ex
+    dist.agree(error, "load", no_dist=no_dist)
+    try:
+        with torch.no_grad():
+            by_chunk: dict[int | None, list[tuple[HeaderCache, list[LocalLoad]]]] = {}
+            for part, meta in zip(parts, metas):
+                by_chunk.setdefault(meta.checksum_chunk_bytes if verify else None, []).append(part)
+            for chunk, group in by_chunk.items():
+                fill_in_place_from(group, num_threads=num_threads, verify_chunk_bytes=chunk)
+            if finish is not None:
+                finish()
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "load", no_dist=no_dist)
@@ -187,19 +244,37 @@ def fill_in_place(
     file_ids: Mapping[str, str] | None = None,
     headers: HeaderCache | None = None,
 ) -> None:
-    headers = headers or HeaderCache(storage, file_ids)
-    options = dict(headers=headers, num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
-    direct, staged = [], []
-    for load in loads:
-        if load.local.numel == 0:
-            continue
-        data = load.local.data
-        if data.device.type == "cpu" and data.is_contiguous():
-            direct.append(load.job(data.view(-1)))
-        else:
-            staged.append(load)
-    execute_reads(storage, direct, **options)
-    _fill_through_host(storage, staged, options)
+    fill_in_place_from(
+        [(headers or HeaderCache(storage, file_ids), loads)], num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes
+    )
+
+
+def fill_in_place_from(
+    parts: Sequence[tuple[HeaderCache, list[LocalLoad]]],
+    *,
+    num_threads: int | None = None,
+    verify_chunk_bytes: int | None = None,
+) -> None:
+    """Fill the loads of several checkpoints (each with its storage's header cache): every
+    destination that can be read into directly in one pool of reads, then the others."""
+    options = dict(num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
+    direct: list[tuple[HeaderCache, list[ReadJob]]] = []
+    staged: list[tuple[HeaderCache, list[LocalLoad]]] = []
+    for headers, loads in parts:
+        jobs, later = [], []
+        for load in loads:
+            if load.local.numel == 0:
+                continue
+            data = load.local.data
+            if data.device.type == "cpu" and data.is_contiguous():
+                jobs.append(load.job(data.view(-1)))
+            else:
+                later.append(load)
+        direct.append((headers, jobs))
+        staged.append((headers, later))
+    execute_reads_from(direct, **options)
+    for headers, later in staged:
+        _fill_through_host(headers.storage, later, dict(options, headers=headers))
 
 
 def _fill_through_host(storage: Storage, staged: list[LocalLoad], options: dict[str, Any]) -> None:

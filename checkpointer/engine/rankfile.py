@@ -28,6 +28,7 @@ __all__ = [
     "HeaderCache",
     "ReadJob",
     "execute_reads",
+    "execute_reads_from",
     "io_threads",
     "piece_start",
     "check_files_hold",
@@ -323,7 +324,31 @@ def execute_reads(
     memory, added about 48 % to a warm 1 GiB load here; this, about 36 %); elsewhere, and for chunks the reads cover only in part, after
     all the reads.
     """
-    headers = headers or HeaderCache(storage)
+    execute_reads_from([(headers or HeaderCache(storage), jobs)], num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
+
+
+def execute_reads_from(
+    sources: Sequence[tuple[HeaderCache, Sequence[ReadJob]]],
+    *,
+    num_threads: int | None = None,
+    verify_chunk_bytes: int | None = None,
+) -> None:
+    """:func:`execute_reads` for the jobs of several checkpoints at once (each with the header
+    cache of its storage), in one thread pool: a model's and its optimizer's reads overlap."""
+    tasks: list[tuple] = []
+    checked_after: list[tuple[HeaderCache, Sequence[ReadJob]]] = []
+    for headers, jobs in sources:
+        tasks += _read_tasks(headers, jobs, verify_chunk_bytes)
+        if verify_chunk_bytes and not headers.storage.is_local():
+            checked_after.append((headers, jobs))
+    _run(num_threads, tasks)
+    for headers, jobs in checked_after:
+        verify_reads(headers.storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)  # type: ignore[arg-type]
+
+
+def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None) -> list[tuple]:
+    """The thread-pool tasks of one storage's jobs: checks from storage, hashed runs, plain reads."""
+    storage = headers.storage
     fused = bool(verify_chunk_bytes) and storage.is_local()
     per_file: dict[str, list[ReadRequest]] = {}
     checks: list[tuple] = []
@@ -331,7 +356,7 @@ def execute_reads(
     for job in jobs:
         dest = memoryview_of(job.dest)
         if fused and job.checksums_per_file:
-            requests, job_checks, job_runs = _verified_requests(storage, job, dest, headers, verify_chunk_bytes)
+            requests, job_checks, job_runs = _verified_requests(storage, job, dest, headers, verify_chunk_bytes)  # type: ignore[arg-type]
             checks += job_checks
             runs += job_runs
         else:
@@ -353,9 +378,7 @@ def execute_reads(
             tasks.append((_read, storage, name, chunk))
     runs.sort(key=lambda run: (run.file, run.start))  # in file order, as the plain reads: the disk reads ahead
     hashed = [(_read_hashed, storage, r.file, r.key, r.start, r.view, verify_chunk_bytes, r.expected) for r in runs]
-    _run(num_threads, checks + hashed + tasks)
-    if verify_chunk_bytes and not fused:
-        verify_reads(storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)
+    return checks + hashed + tasks
 
 
 def _split_request(req: ReadRequest) -> list[ReadRequest]:

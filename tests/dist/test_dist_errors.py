@@ -244,6 +244,30 @@ def test_model_shape_mismatch(run_distributed, tmp_path):
         check_all_raised(results, checkpointer.CheckpointMismatchError, "proj.weight")
 
 
+def _optim_mismatch(rank, world_size, ckpt):
+    """Two param groups where the checkpoint has one: raised before any tensor is written."""
+    model = build_model(world_size, seed=1)
+    before = model_full_state(model)
+    params = list(model.parameters())
+    optim = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3)
+    out = catch(load_model_and_optim_state, ckpt, model, optim)
+    after = model_full_state(model)
+    out["changed"] = [k for k in before if not torch.equal(before[k], after[k])]
+    out["optim_state"] = len(optim.state)
+    return out
+
+
+def test_optimizer_mismatch_leaves_the_model_untouched(run_distributed, tmp_path):
+    """The model and its optimizer are planned together: an optimizer that does not fit the
+    checkpoint is found before the model is overwritten, on every rank."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_model, 2, ckpt)
+    results = run_distributed(_optim_mismatch, 2, ckpt, timeout=60)
+    check_all_raised(results, checkpointer.CheckpointMismatchError, "param groups")
+    for rank, r in enumerate(results):
+        assert r["changed"] == [] and r["optim_state"] == 0, (rank, r["changed"], r["optim_state"])
+
+
 # --------------------------------------------------------------------------------------
 # One rank fails in the middle of a load: every rank raises, quickly, none hangs
 # --------------------------------------------------------------------------------------
