@@ -18,7 +18,11 @@ For each: seconds, GB/s of checkpoint payload, peak RSS above the process's base
 rank (VmHWM after ``clear_refs``), and our/DCP ratio. Machine ceilings are measured in the
 same run: buffered, buffered with early writeback (as our saves write) and O_DIRECT
 write+fsync of plain files of the same total bytes, a buffered write without fsync (page
-cache), and ``preadv`` into preallocated tensors.
+cache), and ``preadv`` into preallocated tensors. The read ceiling is also timed inside every
+load phase, interleaved with the loads' rounds by the same processes on our checkpoint's own
+files (each rank its 1/W of every file, and one process reading all of it): this host's read
+speed drifts by tens of percent over minutes, so a load's fraction of its ceiling is taken
+against the reads timed beside it.
 
 Every load is checked: the model and optimizer are zeroed before it (untimed) and compared
 with the saved values' sums after it.
@@ -277,6 +281,71 @@ def warm_page_cache(root: str) -> None:
             with open(f, "rb", buffering=0) as fh:
                 while fh.readinto(buf):
                     pass
+
+
+class ReadCeiling:
+    """Plain ``preadv`` of our checkpoint's files into preallocated (touched) tensors, timed in
+    the same rounds as the loads, by the same processes: a read ceiling measured at the same
+    moment (this host's read speed drifts by tens of percent over minutes).
+
+    ``mine``: each rank reads its 1/W of every file on ``CHECKPOINTER_IO_THREADS`` threads (what
+    a load of W ranks does at best); ``one``: rank 0 reads every byte on W times as many threads."""
+
+    SPLIT = 32 * MiB  # as our load splits reads
+
+    def __init__(self, root: str, rank: int, world: int) -> None:
+        import torch
+
+        self.rank = rank
+        self.threads = int(os.environ.get("CHECKPOINTER_IO_THREADS", "4"))
+        self.world = world
+        paths = sorted(str(p) for p in Path(root).rglob("*.safetensors"))
+        sizes = [os.path.getsize(p) for p in paths]
+        self.total = sum(sizes)
+        self.fds = [os.open(p, os.O_RDONLY) for p in paths]
+        self.tasks_one: list[tuple[int, int, int, int]] = []  # (file, file offset, buffer offset, bytes)
+        self.tasks_mine: list[tuple[int, int, int, int]] = []
+        at = mine_at = 0
+        for i, n in enumerate(sizes):
+            self.tasks_one += self._split(i, 0, at, n)
+            lo, hi = n * rank // world, n * (rank + 1) // world
+            self.tasks_mine += self._split(i, lo, mine_at, hi - lo)
+            at += n
+            mine_at += hi - lo
+        # Rank 0's share reuses the start of its buffer for every byte.
+        self.buf = torch.ones(self.total if rank == 0 else mine_at, dtype=torch.uint8)
+        self.view = memoryview(self.buf.numpy())
+
+    def _split(self, i: int, off: int, at: int, n: int) -> list[tuple[int, int, int, int]]:
+        return [(i, off + k, at + k, min(self.SPLIT, n - k)) for k in range(0, n, self.SPLIT)]
+
+    def _one(self, task: tuple[int, int, int, int]) -> None:
+        i, off, at, n = task
+        done = 0
+        while done < n:
+            got = os.preadv(self.fds[i], [self.view[at + done : at + n]], off + done)
+            if got <= 0:
+                raise OSError(f"short read at {off + done}")
+            done += got
+
+    def _read(self, tasks: list, threads: int) -> None:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(self._one, tasks))
+
+    def read_mine(self) -> None:
+        self._read(self.tasks_mine, self.threads)
+
+    def read_one(self) -> None:
+        if self.rank == 0:
+            self._read(self.tasks_one, self.threads * self.world)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        del self.view, self.buf
+
+
+CEILING_SYSTEMS = ("preadv_mine", "preadv_one")
 
 
 def fsync_files(paths) -> None:
@@ -621,13 +690,20 @@ def run_group(cfg: dict, rank: int) -> None:
             for d in ckpts.values():
                 warm_page_cache(d)
         g.barrier()
+        ceiling = ReadCeiling(ckpts["ours"], rank, world) if "ours" in ckpts else None
+        reads = {"preadv_mine": ceiling.read_mine, "preadv_one": ceiling.read_one} if ceiling else {}
         for r in range(rounds):
-            for s in interleaved(systems, r):
+            for s in interleaved(list(systems) + list(reads), r):
+                if s in reads:
+                    g.timed(phase, s, r, reads[s])
+                    continue
                 if s not in ckpts or (phase, s) in g.failed:
                     continue
                 zero_state(model, optim)
                 g.timed(phase, s, r, lambda: LOAD[s](ckpts[s], model, optim))
                 check(s, phase, r)
+        if ceiling is not None:
+            ceiling.close()
 
     # ---- async save blocking time vs a plain memory copy of this rank's state
     if "async" in cfg["phases"]:
@@ -1271,6 +1347,35 @@ def main(argv: list[str] | None = None) -> int:
         ops.append(op)
         return op
 
+    def same_rounds_read(phase: str, worlds: int) -> str | None:
+        """The faster of the plain reads timed in ``phase``'s own rounds (a ceilings entry)."""
+        found = []
+        for s in CEILING_SYSTEMS:
+            x = summarize(records, phase, s)
+            if x and x.get("ok"):
+                threads = int(os.environ.get("CHECKPOINTER_IO_THREADS", "4"))
+                how = (f"each of {worlds} processes its 1/{worlds} of every file, {threads} threads each"
+                       if s == "preadv_mine" else f"one process every byte, {threads * worlds} threads")
+                key = f"read_same_rounds_{phase}_{s}"
+                ceilings[key] = {"label": f"preadv of our checkpoint's files into preallocated tensors (warm), {how}; "
+                                          f"timed in the rounds of '{phase}', between the loads",
+                                 "median_s": x["median_s"], "gbps": payload / x["median_s"] / GB, "all_s": x["all_s"]}
+                found.append(key)
+        return min(found, key=lambda k: ceilings[k]["median_s"]) if found else None
+
+    def read_fraction(op: dict, phase: str, worlds: int) -> None:
+        """``op``'s fraction of the read ceiling timed in its own rounds, and of the best read
+        ceiling timed apart (between phases)."""
+        key = same_rounds_read(phase, worlds)
+        op["fraction"] = frac(op, key) if key else None
+        op["fraction_apart"] = frac(op, "read_best")
+        parts = []
+        if op["fraction"] is not None:
+            parts.append(f"{fmt(op['fraction'])} of preadv read (same rounds)")
+        if op["fraction_apart"] is not None:
+            parts.append(f"{fmt(op['fraction_apart'])} of best preadv read (apart)")
+        op["fraction_text"] = "; ".join(parts) or "–"
+
     def frac(op: dict, ceiling_key: str, extra_s: float = 0.0) -> float | None:
         o = op.get("ours")
         if not (o and o.get("ok") and ceiling_key in ceilings):
@@ -1282,22 +1387,16 @@ def main(argv: list[str] | None = None) -> int:
     save["fraction"] = f
     save["fraction_text"] = f"{fmt(f)} of write+fsync" if f else "–"
     load = add(f"load, same W={W}", "load")
-    f = frac(load, "read_best")
-    load["fraction"] = f
-    load["fraction_text"] = f"{fmt(f)} of preadv read" if f else "–"
+    read_fraction(load, "load", W)
     reshard_ops = []
     for w2 in reshard_worlds:
         op = add(f"load {W}->{w2} (reshard)", f"load_w{w2}")
-        f = frac(op, "read_best")
-        op["fraction"] = f
-        op["fraction_text"] = f"{fmt(f)} of preadv read" if f else "–"
+        read_fraction(op, f"load_w{w2}", w2)
         native = summarize(records, f"load_w{w2}", "native")
         if native is not None:
             nop = {"label": f"load {w2}->{w2} (ours, same topology: baseline for {W}->{w2})", "phase": f"load_w{w2}",
                    "bytes": payload, "ours": native, "seed_na": "–"}
-            f = frac(nop, "read_best")
-            nop["fraction"] = f
-            nop["fraction_text"] = f"{fmt(f)} of preadv read" if f else "–"
+            read_fraction(nop, f"load_w{w2}", w2)
             ops.append(nop)
             op["native"] = native
         reshard_ops.append((w2, op))
@@ -1349,8 +1448,11 @@ def main(argv: list[str] | None = None) -> int:
                           "target": "–", "measured": fmt(need), "met": None})
     r = ratio(load)
     goals.append({"goal": "load (same W) speed vs DCP", "target": ">= 2.5x", "measured": f"{fmt(r)}x", "met": ge(r, 2.5)})
-    goals.append({"goal": "load (same W) vs preadv read ceiling", "target": ">= 0.60",
+    goals.append({"goal": "load (same W) vs preadv read ceiling (the faster plain read of the same files, timed in the "
+                          "load's own rounds)", "target": ">= 0.60",
                   "measured": fmt(load.get("fraction")), "met": ge(load.get("fraction"), 0.6)})
+    goals.append({"goal": "(for reference) load (same W) vs the best preadv read ceiling timed apart, between phases",
+                  "target": "–", "measured": fmt(load.get("fraction_apart")), "met": None})
     for w2, op in reshard_ops:
         r = ratio(op)
         goals.append({"goal": f"load {W}->{w2} speed vs DCP", "target": ">= 2.5x", "measured": f"{fmt(r)}x", "met": ge(r, 2.5)})
