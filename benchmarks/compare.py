@@ -18,11 +18,12 @@ For each: seconds, GB/s of checkpoint payload, peak RSS above the process's base
 rank (VmHWM after ``clear_refs``), and our/DCP ratio. Machine ceilings are measured in the
 same run: buffered, buffered with early writeback (as our saves write) and O_DIRECT
 write+fsync of plain files of the same total bytes, a buffered write without fsync (page
-cache), and ``preadv`` into preallocated tensors. The read ceiling is also timed inside every
-load phase, interleaved with the loads' rounds by the same processes on our checkpoint's own
-files (each rank its 1/W of every file, and one process reading all of it): this host's read
-speed drifts by tens of percent over minutes, so a load's fraction of its ceiling is taken
-against the reads timed beside it.
+cache), and ``preadv`` into preallocated tensors. The ceilings are also timed inside the save
+and load phases, interleaved with the rounds by the same processes: plain writes + fsync of
+the save's bytes (a file per rank, ``O_DIRECT`` or early writeback; and one file of every
+byte), and ``preadv`` of our checkpoint's own files (each rank its 1/W of every file, and one
+process reading all of it). This host's disk and page-cache speeds drift by tens of percent
+over minutes, so an operation's fraction of its ceiling is taken against those timed beside it.
 
 Every load is checked: the model and optimizer are zeroed before it (untimed) and compared
 with the saved values' sums after it.
@@ -348,6 +349,37 @@ class ReadCeiling:
 CEILING_SYSTEMS = ("preadv_mine", "preadv_one")
 
 
+class WriteCeiling:
+    """Plain writes + fsync of the save's bytes, timed in the same rounds as the saves, by the
+    same processes (the disk's speed drifts as much as the page cache's): each rank its own
+    bytes to its own file, with ``O_DIRECT`` or buffered with early writeback; and rank 0 every
+    byte to one file with ``O_DIRECT`` (the issue's one plain file)."""
+
+    KINDS = ("write_direct_mine", "write_writeback_mine", "write_direct_one")
+
+    def __init__(self, work: str, rank: int, rank_bytes: int, total_bytes: int) -> None:
+        self.rank = rank
+        self.dir = f"{work}/ceiling_in_rounds"
+        self.mine = -(-rank_bytes // MiB) * MiB  # whole MiB: O_DIRECT lengths
+        self.all = -(-total_bytes // MiB) * MiB
+        self.src = _fill_buffer(64 * MiB)
+
+    def run(self, kind: str) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        if kind == "write_direct_one":
+            if self.rank == 0:
+                _write_streams([f"{self.dir}/all.bin"], self.all, self.src, direct=True, fsync=True)
+            return
+        path = f"{self.dir}/rank{self.rank}.bin"
+        if kind == "write_direct_mine":
+            _write_streams([path], self.mine, self.src, direct=True, fsync=True)
+        else:
+            _write_streams([path], self.mine, self.src, direct=False, fsync=True, writeback=_sync_file_range() is not None)
+
+    def close(self) -> None:
+        self.src.close()
+
+
 def fsync_files(paths) -> None:
     dirs = set()
     for p in paths:
@@ -660,8 +692,13 @@ def run_group(cfg: dict, rank: int) -> None:
     # ---- save at this world size
     if "save" in cfg["phases"]:
         last: dict[str, str] = {}
+        writes = WriteCeiling(work, rank, rank_bytes, sum(rank_bytes_all))
         for r in range(rounds):
-            for s in interleaved(systems, r):
+            for s in interleaved(list(systems) + list(WriteCeiling.KINDS), r):
+                if s in WriteCeiling.KINDS:
+                    g.timed("save", s, r, lambda: writes.run(s))
+                    g.rm(writes.dir)
+                    continue
                 if ("save", s) in g.failed:
                     continue
                 d = f"{work}/{s}/w{world}_save_r{r}"
@@ -669,6 +706,7 @@ def run_group(cfg: dict, rank: int) -> None:
                 if s in last:
                     g.rm(last[s])
                 last[s] = d
+        writes.close()
         g.barrier()
         if rank == 0:
             for s, d in last.items():
@@ -1383,9 +1421,28 @@ def main(argv: list[str] | None = None) -> int:
         return (ceilings[ceiling_key]["median_s"] + extra_s) / o["median_s"]
 
     save = add(f"save (W={W}, fsync)", "save")
-    f = frac(save, "write_fsync_best")
-    save["fraction"] = f
-    save["fraction_text"] = f"{fmt(f)} of write+fsync" if f else "–"
+    write_labels = {
+        "write_direct_mine": f"O_DIRECT write + fsync, each of {W} processes its own bytes to its own file",
+        "write_writeback_mine": f"buffered write, writeback started every 32 MiB, + fsync, each of {W} processes its own bytes",
+        "write_direct_one": "O_DIRECT write + fsync of every byte to one file, one process",
+    }
+    same_writes = {}
+    for kind, label in write_labels.items():
+        x = summarize(records, "save", kind)
+        if x and x.get("ok"):
+            key = f"same_rounds_{kind}"
+            ceilings[key] = {"label": f"{label}; timed in the rounds of 'save', between the saves",
+                             "median_s": x["median_s"], "gbps": payload / x["median_s"] / GB, "all_s": x["all_s"]}
+            same_writes[kind] = key
+    save["fraction"] = frac(save, min(same_writes.values(), key=lambda k: ceilings[k]["median_s"])) if same_writes else None
+    save["fraction_one_file"] = frac(save, same_writes["write_direct_one"]) if "write_direct_one" in same_writes else None
+    save["fraction_apart"] = frac(save, "write_fsync_best")
+    save["fraction_text"] = "; ".join(
+        t for t in (
+            f"{fmt(save['fraction'])} of best write+fsync (same rounds)" if save["fraction"] is not None else "",
+            f"{fmt(save['fraction_apart'])} of best write+fsync (apart)" if save["fraction_apart"] is not None else "",
+        ) if t
+    ) or "–"
     load = add(f"load, same W={W}", "load")
     read_fraction(load, "load", W)
     reshard_ops = []
@@ -1432,16 +1489,20 @@ def main(argv: list[str] | None = None) -> int:
     goals = []
     r = ratio(save)
     goals.append({"goal": "save speed vs DCP", "target": ">= 1.5x", "measured": f"{fmt(r)}x", "met": ge(r, 1.5)})
-    goals.append({"goal": "save vs best plain write+fsync", "target": ">= 0.90",
+    goals.append({"goal": "save vs best plain write+fsync (timed in the save's own rounds: O_DIRECT or early "
+                          "writeback, a file per process or one file)", "target": ">= 0.90",
                   "measured": fmt(save.get("fraction")), "met": ge(save.get("fraction"), 0.9)})
-    # The issue's own ceiling: the faster of one plain file written buffered or with O_DIRECT,
-    # + fsync. The row above takes the best of every way measured, ours (2 files in parallel,
-    # early writeback) included, so it is the stricter of the two.
+    goals.append({"goal": "save vs one plain file's O_DIRECT write+fsync, timed in the save's own rounds (the issue's ceiling)",
+                  "target": ">= 0.90", "measured": fmt(save.get("fraction_one_file")), "met": ge(save.get("fraction_one_file"), 0.9)})
+    goals.append({"goal": "(for reference) save vs best plain write+fsync timed apart, between phases",
+                  "target": "–", "measured": fmt(save.get("fraction_apart")), "met": None})
+    # The issue's own ceiling, as timed apart: the faster of one plain file written buffered or
+    # with O_DIRECT, + fsync.
     plain = [ceilings[k]["median_s"] for k in ("write_buffered_fsync_x1", "write_odirect_fsync_x1") if k in ceilings]
     if plain and save.get("ours", {}).get("ok"):
         f = min(plain) / save["ours"]["median_s"]
-        goals.append({"goal": "save vs the faster of one plain file's buffered or O_DIRECT write+fsync (the issue's ceiling)",
-                      "target": ">= 0.90", "measured": fmt(f), "met": ge(f, 0.9)})
+        goals.append({"goal": "(for reference) save vs the faster of one plain file's buffered or O_DIRECT write+fsync, timed apart",
+                      "target": "–", "measured": fmt(f), "met": None})
         if save.get("dcp", {}).get("ok"):
             need = min(plain) / (save["dcp"]["median_s"] / 1.5)
             goals.append({"goal": "(for reference) what 1.5x DCP asks, as a fraction of that plain-file ceiling",
