@@ -1,16 +1,19 @@
-"""Sequential file writes that bypass the page cache (``O_DIRECT``), through two aligned buffers.
+"""Sequential file writes that bypass the page cache (``O_DIRECT``), through a few aligned buffers.
 
 A buffered write copies the bytes into the page cache and leaves the kernel to write them back
 later; on the machines we measured, that writeback, not the copy, is what a save waits for
 (2 x 1.6 GB written and fsynced: 4.8 to 6.5 s buffered, 1.0 to 1.4 s this way). Here the
-caller's bytes are copied once into a page-aligned buffer, which a background thread writes to
-the file with ``O_DIRECT`` while the caller fills the other buffer: the same one copy as a
-buffered write, and the disk works while the CPU does.
+caller's bytes are copied once into a page-aligned buffer, which writer threads write to the
+file with ``O_DIRECT`` while the caller fills the next: the same one copy as a buffered write,
+and the disk works while the CPU does. Four buffers of 4 MiB (a request of this machine's disk)
+keep up to three writes in flight: 6 % faster saves here than two buffers of 8 MiB, in the
+same memory.
 
 ``O_DIRECT`` needs aligned addresses, offsets and lengths. Buffers are written whole at offsets
 that are multiples of their size; the file's last, partial block is written without
-``O_DIRECT``. A file system that refuses ``O_DIRECT`` (at ``fcntl`` or at the first write)
-gets the same bytes written the ordinary way.
+``O_DIRECT``. A file system that refuses ``O_DIRECT`` (at ``fcntl`` or at the first write, which
+the caller's thread makes before any write runs in parallel) gets the same bytes written the
+ordinary way. The descriptor's flags change only while no write is in flight.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ import errno
 import fcntl
 import mmap
 import os
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
-__all__ = ["BLOCK_BYTES", "DirectStream", "direct_io_enabled"]
+__all__ = ["BLOCK_BYTES", "DEPTH", "DirectStream", "direct_io_enabled"]
 
-BLOCK_BYTES = 8 << 20
+BLOCK_BYTES = 4 << 20
+DEPTH = 4  # buffers: one being filled while the others are written
 _ALIGN = 4096  # the largest logical block size of common devices; BLOCK_BYTES is a multiple
+
+_Rest = tuple[memoryview, int]  # what a writer thread left to write: (bytes, file offset)
 
 
 def direct_io_enabled() -> bool:
@@ -44,19 +51,20 @@ class DirectStream:
         self.refused = False  # the file system refused O_DIRECT: write the ordinary way
         self._buffers: list[mmap.mmap] = []
         self._views: list[memoryview] = []
-        self._current = 0
+        self._free: list[int] = []
+        self._current: int | None = None  # the buffer being filled
         self._fill = 0
         self._offset = 0  # file offset of the current buffer's first byte
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
+        self._pending: deque[tuple[int, Future]] = deque()  # (buffer, its write), oldest first
 
     def write(self, buffers: Sequence[memoryview]) -> None:
-        if not self._buffers:
-            self._add_buffer()
         for buf in buffers:
             src = memoryview(buf).cast("B")
             pos = 0
             while pos < len(src):
+                if self._current is None:
+                    self._current = self._take()
                 take = min(BLOCK_BYTES - self._fill, len(src) - pos)
                 self._views[self._current][self._fill : self._fill + take] = src[pos : pos + take]
                 self._fill += take
@@ -66,8 +74,9 @@ class DirectStream:
 
     def finish(self) -> None:
         """Write every byte given so far; raise the first error of any write."""
-        self._wait()
+        self._drain()
         if self._fill:
+            assert self._current is not None
             aligned = self._fill - self._fill % _ALIGN
             if aligned:
                 self._pwrite(self._views[self._current][:aligned], self._offset, direct=True)
@@ -78,10 +87,9 @@ class DirectStream:
         self.close()
 
     def close(self) -> None:
-        """Stop the writer thread and free the buffers (after :meth:`finish`, or to give up)."""
-        if self._pending is not None:
-            self._pending.exception()  # wait; an error here is the caller's to have seen, or moot
-            self._pending = None
+        """Stop the writer threads and free the buffers (after :meth:`finish`, or to give up)."""
+        while self._pending:
+            self._pending.popleft()[1].exception()  # wait; an error here is the caller's to have seen, or moot
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -89,29 +97,65 @@ class DirectStream:
             view.release()
         for buf in self._buffers:
             buf.close()
-        self._views, self._buffers = [], []
+        self._views, self._buffers, self._free, self._current = [], [], [], None
 
-    def _add_buffer(self) -> None:
-        buf = mmap.mmap(-1, BLOCK_BYTES)  # anonymous: page aligned, pages touched only when filled
-        self._buffers.append(buf)
-        self._views.append(memoryview(buf))
+    def _take(self) -> int:
+        """A buffer to fill: a free one, a new one (up to DEPTH), or the oldest once written."""
+        if self._free:
+            return self._free.pop()
+        if len(self._buffers) < DEPTH:
+            buf = mmap.mmap(-1, BLOCK_BYTES)  # anonymous: page aligned, pages touched only when filled
+            self._buffers.append(buf)
+            self._views.append(memoryview(buf))
+            return len(self._buffers) - 1
+        index, future = self._pending.popleft()
+        rest = future.result()
+        if rest is not None:
+            self._drain([rest])
+        return index
 
     def _submit(self) -> None:
-        if len(self._buffers) < 2:
-            self._add_buffer()
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-write")
-        self._wait()  # the other buffer's write, which must end before that buffer is refilled
-        assert self._pool is not None
+        assert self._current is not None
         view, offset = self._views[self._current], self._offset
-        self._pending = self._pool.submit(self._pwrite, view, offset, True)
+        if offset == 0:
+            # The first block in this thread: a refusal of O_DIRECT at write is found here,
+            # before any write runs in parallel.
+            self._pwrite(view, offset, direct=True)
+            self._free.append(self._current)
+        else:
+            if not self._pending:
+                self._set_direct(True)  # nothing in flight: the flags may change (a short write cleared it)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(DEPTH - 1, thread_name_prefix="checkpointer-write")
+            self._pending.append((self._current, self._pool.submit(self._write_block, view, offset)))
         self._offset += BLOCK_BYTES
-        self._current ^= 1
+        self._current = None
         self._fill = 0
 
-    def _wait(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+    def _write_block(self, view: memoryview, offset: int) -> _Rest | None:
+        """In a writer thread, with the descriptor's flags as they are: what a short write left
+        (for :meth:`_drain` to write once nothing is in flight), or None."""
+        while len(view):
+            n = os.pwrite(self.fd, view, offset)
+            if n == 0:
+                raise OSError(errno.EIO, f"write of {self.path} at byte {offset} wrote nothing")
+            view, offset = view[n:], offset + n
+            if len(view) and (n % _ALIGN):
+                return view, offset  # the rest is unaligned
+        return None
+
+    def _drain(self, rests: list[_Rest] | None = None) -> None:
+        """Wait for every write in flight (raising the first error), then write what short
+        writes left, in this thread, now that the descriptor's flags may change."""
+        rests = list(rests or [])
+        while self._pending:
+            index, future = self._pending.popleft()
+            rest = future.result()
+            self._free.append(index)
+            if rest is not None:
+                rests.append(rest)
+        for view, offset in rests:
+            self._pwrite(view, offset, direct=False)
 
     def _pwrite(self, view: memoryview, offset: int, direct: bool) -> None:
         self._set_direct(direct)

@@ -230,3 +230,79 @@ def test_stream_alone_appends_from_offset_zero(tmp_path):
     finally:
         os.close(fd)
     assert_holds(path, data)
+
+
+def test_writes_run_in_parallel_within_depth_buffers(tmp_path, monkeypatch):
+    """After the first block, up to DEPTH - 1 blocks are written at once while the caller fills
+    another buffer, and no more than DEPTH buffers are ever allocated."""
+    real_pwrite = os.pwrite
+    lock = threading.Lock()
+    in_flight = [0]
+    most = [0]
+
+    def slow_pwrite(fd, data, offset):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            if offset:
+                threading.Event().wait(0.05)  # a slow disk: the caller runs ahead
+            return real_pwrite(fd, data, offset)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(direct.os, "pwrite", slow_pwrite)
+    blocks = 3 * direct.DEPTH
+    data = os.urandom(blocks * BLOCK_BYTES + 123)
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        stream = DirectStream(fd, path)
+        allocated = []
+        for i in range(blocks):
+            stream.write([memoryview(data)[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]])
+            allocated.append(len(stream._buffers))
+        stream.write([memoryview(data)[blocks * BLOCK_BYTES :]])
+        stream.finish()
+    finally:
+        os.close(fd)
+    assert_holds(path, data)
+    assert most[0] == direct.DEPTH - 1, most[0]
+    assert max(allocated) == direct.DEPTH, allocated
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpointer-write")]
+
+
+def test_a_short_write_in_a_writer_thread_is_finished_once_nothing_is_in_flight(tmp_path, monkeypatch):
+    """A block written in parallel that stops short leaves its unaligned rest to the caller, who
+    writes it without O_DIRECT after the other writes end; later blocks use O_DIRECT again."""
+    probed = takes_o_direct(str(tmp_path))
+    real_pwrite = os.pwrite
+    calls: list[tuple[int, int, bool]] = []
+    lock = threading.Lock()
+
+    def short_at_block_two(fd, data, offset):
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        with lock:
+            calls.append((offset, len(data), bool(flags & os.O_DIRECT)))
+        if offset == 2 * BLOCK_BYTES and len(data) == BLOCK_BYTES:
+            # 1000 bytes land (written for real without O_DIRECT through a second descriptor,
+            # leaving this one's flags alone while other writes are in flight).
+            other = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+            try:
+                return real_pwrite(other, data[:1000], offset)
+            finally:
+                os.close(other)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", short_at_block_two)
+    data = os.urandom(8 * BLOCK_BYTES + 4096 + 7)
+    path = str(tmp_path / "f")
+    writer = write_through(path, [data])
+    assert_holds(path, data)
+    rest = [c for c in calls if c[0] == 2 * BLOCK_BYTES + 1000]
+    assert rest == [(2 * BLOCK_BYTES + 1000, BLOCK_BYTES - 1000, False)], calls
+    if probed:
+        assert not writer.stream.refused
+        late = [c for c in calls if c[0] >= 4 * BLOCK_BYTES and c[1] == BLOCK_BYTES]
+        assert late and all(direct_on for _, _, direct_on in late), calls
