@@ -91,7 +91,8 @@ class _Arrival:
     def __init__(self, group: Any = None):
         self.group = group or dist.group.WORLD
         self.me = get_rank()
-        self.count: Future[int] = _in_thread(lambda: int(_store().add(self._key(self.me), 1)))
+        self.count: Future[int]
+        self.count, self._thread = _in_thread(lambda: int(_store().add(self._key(self.me), 1)))
 
     def _key(self, rank: int) -> str:
         return f"{_ARRIVALS}/{self.group.group_name}/{rank}"
@@ -103,7 +104,11 @@ class _Arrival:
         try:
             self.count.exception(timeout=_STORE_S)
         except FutureTimeout:
-            pass
+            return
+        # Gone too, not only done: a thread still holding the store when the group is destroyed
+        # can drop its last reference later, in the store's C++ destructor, and abort the process
+        # at exit ('terminate called without an active exception'; seen in 3-process runs here).
+        self._thread.join(timeout=_STORE_S)
 
     def missing(self) -> list[int]:
         """The ranks that have not entered this collective (after waiting a little for stragglers)."""
@@ -128,8 +133,9 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _in_thread(fn: Callable[[], Any]) -> Future:
-    """``fn()`` on a daemon thread: a future of its result or error, to be waited for with a bound."""
+def _in_thread(fn: Callable[[], Any]) -> tuple[Future, threading.Thread]:
+    """``fn()`` on a daemon thread: a future of its result or error, to be waited for with a
+    bound, and the thread."""
     future: Future = Future()
 
     def run() -> None:
@@ -138,8 +144,9 @@ def _in_thread(fn: Callable[[], Any]) -> Future:
         except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(ex)
 
-    threading.Thread(target=run, name="checkpointer-store", daemon=True).start()
-    return future
+    thread = threading.Thread(target=run, name="checkpointer-store", daemon=True)
+    thread.start()
+    return future, thread
 
 
 def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
@@ -151,7 +158,7 @@ def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
         return "another rank", ""
     store = "rank 0 or the rendezvous store (rank 0 hosts it under env:// and tcp://)"
     try:
-        missing = _in_thread(arrival.missing).result(timeout=_STORE_S + _STRAGGLER_S)
+        missing = _in_thread(arrival.missing)[0].result(timeout=_STORE_S + _STRAGGLER_S)
     except FutureTimeout:
         return store, f"; the store did not answer within {_STORE_S:g}s"
     except Exception as ex:  # noqa: BLE001 - the store's own failure is the diagnosis
@@ -428,5 +435,14 @@ def join_from_env() -> bool:
 
 
 def leave_group() -> None:
-    if is_distributed():
-        dist.destroy_process_group()
+    """Destroy the group :func:`join_from_env` created, once every rank is here (within 30 s):
+    a rank that destroys its group while another is still in a collective can abort a process
+    at exit ("terminate called without an active exception"). A rank that is gone does not hold
+    this one up past that."""
+    if not is_distributed():
+        return
+    try:
+        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=min(30.0, timeout_seconds())))
+    except Exception:  # noqa: BLE001 - leaving anyway: the command's outcome is already decided
+        pass
+    dist.destroy_process_group()

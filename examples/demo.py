@@ -140,6 +140,9 @@ def worker(rank: int, world_size: int, run: str) -> None:
 
     if rank == 0:
         (IPC / f"{run}.json").write_text(json.dumps(result))
+    # Every rank leaves together: a rank that destroys its group while another is still in
+    # a collective can abort a process at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
