@@ -248,3 +248,36 @@ def test_a_rank_that_dies_does_not_hang_the_others(run_distributed, tmp_path):
         assert r is not None and r != "died", f"rank {rank}: {r}"
         assert "CheckpointError" in r["mro"], f"rank {rank} raised {r['type']}: {r['msg']}"
         assert r["seconds"] < 60, f"rank {rank} took {r['seconds']:.1f}s"
+
+
+def _store_threads_after_collectives(rank, world_size):
+    """How many arrival-count threads are still alive right after each of many collectives."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from checkpointer import dist as cdist
+
+    class LingeringFuture(Future):
+        """A thread that goes on for a while after handing over its result."""
+
+        def set_result(self, result):
+            super().set_result(result)
+            time.sleep(0.02)
+
+    cdist.Future = LingeringFuture  # this worker process serves other tests: restored below
+    try:
+        alive = 0
+        for _ in range(10):
+            cdist.barrier()
+            cdist.all_gather_bytes(b"x" * rank)
+            alive += sum(t.name == "checkpointer-store" and t.is_alive() for t in threading.enumerate())
+        return alive
+    finally:
+        cdist.Future = Future
+
+
+def test_collectives_leave_no_store_thread_behind(run_distributed):
+    """A thread that still holds the rendezvous store when the group is destroyed can abort the
+    process at exit: every collective waits for its arrival thread to end, not only to count."""
+    assert run_distributed(_store_threads_after_collectives, 2) == [0, 0]
