@@ -283,11 +283,11 @@ def load_model_and_optim_state(
             checkpointer.load_model_and_optim_state(last, model, optim)
     """
     dir = path_arg(dir).rstrip("/")
-    checkpointer = Checkpointer()
     model_state = model_state_dict(model)
     if optim is not None and strategy == "default":
         _load_model_and_optim(dir, model, optim, model_state)
         return
+    checkpointer = Checkpointer()
     checkpointer.load(f"{dir}/model", model_state, strategy=strategy)
     if optim is not None:
         _load_optim(checkpointer, f"{dir}/optim", model, optim, model_state, strategy)

@@ -343,7 +343,7 @@ def execute_reads_from(
             checked_after.append((headers, jobs))
     _run(num_threads, tasks)
     for headers, jobs in checked_after:
-        verify_reads(headers.storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)  # type: ignore[arg-type]
+        verify_reads(headers.storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)
 
 
 def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None) -> list[tuple]:
@@ -356,7 +356,7 @@ def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_byte
     for job in jobs:
         dest = memoryview_of(job.dest)
         if fused and job.checksums_per_file:
-            requests, job_checks, job_runs = _verified_requests(storage, job, dest, headers, verify_chunk_bytes)  # type: ignore[arg-type]
+            requests, job_checks, job_runs = _verified_requests(storage, job, dest, headers, verify_chunk_bytes)
             checks += job_checks
             runs += job_runs
         else:
