@@ -267,12 +267,12 @@ def scatter_bytes(payloads: Sequence[bytes] | None, src: int = 0) -> bytes:
     return _bytes(buf[: int(size.item())])
 
 
-def all_reduce_min(value: int) -> int:
+def all_reduce_min(value: int, group: Any = None) -> int:
     if not is_distributed():
         return value
-    arrival = _Arrival()
-    t = torch.tensor([value], dtype=torch.int64, device=_device())
-    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), "all-reduce", arrival)
+    arrival = _Arrival(group)
+    t = torch.tensor([value], dtype=torch.int64, device=_device(group))
+    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True), "all-reduce", arrival)
     return int(t.item())
 
 
@@ -306,8 +306,8 @@ def agree(error: BaseException | None, what: str, *, no_dist: bool = False, grou
         if error is not None:
             raise error
         return
-    if not _any_failed(error is not None, group):
-        return
+    if all_reduce_min(0 if error is not None else 1, group) == 1:
+        return  # every rank succeeded: one all-reduce; messages are exchanged only after a failure
     mine = {"ok": error is None}
     if error is not None:
         mine.update(type=type(error).__name__, message=str(error), file_exists=isinstance(error, FileExistsError))
@@ -319,14 +319,6 @@ def agree(error: BaseException | None, what: str, *, no_dist: bool = False, grou
         raise error
     rank, status = failed[0]
     _raise_remote(rank, status, what)
-
-
-def _any_failed(failed: bool, group: Any = None) -> bool:
-    """One all-reduce: whether any rank failed (only then are the messages exchanged)."""
-    arrival = _Arrival(group)
-    t = torch.tensor([int(failed)], dtype=torch.int64, device=_device(group))
-    _wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), "agreement", arrival)
-    return bool(t.item())
 
 
 def agree_after(work: Callable[[], Any], what: str, *, no_dist: bool = False) -> Any:

@@ -133,15 +133,16 @@ class DirectStream:
         self._fill = 0
 
     def _write_block(self, view: memoryview, offset: int) -> _Rest | None:
-        """In a writer thread, with the descriptor's flags as they are: what a short write left
-        (for :meth:`_drain` to write once nothing is in flight), or None."""
+        """``pwrite`` with the descriptor's flags as they are (in a writer thread, or from
+        :meth:`_pwrite`): None once every byte is written, or what a short write left unaligned
+        (for :meth:`_drain` to write once nothing is in flight)."""
         while len(view):
             n = os.pwrite(self.fd, view, offset)
             if n == 0:
                 raise OSError(errno.EIO, f"write of {self.path} at byte {offset} wrote nothing")
             view, offset = view[n:], offset + n
             if len(view) and (n % _ALIGN):
-                return view, offset  # the rest is unaligned
+                return view, offset
         return None
 
     def _drain(self, rests: list[_Rest] | None = None) -> None:
@@ -158,21 +159,21 @@ class DirectStream:
             self._pwrite(view, offset, direct=False)
 
     def _pwrite(self, view: memoryview, offset: int, direct: bool) -> None:
+        """Write all of ``view`` in this thread, with nothing in flight (the flags may change)."""
         self._set_direct(direct)
-        while len(view):
+        while True:
             try:
-                n = os.pwrite(self.fd, view, offset)
+                rest = self._write_block(view, offset)
             except OSError as ex:
                 if ex.errno != errno.EINVAL or not self.direct:
                     raise
                 self.refused = True  # this file system takes O_DIRECT at fcntl but not at write
                 self._set_direct(False)
-                continue
-            if n == 0:
-                raise OSError(errno.EIO, f"write of {self.path} at byte {offset} wrote nothing")
-            view, offset = view[n:], offset + n
-            if len(view) and (n % _ALIGN):
-                self._set_direct(False)  # a short write left the rest unaligned
+                continue  # from the start: bytes written before the refusal are written again, the same
+            if rest is None:
+                return
+            view, offset = rest
+            self._set_direct(False)  # a short write left the rest unaligned
 
     def _set_direct(self, on: bool) -> None:
         on = on and not self.refused
