@@ -138,6 +138,7 @@ class AsyncSaver:
 
 _ALIGN = 64
 _PAGE = 4096
+_LARGE = 1 << 20
 
 
 class _HostArena:
@@ -150,12 +151,19 @@ class _HostArena:
         self.offsets: list[int] = []
         total = 0
         for _, numel, dtype, _ in layout:
+            nbytes = numel * dtype.itemsize
+            # Large pieces start on pages, as the arena does: all agree with one another modulo
+            # any O_DIRECT alignment, so a local save writes them from here uncopied.
+            align = _PAGE if nbytes >= _LARGE else _ALIGN
+            total = -(-total // align) * align
             self.offsets.append(total)
-            total += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+            total += -(-nbytes // _ALIGN) * _ALIGN
         self.pinned = any(cuda for *_, cuda in layout)
         self.registered = False
         if not self.pinned:
-            self.base = torch.empty(max(total, _ALIGN), dtype=torch.uint8)
+            whole = torch.empty(max(total, _ALIGN) + _PAGE, dtype=torch.uint8)
+            skip = -whole.data_ptr() % _PAGE
+            self.base = whole[skip : skip + max(total, _ALIGN)]
             return
         # Whole pages of its own: a page shared with another registered range cannot be registered.
         size = -(-max(total, 1) // _PAGE) * _PAGE

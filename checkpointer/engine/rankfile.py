@@ -17,13 +17,14 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import FILE_ID_KEY, METADATA_FILENAME
 from ..format.metadata import TensorStorageMetadata
-from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
+from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
 from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
 from ..storage.base import ReadRequest, Storage, Writer
 
 __all__ = [
     "write_rank_file",
+    "order_for_alignment",
     "staging_bytes",
     "HeaderCache",
     "ReadJob",
@@ -67,17 +68,28 @@ def write_rank_file(
     the writer commits, so they go to :meth:`~checkpointer.storage.base.Writer.write_stable`:
     an object-store writer sends them from tensor memory, with no copy. A piece staged from
     another device or layout is a temporary, written with ``write`` (the writer copies what
-    it keeps past the call).
+    it keeps past the call). A local ``O_DIRECT`` writer sends them uncopied where their
+    addresses agree with their file offsets: for it, the file is ordered and its header padded
+    so that most bytes do (:func:`order_for_alignment`), and blocks end on aligned offsets.
     """
-    header, _ = build_header(
-        [(key, lt.dtype, lt.numel) for key, lt in tensors], user_metadata={FILE_ID_KEY: file_id} if file_id else None
-    )
     result: dict[str, list[int]] = {}
     with storage.open_writer(name) as writer:
+        align = writer.source_alignment()
+        data_start = None
+        if align is not None:
+            tensors, data_start = order_for_alignment(tensors, align)
+        header, offsets = build_header(
+            [(key, lt.dtype, lt.numel) for key, lt in tensors],
+            user_metadata={FILE_ID_KEY: file_id} if file_id else None,
+            data_start=data_start,
+        )
+        # A writer that copies: each block is hashed while the copy is in the CPU cache. One
+        # that writes from tensor memory: fewer, larger writes.
+        block = CHUNK_BYTES if align is not None else _WRITE_BLOCK
         pending: list[memoryview] = [memoryview(header)]
         pending_bytes = len(header)
         staging = _Staging()
-        for key, lt in tensors:
+        for (key, lt), offset in zip(tensors, offsets):
             data = lt.data
             if data.device.type != "cpu" or not data.is_contiguous():
                 if pending:
@@ -99,11 +111,49 @@ def write_rank_file(
             if pending:
                 writer.write_stable(pending)
                 pending, pending_bytes = [], 0
-            result[key] = _write_hashed(writer.write_stable, view, checksums)
+            result[key] = _write_hashed(writer.write_stable, view, checksums, block, offset)
         if pending:
             writer.write_stable(pending)
         writer.commit()
     return result
+
+
+def order_for_alignment(
+    tensors: Sequence[tuple[str, LocalTensor]], align: int
+) -> tuple[list[tuple[str, LocalTensor]], tuple[int, int] | None]:
+    """A file order, and where the data must start (``(remainder, align)`` for
+    :func:`build_header`), so that as many bytes as possible sit in the file at offsets that
+    agree with their memory addresses modulo ``align``: those a local ``O_DIRECT`` writer sends
+    from tensor memory, uncopied.
+
+    Large contiguous CPU pieces whose sizes are multiples of ``align`` keep each other's
+    agreement when they follow one another; the remainder of their addresses shared by the most
+    bytes wins, and those pieces go first, in their order. The rest follows, in its order.
+    ``(tensors, None)`` when no piece qualifies."""
+    if align % DATA_ALIGNMENT:
+        return list(tensors), None
+    remainders = [_address_remainder(lt, align) for _, lt in tensors]
+    bytes_at: dict[int, int] = {}
+    for (_, lt), r in zip(tensors, remainders):
+        if r is not None:
+            bytes_at[r] = bytes_at.get(r, 0) + lt.numel * itemsize(lt.dtype)
+    if not bytes_at:
+        return list(tensors), None
+    best = max(bytes_at, key=lambda r: (bytes_at[r], -r))
+    first = [kt for kt, r in zip(tensors, remainders) if r == best]
+    rest = [kt for kt, r in zip(tensors, remainders) if r != best]
+    return first + rest, (best, align)
+
+
+def _address_remainder(lt: LocalTensor, align: int) -> int | None:
+    data = lt.data
+    if data.device.type != "cpu" or not data.is_contiguous():
+        return None
+    nbytes = lt.numel * itemsize(lt.dtype)
+    address = data.data_ptr()
+    if nbytes < _WRITE_BLOCK or nbytes % align or address % DATA_ALIGNMENT:
+        return None
+    return address % align
 
 
 def staging_bytes() -> int:
@@ -166,18 +216,25 @@ def _write_staged(writer: Writer, data: torch.Tensor, staging: _Staging, checksu
     return crcs if checksums else []
 
 
-def _write_hashed(write: Callable[[Sequence[memoryview]], None], view: memoryview, checksums: bool) -> list[int]:
-    crcs = []
-    for chunk_start in range(0, len(view), CHUNK_BYTES):
-        chunk = view[chunk_start : chunk_start + CHUNK_BYTES]
-        crc = 0
-        for block_start in range(0, len(chunk), _WRITE_BLOCK):
-            block = chunk[block_start : block_start + _WRITE_BLOCK]
-            write([block])
-            if checksums:
-                crc = crc32c_extend(crc, block)
-        crcs.append(crc)
-    return crcs if checksums else []
+def _write_hashed(
+    write: Callable[[Sequence[memoryview]], None], view: memoryview, checksums: bool, block_bytes: int, file_offset: int
+) -> list[int]:
+    """Write ``view`` (which starts at ``file_offset``) in blocks that end on multiples of
+    ``block_bytes`` in the file, hashing each :data:`CHUNK_BYTES` of it."""
+    crcs: list[int] = []
+    crc, pos = 0, 0
+    while pos < len(view):
+        end = min(len(view), pos + block_bytes - (file_offset + pos) % block_bytes)
+        write([view[pos:end]])
+        while checksums and pos < end:
+            cut = min(end, (pos // CHUNK_BYTES + 1) * CHUNK_BYTES)
+            crc = crc32c_extend(crc, view[pos:cut])
+            if cut % CHUNK_BYTES == 0 or cut == len(view):
+                crcs.append(crc)
+                crc = 0
+            pos = cut
+        pos = end
+    return crcs
 
 
 class HeaderCache:

@@ -113,11 +113,18 @@ def parse_header(header_json: bytes, *, where: str, file_size: int) -> Safetenso
     return SafetensorsHeader(entries, data_start, user_metadata)
 
 
-def build_header(pieces: list[tuple[str, str, int]], *, user_metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+def build_header(
+    pieces: list[tuple[str, str, int]],
+    *,
+    user_metadata: dict[str, str] | None = None,
+    data_start: tuple[int, int] | None = None,
+) -> tuple[bytes, list[int]]:
     """Header bytes (length prefix included) for flat pieces ``(key, dtype_code, numel)``.
 
     Returns the bytes and each piece's absolute byte offset in the file. The data area
-    starts on a 64-byte boundary (the header is padded with spaces, as safetensors does).
+    starts on a 64-byte boundary (the header is padded with spaces, as safetensors does);
+    with ``data_start=(r, m)`` (``r`` a multiple of 64), at the first such boundary that
+    leaves ``r`` modulo ``m``.
     """
     header: dict[str, Any] = {}
     if user_metadata:
@@ -133,6 +140,11 @@ def build_header(pieces: list[tuple[str, str, int]], *, user_metadata: dict[str,
         pos += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     padded = -(-(PREFIX_BYTES + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT - PREFIX_BYTES
+    if data_start is not None:
+        remainder, modulus = data_start
+        if remainder % DATA_ALIGNMENT or modulus <= 0 or modulus % DATA_ALIGNMENT:
+            raise ValueError(f"data_start={data_start}: both must be multiples of {DATA_ALIGNMENT}")
+        padded += (remainder - PREFIX_BYTES - padded) % modulus
     text += b" " * (padded - len(text))
     data_start = PREFIX_BYTES + len(text)
     return struct.pack("<Q", len(text)) + text, [data_start + o for o in offsets]

@@ -98,6 +98,13 @@ class Writer(ABC):
         from where they are instead of copying them. By default the same as :meth:`write`."""
         self.write(buffers)
 
+    def source_alignment(self) -> int | None:
+        """For a writer that sends :meth:`write_stable` buffers from where they are only when
+        their address and their offset in the file agree modulo some number of bytes (local
+        ``O_DIRECT`` writes), that number: a caller may order and pad the file to arrange it.
+        None when any address will do (the default)."""
+        return None
+
     @abstractmethod
     def commit(self) -> None:
         """Make the file durable and visible under its name, whole."""

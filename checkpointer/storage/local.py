@@ -212,6 +212,16 @@ class LocalWriter(Writer):
             _start_writeback(self.fd, self.flushed, self.written - self.flushed)
             self.flushed = self.written
 
+    def write_stable(self, buffers: Sequence[memoryview]) -> None:
+        assert self.fd is not None, "writer is closed"
+        if self.stream is not None:
+            self.stream.write_stable(buffers)
+        else:
+            self.write(buffers)
+
+    def source_alignment(self) -> int | None:
+        return self.stream.align if self.stream is not None and not self.stream.refused else None
+
     def commit(self) -> None:
         assert self.fd is not None, "writer is closed"
         if self.stream is not None:

@@ -30,13 +30,17 @@ def _save_job(path: str, job: int, slow: float) -> str:
     """Save job ``job``'s state; with ``slow``, every write of this job takes that long."""
     from checkpointer.storage import local
 
-    real = local.LocalWriter.write
+    real, real_stable = local.LocalWriter.write, local.LocalWriter.write_stable
 
     def write(self, buffers):
         time.sleep(slow)
         return real(self, buffers)
 
-    with mock.patch.object(local.LocalWriter, "write", write):
+    def write_stable(self, buffers):
+        time.sleep(slow)
+        return real_stable(self, buffers)
+
+    with mock.patch.object(local.LocalWriter, "write", write), mock.patch.object(local.LocalWriter, "write_stable", write_stable):
         Checkpointer().save(path, job_state(job))
     return "saved"
 
@@ -49,13 +53,17 @@ def _save_model_job(top: str, job: int, slow: float) -> str:
     model = build_model(1, seed=job)
     optim = build_optim(model, "adamw")
     train(model, optim, range(job + 1))
-    real = local.LocalWriter.write
+    real, real_stable = local.LocalWriter.write, local.LocalWriter.write_stable
 
     def write(self, buffers):
         time.sleep(slow)
         return real(self, buffers)
 
-    with mock.patch.object(local.LocalWriter, "write", write):
+    def write_stable(self, buffers):
+        time.sleep(slow)
+        return real_stable(self, buffers)
+
+    with mock.patch.object(local.LocalWriter, "write", write), mock.patch.object(local.LocalWriter, "write_stable", write_stable):
         checkpointer.save_model_and_optim_state(top, model, optim)
     return "saved"
 

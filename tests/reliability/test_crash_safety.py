@@ -54,9 +54,10 @@ def _install_kill(point: str, part: str) -> None:
         return ours(path) and os.path.basename(path) == METADATA_FILENAME
 
     real_write, real_commit = local.LocalWriter.write, local.LocalWriter.commit
+    real_write_stable = local.LocalWriter.write_stable
     real_commit_md, real_release = save_mod.commit_metadata, save_mod.release_lock
 
-    def write(self, buffers):
+    def half_then_die(self, buffers, real) -> None:
         # Half of the bytes of the first write (the header and, for small files, every piece).
         if (point == "rank_file_mid_write" and rank_file(self.path)) or (
             point == "metadata_mid_write" and metadata(self.path)
@@ -64,12 +65,18 @@ def _install_kill(point: str, part: str) -> None:
             views = [memoryview(b).cast("B") for b in buffers]
             budget = max(1, sum(len(v) for v in views) // 2)
             for v in views:
-                real_write(self, [v[:budget]])
+                real(self, [v[:budget]])
                 budget -= min(budget, len(v))
                 if not budget:
                     break
             _die()
-        return real_write(self, buffers)
+        return real(self, buffers)
+
+    def write(self, buffers):
+        return half_then_die(self, buffers, real_write)
+
+    def write_stable(self, buffers):
+        return half_then_die(self, buffers, real_write_stable)
 
     def commit(self):
         if (point == "rank_file_before_rename" and rank_file(self.path)) or (
@@ -89,7 +96,7 @@ def _install_kill(point: str, part: str) -> None:
             _die()
         return real_release(storage, lock)
 
-    local.LocalWriter.write, local.LocalWriter.commit = write, commit
+    local.LocalWriter.write, local.LocalWriter.write_stable, local.LocalWriter.commit = write, write_stable, commit
     save_mod.commit_metadata, save_mod.release_lock = commit_metadata, release
 
 

@@ -83,7 +83,10 @@ def _save_task(rank, world_size, path, failing, how):
         if how == "raise":
             with _fail_writes(rank):
                 return catch(Checkpointer().save, path, state)
-        with mock.patch("checkpointer.storage.local.LocalWriter.write", _die_mid_write):
+        with (
+            mock.patch("checkpointer.storage.local.LocalWriter.write", _die_mid_write),
+            mock.patch("checkpointer.storage.local.LocalWriter.write_stable", _die_mid_write),
+        ):
             Checkpointer().save(path, state)
         return "did not die"
 

@@ -29,3 +29,25 @@ def test_pieces_are_aligned_disjoint_views_of_one_allocation():
     spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in pieces if p.numel())
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     assert arena.base.numel() <= sum(-(-n * d.itemsize // 64) * 64 for _, n, d, _ in layout)
+
+
+def test_large_pieces_start_on_pages():
+    """Pieces of 1 MiB and more start on page boundaries (so all of them agree modulo any
+    O_DIRECT alignment, and a local save writes them uncopied); small ones pack at 64 bytes."""
+    layout = [
+        ("step", 1, torch.float32, False),
+        ("w", (1 << 20) // 4 + 3, torch.float32, False),
+        ("bias", 10, torch.bfloat16, False),
+        ("w2", 1 << 19, torch.bfloat16, False),
+        ("tail", 5, torch.int64, False),
+    ]
+    arena = _HostArena(layout)
+    pieces = [arena.piece(slot) for slot in range(len(layout))]
+    assert arena.base.data_ptr() % 4096 == 0
+    assert pieces[1].data_ptr() % 4096 == 0 and pieces[3].data_ptr() % 4096 == 0
+    assert pieces[2].data_ptr() - pieces[1].data_ptr() == -(-((1 << 20) + 12) // 64) * 64  # packed after w
+    assert all(p.data_ptr() % 64 == 0 for p in pieces)
+    for slot, piece in enumerate(pieces):
+        piece.fill_(slot + 1)
+    for slot, piece in enumerate(pieces):
+        assert bool((piece == slot + 1).all()), layout[slot][0]

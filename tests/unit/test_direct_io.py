@@ -306,3 +306,203 @@ def test_a_short_write_in_a_writer_thread_is_finished_once_nothing_is_in_flight(
         assert not writer.stream.refused
         late = [c for c in calls if c[0] >= 4 * BLOCK_BYTES and c[1] == BLOCK_BYTES]
         assert late and all(direct_on for _, _, direct_on in late), calls
+
+
+# Writes straight from the caller's memory (write_stable)
+
+
+def aligned_source(n: int, remainder: int) -> tuple[mmap.mmap, memoryview]:
+    """``n`` random bytes at an address that leaves ``remainder`` modulo 4096 (page-aligned
+    mmap + remainder)."""
+    buf = mmap.mmap(-1, n + remainder + 4096)
+    view = memoryview(buf)[remainder : remainder + n]
+    view[:] = os.urandom(n)
+    return buf, view
+
+
+def recorded_stream(
+    path: str, monkeypatch, most_in_flight: list[int] | None = None
+) -> tuple[int, DirectStream, list[tuple[int, int, bool, int]]]:
+    """A stream on a new file whose pwrites are recorded: (offset, length, O_DIRECT on, address).
+    With ``most_in_flight``, writes after the first are slowed down and the most at once is kept."""
+    real_pwrite = os.pwrite
+    seen: list[tuple[int, int, bool, int]] = []
+    lock = threading.Lock()
+    in_flight = [0]
+
+    def recording(fd, data, offset):
+        view = memoryview(data)
+        address = direct._address(view) if not view.readonly else -1
+        with lock:
+            in_flight[0] += 1
+            if most_in_flight is not None:
+                most_in_flight[0] = max(most_in_flight[0], in_flight[0])
+        try:
+            if most_in_flight is not None and offset:
+                threading.Event().wait(0.05)  # a slow disk: the caller runs ahead
+            n = real_pwrite(fd, data, offset)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+        with lock:
+            seen.append((offset, n, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), address))
+        return n
+
+    monkeypatch.setattr(direct.os, "pwrite", recording)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    return fd, DirectStream(fd, path), seen
+
+
+def test_dio_alignment_is_one_o_direct_takes(tmp_path):
+    """The alignment statx reports (4096 without it) works for an address and an offset that
+    are odd multiples of it; where a smaller one would not, O_DIRECT refuses."""
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        align = direct.dio_alignment(fd)
+        assert BLOCK_BYTES % align == 0 and align >= 512
+        if not takes_o_direct(str(tmp_path)):
+            pytest.skip("this file system refuses O_DIRECT")
+        span = max(align, 4096)  # a write within one page may pass unaligned
+        buf, view = aligned_source(2 * span + align, align if align < 4096 else 0)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        assert os.pwrite(fd, view[: 2 * span], align) == 2 * span
+        with pytest.raises(OSError) as info:
+            os.pwrite(fd, view[align // 2 : align // 2 + span], 0)  # half the alignment off
+        assert info.value.errno == errno.EINVAL
+        view.release()
+        buf.close()
+    finally:
+        os.close(fd)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    parts=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1, 100, 4096, 65536, (1 << 20) + 7, 3 << 20, 17 << 20, BLOCK_BYTES + 512]),
+            st.sampled_from([0, 64, 448, 512, 1024, 4032]),
+            st.booleans(),
+        ),
+        max_size=5,
+    )
+)
+def test_stable_writes_round_trip_and_go_from_memory_where_aligned(tmp_path_factory, parts):
+    """Any mix of copied and stable writes, at any address: the file holds exactly the bytes.
+    A stable buffer of at least 64 KiB whose address agrees with its file offset is written
+    from its own memory, all but the unaligned ends; any other is copied."""
+    path = str(tmp_path_factory.mktemp("stable") / "f")
+    sources = [aligned_source(n, r) for n, r, _ in parts]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        stream = DirectStream(fd, path)
+        expected_from_source = 0
+        for (n, _, stable), (_, view) in zip(parts, sources):
+            if not stable:
+                stream.write([view])
+                continue
+            position = stream.position
+            address = direct._address(view) if n else None
+            if n >= 64 << 10 and (address - position) % stream.align == 0:
+                head = -position % stream.align
+                expected_from_source += (n - head) // stream.align * stream.align
+            stream.write_stable([view])
+        stream.finish()
+        assert stream.from_source == expected_from_source
+        assert stream.copied == sum(n for n, _, _ in parts) - expected_from_source
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        assert f.read() == b"".join(bytes(view) for _, view in sources)
+    for buf, view in sources:
+        view.release()
+        buf.close()
+
+
+def test_an_aligned_stable_buffer_is_written_from_its_memory_in_pieces(tmp_path, monkeypatch):
+    """The unaligned head is copied and written with the bytes before it; the aligned middle
+    goes out from the buffer's own addresses, PIECE_BYTES at a time, at most DEPTH - 1 at once
+    and with no buffer of the stream's own for it; the tail is copied."""
+    path = str(tmp_path / "f")
+    most = [0]
+    fd, stream, seen = recorded_stream(path, monkeypatch, most)
+    lead = os.urandom(1000)
+    n = 6 * direct.PIECE_BYTES + 5000
+    buf, view = aligned_source(n, 1000 % 4096)  # address agrees with the offset it lands at
+    try:
+        stream.write([memoryview(lead)])
+        stream.write_stable([view])
+        done_at_return = len(seen)  # the caller is held back: no queue of writes builds up
+        stream.finish()
+    finally:
+        os.close(fd)
+    assert_holds(path, lead + bytes(view))
+    assert len(seen) - done_at_return <= direct.DEPTH - 1 + 1  # + the tail's, at finish
+    align = stream.align
+    head = -1000 % align
+    body = (n - head) // align * align
+    assert stream.from_source == body and stream.copied == 1000 + n - body
+    base = direct._address(view)
+    from_memory = sorted((o, length) for o, length, _, a in seen if base <= a < base + n)
+    starts = [1000 + head + i * direct.PIECE_BYTES for i in range(-(-body // direct.PIECE_BYTES))]
+    assert [o for o, _ in from_memory] == starts
+    assert sum(length for _, length in from_memory) == body
+    assert len(stream._buffers) <= 2  # the head's buffer and the tail's: nothing for the middle
+    assert most[0] == direct.DEPTH - 1, most[0]
+    if takes_o_direct(str(tmp_path)):
+        assert all(on for o, _, on, a in seen if base <= a < base + n)
+    view.release()
+    buf.close()
+
+
+def test_a_misaligned_stable_buffer_is_copied(tmp_path, monkeypatch):
+    path = str(tmp_path / "f")
+    fd, stream, seen = recorded_stream(path, monkeypatch)
+    buf, view = aligned_source(2 * BLOCK_BYTES, 64)  # lands at offset 0: 64 bytes off
+    try:
+        stream.write_stable([view])
+        stream.finish()
+    finally:
+        os.close(fd)
+    assert_holds(path, bytes(view))
+    assert stream.from_source == 0 and stream.copied == 2 * BLOCK_BYTES
+    base = direct._address(view)
+    assert not [s for s in seen if base <= s[3] < base + len(view)]
+    view.release()
+    buf.close()
+
+
+def test_a_refusal_at_the_first_write_from_memory_is_written_the_ordinary_way(tmp_path, monkeypatch):
+    """A file system that takes O_DIRECT from the stream's page-aligned buffers but not from the
+    caller's memory: the first write from memory runs in the caller's thread, is refused, and
+    everything from then on is written without O_DIRECT, the same bytes."""
+    real_pwrite = os.pwrite
+    refused = []
+    source: list[int] = []
+
+    def picky(fd, data, offset):
+        view = memoryview(data)
+        address = direct._address(view) if not view.readonly else -1
+        if source and source[0] <= address < source[1] and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append((offset, threading.current_thread() is threading.main_thread()))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", picky)
+    path = str(tmp_path / "f")
+    buf, view = aligned_source(2 * direct.PIECE_BYTES, 0)
+    source[:] = [direct._address(view), direct._address(view) + len(view)]
+    lead = os.urandom(BLOCK_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        stream = DirectStream(fd, path)
+        stream.write([memoryview(lead)])
+        stream.write_stable([view])
+        stream.finish()
+    finally:
+        os.close(fd)
+    assert_holds(path, lead + bytes(view))
+    if takes_o_direct(str(tmp_path)):
+        assert refused == [(BLOCK_BYTES, True)] and stream.refused
+    view.release()
+    buf.close()

@@ -311,3 +311,36 @@ def test_empty_tensor_with_huge_dims_is_refused(shape):
 
 def test_largest_dims_still_parse():
     parse_with_data(header_json({"a": entry("F32", (0, 2**62), (0, 0)), "b": entry("F32", (2**31, 2**31, 0), (0, 0))}), 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 300), max_size=4),
+    remainder=st.integers(0, 63).map(lambda k: 64 * k),
+    modulus=st.sampled_from([64, 512, 4096]),
+)
+def test_build_header_can_start_the_data_at_a_given_remainder(tmp_path_factory, numels, remainder, modulus):
+    """``data_start=(r, m)``: the data starts at the first 64-byte boundary leaving r modulo m,
+    and the file stays one safetensors reads."""
+    remainder %= modulus
+    pieces = {f"t{i}": sample("F32", n, i) for i, n in enumerate(numels)}
+    spec = [(key, "F32", t.numel()) for key, t in pieces.items()]
+    plain, _ = build_header(spec)
+    header, offsets = build_header(spec, data_start=(remainder, modulus))
+    assert len(header) % 64 == 0 and len(header) % modulus == remainder
+    assert len(plain) <= len(header) < len(plain) + modulus
+    assert offsets == [o + len(header) - len(plain) for o in build_header(spec)[1]]
+    path = tmp_path_factory.mktemp("start") / "f.safetensors"
+    with open(path, "wb") as f:
+        f.write(header)
+        for t in pieces.values():
+            f.write(tensor_bytes(t))
+    with safe_open(str(path), framework="pt") as f:
+        for key, t in pieces.items():
+            assert same(f.get_tensor(key), t), key
+
+
+@pytest.mark.parametrize("data_start", [(32, 512), (0, 100), (64, 0)])
+def test_build_header_refuses_a_start_off_its_64_byte_boundaries(data_start):
+    with pytest.raises(ValueError, match="multiples of 64"):
+        build_header([("a", "F32", 4)], data_start=data_start)

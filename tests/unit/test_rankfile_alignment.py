@@ -1,0 +1,133 @@
+"""engine/rankfile.py with a writer that sends tensor memory uncopied only where address and
+file offset agree (local O_DIRECT): the rank file is ordered and its header padded so that the
+most bytes agree, and it stays the same safetensors file with the same checksums."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+from checkpointer.buffers import memoryview_of
+from checkpointer.checksums import chunk_crcs
+from checkpointer.engine.rankfile import order_for_alignment, write_rank_file
+from checkpointer.format.dtypes import code_from_dtype
+from checkpointer.storage import local
+from checkpointer.storage.local import LocalStorage
+
+MiB = 1 << 20
+
+
+class Arena:
+    """Float tensors placed at chosen remainders of their address modulo 4096."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+        self.skip = -self.raw.data_ptr() % 4096
+        self.used = 0
+
+    def place(self, nbytes: int, remainder: int, seed: int) -> torch.Tensor:
+        start = -(-self.used // 4096) * 4096 + remainder
+        self.used = start + nbytes
+        t = self.raw[self.skip + start : self.skip + start + nbytes].view(torch.float32)
+        t.copy_(torch.randn(t.numel(), generator=torch.Generator().manual_seed(seed)))
+        assert t.data_ptr() % 4096 == remainder
+        return t
+
+
+def piece(t: torch.Tensor) -> SimpleNamespace:
+    return SimpleNamespace(data=t, numel=t.numel(), dtype=code_from_dtype(t.dtype))
+
+
+def keys(ordered) -> list[str]:
+    return [k for k, _ in ordered]
+
+
+def test_the_remainder_most_bytes_share_goes_first_in_order():
+    arena = Arena(64 * MiB)
+    tensors = {
+        "a": arena.place(4 * MiB, 64, 0),
+        "small": arena.place(100 * 4, 64, 1),  # under 2 MiB: copied whatever its address
+        "d": arena.place(4 * MiB, 128, 2),
+        "c": arena.place(8 * MiB, 64 + 512, 3),  # the same remainder modulo 512
+        "odd": arena.place(4 * MiB + 4, 64, 4),  # its size would shift the pieces after it
+        "strided": arena.place(8 * MiB, 64, 5)[::2],
+        "e": arena.place(4 * MiB, 128, 6),
+    }
+    items = [(k, piece(t)) for k, t in tensors.items()]
+    ordered, start = order_for_alignment(items, 512)
+    assert keys(ordered) == ["a", "c", "small", "d", "odd", "strided", "e"]
+    assert start == (64, 512)
+    ordered, start = order_for_alignment(items, 4096)  # modulo 4096: c alone, and d + e tie with it
+    assert keys(ordered) == ["d", "e", "a", "small", "c", "odd", "strided"]
+    assert start == (128, 4096)
+
+
+def test_a_tie_goes_to_the_smaller_remainder_and_nothing_qualifying_keeps_the_order():
+    arena = Arena(32 * MiB)
+    items = [("x", piece(arena.place(4 * MiB, 192, 0))), ("y", piece(arena.place(4 * MiB, 128, 1)))]
+    ordered, start = order_for_alignment(items, 512)
+    assert keys(ordered) == ["y", "x"] and start == (128, 512)
+    small = [("s", piece(torch.randn(10))), ("t", piece(torch.randn(3, 4).t()))]
+    assert order_for_alignment(small, 512) == (small, None)
+    assert order_for_alignment(items, 96) == (items, None)  # not a multiple of 64: no padding can give it
+
+
+class Recording(LocalStorage):
+    """Local storage that keeps its writers, to read their streams' counts afterwards."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.writers: list[local.LocalWriter] = []
+
+    def open_writer(self, name: str) -> local.LocalWriter:
+        writer = super().open_writer(name)
+        self.writers.append(writer)
+        return writer
+
+
+def check_file(path: str, tensors: dict[str, torch.Tensor], crcs: dict[str, list[int]]) -> None:
+    with safe_open(path, "pt") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        for key, t in tensors.items():
+            flat = t.contiguous().reshape(-1)
+            assert torch.equal(f.get_tensor(key), flat), key
+            assert crcs[key] == chunk_crcs(memoryview_of(flat)), key
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    layout=st.lists(
+        st.tuples(st.sampled_from([4, 1000, 2 * MiB, 3 * MiB, 4 * MiB + 512, 17 * MiB]), st.sampled_from([0, 64, 128, 640])),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_rank_files_write_the_best_aligned_bytes_from_tensor_memory(tmp_path_factory, monkeypatch, layout):
+    """Whatever the addresses: the file reads back exactly, with the checksums of the bytes,
+    and at least the bytes of the best-sharing remainder (less each piece's unaligned head)
+    went to disk from tensor memory."""
+    monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", "1")
+    root = str(tmp_path_factory.mktemp("aligned"))
+    storage = Recording(root)
+    arena = Arena(sum(n for n, _ in layout) + 4096 * len(layout))
+    tensors = {f"t{i}": arena.place(n, r, i) for i, (n, r) in enumerate(layout)}
+    crcs = write_rank_file(storage, "rank_0.safetensors", [(k, piece(t)) for k, t in tensors.items()])
+    check_file(os.path.join(root, "rank_0.safetensors"), tensors, crcs)
+    stream = storage.writers[0].stream
+    assert stream is not None
+    if stream.refused:
+        pytest.skip("this file system refuses O_DIRECT")
+    align = stream.align
+    shares: dict[int, list[int]] = {}
+    for n, r in layout:
+        if n >= 2 * MiB and n % align == 0:
+            shares.setdefault(r % align, []).append(n)
+    best = max((sum(n - (align if r else 0) for n in sizes) for r, sizes in shares.items()), default=0)
+    assert stream.from_source >= best
+    assert stream.from_source + stream.copied == os.path.getsize(os.path.join(root, "rank_0.safetensors"))
