@@ -17,7 +17,8 @@ Writer threads write up to three buffers or pieces at once while the caller goes
 file's last, partial block is written without ``O_DIRECT``. A file system that refuses
 ``O_DIRECT`` (at ``fcntl``, or at the first write of a buffer or from the caller's memory, each
 made in the caller's thread before writes run in parallel) gets the same bytes written the
-ordinary way. The descriptor's flags change only while no write is in flight.
+ordinary way, as are the bytes of any later piece of the caller's memory that ``O_DIRECT``
+will not take. The descriptor's flags change only while no write is in flight.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ class DirectStream:
             self._set_direct(True)  # nothing in flight: the flags may change (a short write cleared it)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(DEPTH - 1, thread_name_prefix="checkpointer-write")
-        self._pending.append((index, self._pool.submit(self._write_block, view, offset)))
+        self._pending.append((index, self._pool.submit(self._write_block, view, offset, index is None)))
 
     def _retire_oldest(self) -> None:
         """Wait for the oldest write in flight (raising its error) and free its buffer."""
@@ -239,12 +240,19 @@ class DirectStream:
         if rest is not None:
             self._drain([rest])
 
-    def _write_block(self, view: memoryview, offset: int) -> _Rest | None:
+    def _write_block(self, view: memoryview, offset: int, from_memory: bool = False) -> _Rest | None:
         """``pwrite`` with the descriptor's flags as they are (in a writer thread, or from
         :meth:`_pwrite`): None once every byte is written, or what a short write left unaligned
-        (for :meth:`_drain` to write once nothing is in flight)."""
+        (for :meth:`_drain` to write once nothing is in flight). ``from_memory``: the caller's
+        memory, which ``O_DIRECT`` may refuse where it took other memory (EINVAL, EFAULT: a
+        mapping it cannot pin): that is left to :meth:`_drain` too, to write the ordinary way."""
         while len(view):
-            n = os.pwrite(self.fd, view, offset)
+            try:
+                n = os.pwrite(self.fd, view, offset)
+            except OSError as ex:
+                if from_memory and self.direct and ex.errno in (errno.EINVAL, errno.EFAULT):
+                    return view, offset
+                raise
             if n == 0:
                 raise OSError(errno.EIO, f"write of {self.path} at byte {offset} wrote nothing")
             view, offset = view[n:], offset + n

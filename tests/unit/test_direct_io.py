@@ -506,3 +506,50 @@ def test_a_refusal_at_the_first_write_from_memory_is_written_the_ordinary_way(tm
         assert refused == [(BLOCK_BYTES, True)] and stream.refused
     view.release()
     buf.close()
+
+
+def test_memory_o_direct_refuses_in_a_writer_thread_is_written_the_ordinary_way(tmp_path, monkeypatch):
+    """One buffer among others whose memory O_DIRECT will not take (EFAULT, as for a mapping it
+    cannot pin), written in a writer thread: its bytes are written again without O_DIRECT once
+    nothing is in flight, the save goes on, and later writes use O_DIRECT again."""
+    probed = takes_o_direct(str(tmp_path))
+    real_pwrite = os.pwrite
+    odd: list[int] = []
+    refused: list[int] = []
+    calls: list[tuple[int, bool]] = []
+    lock = threading.Lock()
+
+    def picky(fd, data, offset):
+        view = memoryview(data)
+        address = direct._address(view) if not view.readonly else -1
+        on = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        with lock:
+            calls.append((offset, on))
+        if odd and odd[0] <= address < odd[1] and on:
+            with lock:
+                refused.append(offset)
+            raise OSError(errno.EFAULT, "Bad address")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", picky)
+    sources = [aligned_source(2 * direct.PIECE_BYTES, 0) for _ in range(3)]
+    odd[:] = [direct._address(sources[1][1]), direct._address(sources[1][1]) + len(sources[1][1])]
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        stream = DirectStream(fd, path)
+        for _, view in sources:
+            stream.write_stable([view])
+        stream.finish()
+    finally:
+        os.close(fd)
+    assert_holds(path, b"".join(bytes(view) for _, view in sources))
+    if probed:
+        piece = direct.PIECE_BYTES
+        assert refused == [2 * piece, 3 * piece] and not stream.refused
+        assert stream.from_source == 6 * piece
+        assert (2 * piece, False) in calls and (3 * piece, False) in calls  # again, the ordinary way
+        assert all(on for offset, on in calls if offset >= 4 * piece)
+    for buf, view in sources:
+        view.release()
+        buf.close()
