@@ -10,6 +10,7 @@ rank's process exit (its result is ``"died"``, and the pool is restarted for the
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 
@@ -25,6 +26,31 @@ from harness import DistributedTestFailure, PoolManager  # noqa: E402
 
 
 PRESTART_MIN_TESTS = 6
+
+
+def _takes_o_direct(directory: str) -> bool:
+    path = os.path.join(directory, ".o_direct_probe")
+    buf = mmap.mmap(-1, 4096)  # page aligned
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except (OSError, AttributeError):
+        buf.close()
+        return False
+    try:
+        return os.pwrite(fd, buf, 0) == 4096
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        buf.close()
+
+
+@pytest.fixture
+def takes_o_direct():
+    """``takes_o_direct(directory)``: whether one aligned 4 KiB ``O_DIRECT`` write works there
+    (probed without the library)."""
+    return _takes_o_direct
 
 
 def pytest_collection_modifyitems(session, config, items):

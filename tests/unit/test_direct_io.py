@@ -39,24 +39,6 @@ def assert_holds(path: str, data: bytes) -> None:
         assert f.read() == data
 
 
-def takes_o_direct(directory: str) -> bool:
-    """Whether one aligned 4 KiB write with O_DIRECT works here (probed without the library)."""
-    path = os.path.join(directory, "probe")
-    buf = mmap.mmap(-1, 4096)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError:
-        return False
-    try:
-        return os.pwrite(fd, buf, 0) == 4096
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        buf.close()
-
-
 def hidden(directory) -> list[str]:
     return [n for n in os.listdir(directory) if n.startswith(".")]
 
@@ -80,7 +62,7 @@ def test_many_writes_round_trip(tmp_path, sizes):
     assert_holds(path, b"".join(parts))
 
 
-def test_whole_blocks_are_written_with_o_direct(tmp_path, monkeypatch):
+def test_whole_blocks_are_written_with_o_direct(tmp_path, monkeypatch, takes_o_direct):
     """Every aligned write goes out with O_DIRECT set on the descriptor (where this file system
     takes it); only the last, partial block is written without."""
     probed = takes_o_direct(str(tmp_path))  # before os.pwrite is patched below
@@ -273,7 +255,7 @@ def test_writes_run_in_parallel_within_depth_buffers(tmp_path, monkeypatch):
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpointer-write")]
 
 
-def test_a_short_write_in_a_writer_thread_is_finished_once_nothing_is_in_flight(tmp_path, monkeypatch):
+def test_a_short_write_in_a_writer_thread_is_finished_once_nothing_is_in_flight(tmp_path, monkeypatch, takes_o_direct):
     """A block written in parallel that stops short leaves its unaligned rest to the caller, who
     writes it without O_DIRECT after the other writes end; later blocks use O_DIRECT again."""
     probed = takes_o_direct(str(tmp_path))
@@ -353,7 +335,7 @@ def recorded_stream(
     return fd, DirectStream(fd, path), seen
 
 
-def test_dio_alignment_is_one_o_direct_takes(tmp_path):
+def test_dio_alignment_is_one_o_direct_takes(tmp_path, takes_o_direct):
     """The alignment statx reports (4096 without it) works for an address and an offset that
     are odd multiples of it; where a smaller one would not, O_DIRECT refuses."""
     path = str(tmp_path / "f")
@@ -419,7 +401,7 @@ def test_stable_writes_round_trip_and_go_from_memory_where_aligned(tmp_path_fact
         buf.close()
 
 
-def test_an_aligned_stable_buffer_is_written_from_its_memory_in_pieces(tmp_path, monkeypatch):
+def test_an_aligned_stable_buffer_is_written_from_its_memory_in_pieces(tmp_path, monkeypatch, takes_o_direct):
     """The unaligned head is copied and written with the bytes before it; the aligned middle
     goes out from the buffer's own addresses, PIECE_BYTES at a time, at most DEPTH - 1 at once
     and with no buffer of the stream's own for it; the tail is copied."""
@@ -472,7 +454,7 @@ def test_a_misaligned_stable_buffer_is_copied(tmp_path, monkeypatch):
     buf.close()
 
 
-def test_a_refusal_at_the_first_write_from_memory_is_written_the_ordinary_way(tmp_path, monkeypatch):
+def test_a_refusal_at_the_first_write_from_memory_is_written_the_ordinary_way(tmp_path, monkeypatch, takes_o_direct):
     """A file system that takes O_DIRECT from the stream's page-aligned buffers but not from the
     caller's memory: the first write from memory runs in the caller's thread, is refused, and
     everything from then on is written without O_DIRECT, the same bytes."""
@@ -508,7 +490,7 @@ def test_a_refusal_at_the_first_write_from_memory_is_written_the_ordinary_way(tm
     buf.close()
 
 
-def test_memory_o_direct_refuses_in_a_writer_thread_is_written_the_ordinary_way(tmp_path, monkeypatch):
+def test_memory_o_direct_refuses_in_a_writer_thread_is_written_the_ordinary_way(tmp_path, monkeypatch, takes_o_direct):
     """One buffer among others whose memory O_DIRECT will not take (EFAULT, as for a mapping it
     cannot pin), written in a writer thread: its bytes are written again without O_DIRECT once
     nothing is in flight, the save goes on, and later writes use O_DIRECT again."""
