@@ -17,14 +17,14 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import FILE_ID_KEY, METADATA_FILENAME
 from ..format.metadata import TensorStorageMetadata
-from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
+from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
 from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
 from ..storage.base import ReadRequest, Storage, Writer
+from .file_order import order_for_alignment
 
 __all__ = [
     "write_rank_file",
-    "order_for_alignment",
     "staging_bytes",
     "HeaderCache",
     "ReadJob",
@@ -77,7 +77,7 @@ def write_rank_file(
         align = writer.source_alignment()
         data_start = None
         if align is not None:
-            tensors, data_start = order_for_alignment(tensors, align)
+            tensors, data_start = order_for_alignment(tensors, align, _WRITE_BLOCK)
         header, offsets = build_header(
             [(key, lt.dtype, lt.numel) for key, lt in tensors],
             user_metadata={FILE_ID_KEY: file_id} if file_id else None,
@@ -116,44 +116,6 @@ def write_rank_file(
             writer.write_stable(pending)
         writer.commit()
     return result
-
-
-def order_for_alignment(
-    tensors: Sequence[tuple[str, LocalTensor]], align: int
-) -> tuple[list[tuple[str, LocalTensor]], tuple[int, int] | None]:
-    """A file order, and where the data must start (``(remainder, align)`` for
-    :func:`build_header`), so that as many bytes as possible sit in the file at offsets that
-    agree with their memory addresses modulo ``align``: those a local ``O_DIRECT`` writer sends
-    from tensor memory, uncopied.
-
-    Large contiguous CPU pieces whose sizes are multiples of ``align`` keep each other's
-    agreement when they follow one another; the remainder of their addresses shared by the most
-    bytes wins, and those pieces go first, in their order. The rest follows, in its order.
-    ``(tensors, None)`` when no piece qualifies."""
-    if align % DATA_ALIGNMENT:
-        return list(tensors), None
-    remainders = [_address_remainder(lt, align) for _, lt in tensors]
-    bytes_at: dict[int, int] = {}
-    for (_, lt), r in zip(tensors, remainders):
-        if r is not None:
-            bytes_at[r] = bytes_at.get(r, 0) + lt.numel * itemsize(lt.dtype)
-    if not bytes_at:
-        return list(tensors), None
-    best = max(bytes_at, key=lambda r: (bytes_at[r], -r))
-    first = [kt for kt, r in zip(tensors, remainders) if r == best]
-    rest = [kt for kt, r in zip(tensors, remainders) if r != best]
-    return first + rest, (best, align)
-
-
-def _address_remainder(lt: LocalTensor, align: int) -> int | None:
-    data = lt.data
-    if data.device.type != "cpu" or not data.is_contiguous():
-        return None
-    nbytes = lt.numel * itemsize(lt.dtype)
-    address = data.data_ptr()
-    if nbytes < _WRITE_BLOCK or nbytes % align or address % DATA_ALIGNMENT:
-        return None
-    return address % align
 
 
 def staging_bytes() -> int:

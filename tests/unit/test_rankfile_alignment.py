@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from checkpointer.buffers import memoryview_of
 from checkpointer.checksums import chunk_crcs
-from checkpointer.engine.rankfile import order_for_alignment, write_rank_file
+from checkpointer.engine.file_order import order_for_alignment
+from checkpointer.engine.rankfile import write_rank_file
 from checkpointer.format.dtypes import code_from_dtype
 from checkpointer.storage import local
 from checkpointer.storage.local import LocalStorage
@@ -60,10 +61,10 @@ def test_the_remainder_most_bytes_share_goes_first_in_order():
         "e": arena.place(4 * MiB, 128, 6),
     }
     items = [(k, piece(t)) for k, t in tensors.items()]
-    ordered, start = order_for_alignment(items, 512)
+    ordered, start = order_for_alignment(items, 512, 2 * MiB)
     assert keys(ordered) == ["a", "c", "small", "d", "odd", "strided", "e"]
     assert start == (64, 512)
-    ordered, start = order_for_alignment(items, 4096)  # modulo 4096: c alone, and d + e tie with it
+    ordered, start = order_for_alignment(items, 4096, 2 * MiB)  # modulo 4096: c alone, and d + e tie with it
     assert keys(ordered) == ["d", "e", "a", "small", "c", "odd", "strided"]
     assert start == (128, 4096)
 
@@ -71,11 +72,11 @@ def test_the_remainder_most_bytes_share_goes_first_in_order():
 def test_a_tie_goes_to_the_smaller_remainder_and_nothing_qualifying_keeps_the_order():
     arena = Arena(32 * MiB)
     items = [("x", piece(arena.place(4 * MiB, 192, 0))), ("y", piece(arena.place(4 * MiB, 128, 1)))]
-    ordered, start = order_for_alignment(items, 512)
+    ordered, start = order_for_alignment(items, 512, 2 * MiB)
     assert keys(ordered) == ["y", "x"] and start == (128, 512)
     small = [("s", piece(torch.randn(10))), ("t", piece(torch.randn(3, 4).t()))]
-    assert order_for_alignment(small, 512) == (small, None)
-    assert order_for_alignment(items, 96) == (items, None)  # not a multiple of 64: no padding can give it
+    assert order_for_alignment(small, 512, 2 * MiB) == (small, None)
+    assert order_for_alignment(items, 96, 2 * MiB) == (items, None)  # not a multiple of 64: no padding can give it
 
 
 class Recording(LocalStorage):
