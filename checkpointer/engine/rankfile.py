@@ -21,6 +21,7 @@ from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_h
 from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
 from ..storage.base import ReadRequest, Storage, Writer
+from ..storage.direct import MIN_FROM_SOURCE
 from .file_order import order_for_alignment
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
 _SPECULATIVE_HEADER = 1 << 16
 _SPLIT_BYTES = 32 << 20
 _WRITE_BLOCK = 2 << 20  # divides CHUNK_BYTES
+_FROM_MEMORY_BLOCK = 64 << 20  # a multiple of CHUNK_BYTES, and 4x MIN_FROM_SOURCE
 _HASH_BLOCK = 1 << 20  # hashed right after it is read, from the CPU cache
 
 
@@ -77,15 +79,16 @@ def write_rank_file(
         align = writer.source_alignment()
         data_start = None
         if align is not None:
-            tensors, data_start = order_for_alignment(tensors, align, _WRITE_BLOCK)
+            tensors, data_start = order_for_alignment(tensors, align, MIN_FROM_SOURCE)
         header, offsets = build_header(
             [(key, lt.dtype, lt.numel) for key, lt in tensors],
             user_metadata={FILE_ID_KEY: file_id} if file_id else None,
             data_start=data_start,
         )
         # A writer that copies: each block is hashed while the copy is in the CPU cache. One
-        # that writes from tensor memory: fewer, larger writes.
-        block = CHUNK_BYTES if align is not None else _WRITE_BLOCK
+        # that writes from tensor memory: blocks of several of its writes.
+        block = _FROM_MEMORY_BLOCK if align is not None else _WRITE_BLOCK
+        min_block = MIN_FROM_SOURCE if align is not None else 0  # a shorter block would be copied
         pending: list[memoryview] = [memoryview(header)]
         pending_bytes = len(header)
         staging = _Staging()
@@ -111,7 +114,7 @@ def write_rank_file(
             if pending:
                 writer.write_stable(pending)
                 pending, pending_bytes = [], 0
-            result[key] = _write_hashed(writer.write_stable, view, checksums, block, offset)
+            result[key] = _write_hashed(writer.write_stable, view, checksums, block, offset, min_block)
         if pending:
             writer.write_stable(pending)
         writer.commit()
@@ -179,14 +182,25 @@ def _write_staged(writer: Writer, data: torch.Tensor, staging: _Staging, checksu
 
 
 def _write_hashed(
-    write: Callable[[Sequence[memoryview]], None], view: memoryview, checksums: bool, block_bytes: int, file_offset: int
+    write: Callable[[Sequence[memoryview]], None],
+    view: memoryview,
+    checksums: bool,
+    block_bytes: int,
+    file_offset: int,
+    min_block: int = 0,
 ) -> list[int]:
     """Write ``view`` (which starts at ``file_offset``) in blocks that end on multiples of
-    ``block_bytes`` in the file, hashing each :data:`CHUNK_BYTES` of it."""
+    ``block_bytes`` in the file, none shorter than ``min_block`` but the whole view, hashing
+    each :data:`CHUNK_BYTES` of it."""
     crcs: list[int] = []
     crc, pos = 0, 0
     while pos < len(view):
-        end = min(len(view), pos + block_bytes - (file_offset + pos) % block_bytes)
+        end = pos + block_bytes - (file_offset + pos) % block_bytes
+        if end - pos < min_block:
+            end += block_bytes
+        if len(view) - end < min_block:
+            end = len(view)
+        end = min(len(view), end)
         write([view[pos:end]])
         while checksums and pos < end:
             cut = min(end, (pos // CHUNK_BYTES + 1) * CHUNK_BYTES)

@@ -90,24 +90,24 @@ def test_our_ws1_checkpoint_loads_in_olmo(tmp_path):
 
 
 def test_our_rank_file_written_from_tensor_memory_loads_in_olmo(tmp_path, monkeypatch, takes_o_direct):
-    """Large pieces at chosen address remainders: a local O_DIRECT save reorders the rank file
+    """Pieces of 16 MiB at chosen address remainders: a local O_DIRECT save reorders the rank file
     (the pieces sharing the most common remainder first) and pads its header. That release
     reads the file all the same."""
     monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", "1")
     if not takes_o_direct(str(tmp_path)):
         pytest.skip("this file system refuses O_DIRECT: rank files keep the state dict's order")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(3)], torch.nn.LayerNorm(1024))
-    arena = torch.empty(16 << 20, dtype=torch.uint8)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(3)], torch.nn.LayerNorm(2048))
+    arena = torch.empty(52 << 20, dtype=torch.uint8)
     page = -arena.data_ptr() % 4096
     with torch.no_grad():
         for i, remainder in enumerate([128, 64, 64]):  # layer 0 alone at its remainder
-            start = page + i * (5 << 20) + remainder
-            slot = arena[start : start + (4 << 20)].view(torch.float32).view(1024, 1024)
+            start = page + i * (17 << 20) + remainder
+            slot = arena[start : start + (16 << 20)].view(torch.float32).view(2048, 2048)
             slot.copy_(model[i].weight)
             model[i].weight.data = slot
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(4, 1024)).square().mean().backward()
+    model(torch.randn(4, 2048)).square().mean().backward()
     optim.step()
     optim.zero_grad()
     dir = str(tmp_path / "ours")
@@ -118,9 +118,9 @@ def test_our_rank_file_written_from_tensor_memory_loads_in_olmo(tmp_path, monkey
     order = sorted((v["data_offsets"][0], k) for k, v in header.items() if k != "__metadata__")
     assert [k for _, k in order][:2] == ["1.weight", "2.weight"], order
     assert (8 + size) % 512 == 64 % 512 and header["1.weight"]["data_offsets"][0] == 0
-    fresh = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(3)], torch.nn.LayerNorm(1024))
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(3)], torch.nn.LayerNorm(2048))
     fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
-    fresh(torch.randn(4, 1024)).square().mean().backward()
+    fresh(torch.randn(4, 2048)).square().mean().backward()
     fresh_optim.step()
     olmo.load_model_and_optim_state(dir, fresh, fresh_optim)
     assert_same_tensors(fresh.state_dict(), model.state_dict())

@@ -362,7 +362,7 @@ def test_dio_alignment_is_one_o_direct_takes(tmp_path, takes_o_direct):
 @given(
     parts=st.lists(
         st.tuples(
-            st.sampled_from([0, 1, 100, 4096, 65536, (1 << 20) + 7, 3 << 20, 17 << 20, BLOCK_BYTES + 512]),
+            st.sampled_from([0, 1, 100, 4096, (1 << 20) + 7, BLOCK_BYTES + 512, direct.MIN_FROM_SOURCE, 17 << 20]),
             st.sampled_from([0, 64, 448, 512, 1024, 4032]),
             st.booleans(),
         ),
@@ -371,8 +371,8 @@ def test_dio_alignment_is_one_o_direct_takes(tmp_path, takes_o_direct):
 )
 def test_stable_writes_round_trip_and_go_from_memory_where_aligned(tmp_path_factory, parts):
     """Any mix of copied and stable writes, at any address: the file holds exactly the bytes.
-    A stable buffer of at least 64 KiB whose address agrees with its file offset is written
-    from its own memory, all but the unaligned ends; any other is copied."""
+    A stable buffer of at least MIN_FROM_SOURCE whose address agrees with its file offset is
+    written from its own memory, all but the unaligned ends; any other is copied."""
     path = str(tmp_path_factory.mktemp("stable") / "f")
     sources = [aligned_source(n, r) for n, r, _ in parts]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -385,7 +385,7 @@ def test_stable_writes_round_trip_and_go_from_memory_where_aligned(tmp_path_fact
                 continue
             position = stream.position
             address = direct._address(view) if n else None
-            if n >= 64 << 10 and (address - position) % stream.align == 0:
+            if n >= direct.MIN_FROM_SOURCE and (address - position) % stream.align == 0:
                 head = -position % stream.align
                 expected_from_source += (n - head) // stream.align * stream.align
             stream.write_stable([view])
@@ -438,16 +438,17 @@ def test_an_aligned_stable_buffer_is_written_from_its_memory_in_pieces(tmp_path,
 
 
 def test_a_misaligned_stable_buffer_is_copied(tmp_path, monkeypatch):
+    """As is an aligned one under MIN_FROM_SOURCE (the round-trip test above counts both)."""
     path = str(tmp_path / "f")
     fd, stream, seen = recorded_stream(path, monkeypatch)
-    buf, view = aligned_source(2 * BLOCK_BYTES, 64)  # lands at offset 0: 64 bytes off
+    buf, view = aligned_source(2 * direct.MIN_FROM_SOURCE, 64)  # lands at offset 0: 64 bytes off
     try:
         stream.write_stable([view])
         stream.finish()
     finally:
         os.close(fd)
     assert_holds(path, bytes(view))
-    assert stream.from_source == 0 and stream.copied == 2 * BLOCK_BYTES
+    assert stream.from_source == 0 and stream.copied == 2 * direct.MIN_FROM_SOURCE
     base = direct._address(view)
     assert not [s for s in seen if base <= s[3] < base + len(view)]
     view.release()

@@ -18,7 +18,7 @@ from checkpointer.checksums import chunk_crcs
 from checkpointer.engine.file_order import order_for_alignment
 from checkpointer.engine.rankfile import write_rank_file
 from checkpointer.format.dtypes import code_from_dtype
-from checkpointer.storage import local
+from checkpointer.storage import direct, local
 from checkpointer.storage.local import LocalStorage
 
 MiB = 1 << 20
@@ -104,7 +104,7 @@ def check_file(path: str, tensors: dict[str, torch.Tensor], crcs: dict[str, list
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     layout=st.lists(
-        st.tuples(st.sampled_from([4, 1000, 2 * MiB, 3 * MiB, 4 * MiB + 512, 17 * MiB]), st.sampled_from([0, 64, 128, 640])),
+        st.tuples(st.sampled_from([4, 1000, 3 * MiB, 16 * MiB, 16 * MiB + 512, 70 * MiB]), st.sampled_from([0, 64, 128, 640])),
         min_size=1,
         max_size=6,
     )
@@ -127,7 +127,7 @@ def test_rank_files_write_the_best_aligned_bytes_from_tensor_memory(tmp_path_fac
     align = stream.align
     shares: dict[int, list[int]] = {}
     for n, r in layout:
-        if n >= 2 * MiB and n % align == 0:
+        if n >= direct.MIN_FROM_SOURCE and n % align == 0:
             shares.setdefault(r % align, []).append(n)
     best = max((sum(n - (align if r else 0) for n in sizes) for r, sizes in shares.items()), default=0)
     assert stream.from_source >= best
