@@ -21,6 +21,7 @@ from .. import dist
 from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
+from ..storage.direct import MIN_FROM_SOURCE
 from .save import PlannedSave, SavePlanCache, plan_save, write_and_commit
 from .save import release_lock
 
@@ -138,7 +139,6 @@ class AsyncSaver:
 
 _ALIGN = 64
 _PAGE = 4096
-_LARGE = 1 << 20
 
 
 class _HostArena:
@@ -152,9 +152,9 @@ class _HostArena:
         total = 0
         for _, numel, dtype, _ in layout:
             nbytes = numel * dtype.itemsize
-            # Large pieces start on pages, as the arena does: all agree with one another modulo
-            # any O_DIRECT alignment, so a local save writes them from here uncopied.
-            align = _PAGE if nbytes >= _LARGE else _ALIGN
+            # Pieces a local save may write from memory start on pages, as the arena does: all
+            # agree with one another modulo any O_DIRECT alignment, so they go uncopied.
+            align = _PAGE if nbytes >= MIN_FROM_SOURCE else _ALIGN
             total = -(-total // align) * align
             self.offsets.append(total)
             total += -(-nbytes // _ALIGN) * _ALIGN
