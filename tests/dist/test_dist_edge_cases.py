@@ -176,8 +176,8 @@ def _failing_write_on_rank1(rank, world_size, ckpt):
     def write(self, buffers):
         raise OSError(f"injected write failure of {self.path}")
 
-    if rank == 1:
-        with mock.patch.object(LocalWriter, "write", write):
+    if rank == 1:  # rank files go through write_stable, other files through write
+        with mock.patch.object(LocalWriter, "write", write), mock.patch.object(LocalWriter, "write_stable", write):
             failed = catch(Checkpointer().save, ckpt, state)
     else:
         failed = catch(Checkpointer().save, ckpt, state)
