@@ -9,7 +9,9 @@ in flight.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -51,8 +53,13 @@ class AsyncSaver:
     """One background writer with its staging buffers and process group."""
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-async-save")
         self._arenas: dict[int, _HostArena] = {}  # per save target of a call
+        self._start_afresh()
+        _savers.add(self)
+
+    def _start_afresh(self) -> None:
+        """No thread, group or save in flight (also in a forked child: none of its parent's are its own)."""
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-async-save")
         self._group: Any = None
         self._group_made = False
         self._inflight: Future | None = None
@@ -135,6 +142,24 @@ class AsyncSaver:
         if arena.pinned:
             torch.cuda.synchronize()
         return staged
+
+
+_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a data loader's worker, say) has only the thread that forked: a saver
+    whose writer thread ran in the parent would queue the child's save for a thread that is
+    not there, and wait for it forever."""
+    global _writing_changed
+    _writing.clear()
+    _writing_changed = threading.Condition()
+    for saver in list(_savers):
+        saver._start_afresh()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 _ALIGN = 64
