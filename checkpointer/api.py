@@ -23,6 +23,7 @@ from .engine.checkpointer import Checkpointer
 from .engine.load import load_state_dicts
 from .engine.locate import newest_checkpoint
 from .engine.rankfile import HeaderCache, check_files_hold
+from .engine.save import refuse_existing
 from .engine.unshard import read_full
 from .errors import CheckpointMismatchError, CorruptCheckpointError
 from .format.builtins_pickle import decode_builtins, encode_builtins
@@ -190,12 +191,7 @@ def _claim_parts(dir: str, save_overwrite: bool) -> None:
     def check() -> bytes:
         model, optim = open_storage(f"{dir}/model"), open_storage(f"{dir}/optim")
         if not save_overwrite:
-            for part in (model, optim):
-                if part.exists(METADATA_FILENAME):
-                    raise FileExistsError(
-                        f"{part.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
-                        "(pass save_overwrite=True to replace it)"
-                    )
+            refuse_existing([model, optim])
         elif optim.exists(METADATA_FILENAME):
             optim.delete(METADATA_FILENAME)
         return b""
@@ -225,11 +221,7 @@ def async_save_model_and_optim_state(
         optim_state = flatten_optim_state(model, optim, model_state)
         _DEFAULT.wait()
         files: Future[list[str]] = Future()
-        try:
-            _claim_parts(dir, save_overwrite)
-        except Exception as ex:  # noqa: BLE001 - an async save's errors surface from .result()
-            files.set_exception(ex)
-            return files
+        # The async saver locks both parts (retiring old ones) before writing either.
         both = _DEFAULT.async_save_many(
             [(f"{dir}/model", model_state), (f"{dir}/optim", optim_state)], save_overwrite=save_overwrite
         )

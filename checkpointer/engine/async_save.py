@@ -4,7 +4,8 @@ The call returns once this rank's pieces are copied into host buffers (reused fr
 save to the next, pinned for CUDA tensors), so training can change its tensors at once.
 A background thread writes the rank file and commits through a separate gloo group, so
 its collectives never interleave with the training loop's. A new save waits for the one
-in flight.
+in flight. Once the plans are cached, the call's only collective confirms them: the save
+locks, and the agreement that every rank staged its pieces, come in the background first.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
-from .save import PlannedSave, SavePlanCache, plan_save, write_and_commit
-from .save import release_lock
+from .save import PlannedSave, SavePlanCache, plan_save, refuse_existing, release_lock, reuse_cached_plans
+from .save import take_locks, write_and_commit
 
 __all__ = ["AsyncSaver", "wait_for_writes_into"]
 
@@ -47,6 +48,18 @@ def _track(planned: list[PlannedSave], step: int) -> None:
             if _writing[p.storage.url] <= 0:
                 del _writing[p.storage.url]
         _writing_changed.notify_all()
+
+
+def _refused(storages: list[Storage]) -> bytes:
+    refuse_existing(storages)
+    return b""
+
+
+def _release_locks(planned: list[PlannedSave]) -> None:
+    """Rank 0: release the locks of saves that will not be written (nothing was)."""
+    for p in planned:
+        if p.lock is not None:
+            release_lock(p.storage, p.lock)
 
 
 class AsyncSaver:
@@ -81,7 +94,12 @@ class AsyncSaver:
         save_overwrite: bool,
         cache: dict[str, SavePlanCache],
     ) -> Future[list[tuple[StorageMetadata, list[str]]]]:
-        """Plan and stage every ``(storage, state_dict)`` now; write them all in the background."""
+        """Plan and stage every ``(storage, state_dict)`` now; write them all in the background.
+
+        With every plan cached, the caller waits for one all-reduce and the copy: rank 0 takes
+        the save locks in the background, which then agrees on them and on every rank's
+        staging before any rank writes.
+        """
         with self._lock:
             self.wait()
             result: Future[list[tuple[StorageMetadata, list[str]]]] = Future()
@@ -90,35 +108,55 @@ class AsyncSaver:
                 if not self._group_made:
                     self._group = dist.new_cpu_group()
                     self._group_made = True
-                for st, sd in targets:  # each plan ends with an agreement: its errors reach every rank
-                    planned.append(plan_save(st, sd, save_overwrite=save_overwrite, cache=cache))
-                staging_error: BaseException | None = None
-                try:
-                    for index in [i for i in self._arenas if i >= len(planned)]:
-                        self._arenas.pop(index).release()
-                    staged = [self._stage(i, p) for i, p in enumerate(planned)]
-                except BaseException as ex:  # noqa: BLE001 - one rank's: the agreement tells the others
-                    staging_error = ex
-                dist.agree(staging_error, "async save (staging)")
+                reused = reuse_cached_plans(targets, cache=cache, save_overwrite=save_overwrite, take_locks_now=False)
+                locked = reused is None
+                if reused is not None:
+                    planned = reused
+                else:
+                    if not save_overwrite:  # before any target's lock: a refused save locks none
+                        dist.share_from(0, lambda: _refused([st for st, _ in targets]), "async save")
+                    for st, sd in targets:  # each plan ends with an agreement: its errors reach every rank
+                        planned.append(plan_save(st, sd, save_overwrite=save_overwrite, cache=cache))
             except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
-                for p in planned:
-                    if p.lock is not None:  # rank 0's: nothing was written, the next save may go ahead
-                        release_lock(p.storage, p.lock)
+                _release_locks(planned)
                 result.set_exception(ex)
                 return result
+            staged: list[list[tuple[str, LocalTensor]]] = []
+            staging_error: BaseException | None = None
+            try:
+                for index in [i for i in self._arenas if i >= len(planned)]:
+                    self._arenas.pop(index).release()
+                staged = [self._stage(i, p) for i, p in enumerate(planned)]
+            except BaseException as ex:  # noqa: BLE001 - one rank's: the background agreement tells the others
+                staging_error = ex
             _track(planned, +1)
-            self._inflight = self._executor.submit(self._write, planned, staged, result)
+            self._inflight = self._executor.submit(
+                self._write, planned, staged, staging_error, locked, save_overwrite, result
+            )
             return result
 
-    def _write(self, planned: list[PlannedSave], staged: list[list[tuple[str, LocalTensor]]], result: Future) -> None:
+    def _write(
+        self,
+        planned: list[PlannedSave],
+        staged: list[list[tuple[str, LocalTensor]]],
+        staging_error: BaseException | None,
+        locked: bool,
+        save_overwrite: bool,
+        result: Future,
+    ) -> None:
         out: list[tuple[StorageMetadata, list[str]]] = []
         try:
+            error = staging_error
+            if error is None and not locked and dist.get_rank() == 0:
+                try:
+                    planned = take_locks(planned, save_overwrite)
+                except BaseException as ex:  # noqa: BLE001 - reported to every rank below
+                    error = ex
+            dist.agree(error, "async save", group=self._group)
             for p, s in zip(planned, staged):
                 out.append((p.metadata, write_and_commit(p, pieces=s, group=self._group)))
         except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
-            for p in planned[len(out) :]:  # rank 0's locks of the saves this failure stopped
-                if p.lock is not None:
-                    release_lock(p.storage, p.lock)
+            _release_locks(planned[len(out) :])  # rank 0's locks of the saves this failure stopped
             _track(planned, -1)
             result.set_exception(ex)
         else:

@@ -25,7 +25,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -43,7 +43,7 @@ from .rankfile import write_rank_file
 
 __all__ = [
     "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict",
-    "check_directory", "commit_metadata", "release_lock",
+    "check_directory", "commit_metadata", "release_lock", "reuse_cached_plans", "refuse_existing", "take_locks",
 ]
 
 _CACHE_ENTRIES = 8
@@ -140,15 +140,19 @@ def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPiec
     return RankPieces(structure, values), header["aliases"], header["fingerprint"]
 
 
+def _exists_message(storage: Storage) -> str:
+    return (
+        f"{storage.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
+        "(pass save_overwrite=True to replace it)"
+    )
+
+
 def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> bytes | None:
     """Refuse to save over a checkpoint unless asked. With ``retire_old``, take the save lock
     and make an old checkpoint incomplete, before any rank writes; returns the lock's bytes."""
     storage.prepare()
     if storage.exists(METADATA_FILENAME) and not save_overwrite:
-        raise FileExistsError(
-            f"{storage.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
-            "(pass save_overwrite=True to replace it)"
-        )
+        raise FileExistsError(_exists_message(storage))
     if not retire_old:
         return None
     # The token makes the lock file ours alone: a conditional create retried after a lost
@@ -264,6 +268,70 @@ class PlannedSave:
         return [(key, self.described[key]) for key in self.keys]
 
 
+@dataclass
+class _Described:
+    """One state dict described for a save (step 1), with the key of its plan cache entry."""
+
+    described: dict[str, LocalTensor]
+    aliases: dict[str, str]
+    error: BaseException | None
+    fingerprint: str
+
+
+def _describe_for_save(state_dict: Mapping[str, Any]) -> _Described:
+    described: dict[str, LocalTensor] = {}
+    aliases: dict[str, str] = {}
+    error: BaseException | None = None
+    try:
+        described, aliases = describe_state_dict(state_dict)
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank by the plan exchange
+        error = ex
+    fingerprint = hashlib.sha256(_desc_json(described, aliases) + str(dist.get_world_size()).encode()).hexdigest()
+    return _Described(described, aliases, error, fingerprint)
+
+
+def reuse_cached_plans(
+    targets: list[tuple[Storage, Mapping[str, Any]]],
+    *,
+    cache: dict[str, SavePlanCache],
+    save_overwrite: bool,
+    take_locks_now: bool,
+) -> list[PlannedSave] | None:
+    """Every target's plan from ``cache``, confirmed by one all-reduce: None unless every rank
+    has a cached plan for each target, each from the same save as the other ranks' entries.
+
+    With ``take_locks_now``, rank 0 first takes each target's lock; a refusal sends every rank
+    to the full plan, which reports it. Without, the caller calls :func:`take_locks` (rank 0)
+    and agrees on its outcome before any rank writes.
+    """
+    descs = [_describe_for_save(sd) for _, sd in targets]
+    hits = [cache.get(d.fingerprint) if d.error is None else None for d in descs]
+    locks: list[bytes | None] = [None] * len(targets)
+    ok = all(hit is not None for hit in hits)
+    if ok and take_locks_now and dist.get_rank() == 0:
+        try:
+            for i, (storage, _) in enumerate(targets):
+                locks[i] = check_directory(storage, save_overwrite, retire_old=True)
+        except BaseException:  # noqa: BLE001 - the full path reports it
+            ok = False
+    # Every rank's entries must come from one plan: each rank's own pieces can recur while
+    # another rank's did not (they moved between ranks), or recur from another save.
+    plan_id = -1
+    if ok:
+        digest = hashlib.sha256(",".join(str(hit.plan_id) for hit in hits if hit is not None).encode())
+        plan_id = int.from_bytes(digest.digest()[:7], "little")
+    if dist.all_equal(plan_id) and plan_id >= 0:
+        return [
+            PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, lock)
+            for (storage, _), d, hit, lock in zip(targets, descs, hits, locks)
+            if hit is not None
+        ]
+    for (storage, _), lock in zip(targets, locks):
+        if lock is not None:
+            release_lock(storage, lock)
+    return None
+
+
 def plan_save(
     storage: Storage,
     state_dict: Mapping[str, Any],
@@ -272,39 +340,41 @@ def plan_save(
     cache: dict[str, SavePlanCache] | None = None,
 ) -> PlannedSave:
     """Steps 1-3 on every rank: describe, check the directory, plan (or reuse a cached plan)."""
-    rank = dist.get_rank()
-    described: dict[str, LocalTensor] = {}
-    aliases: dict[str, str] = {}
-    local_error: BaseException | None = None
-    try:
-        described, aliases = describe_state_dict(state_dict)
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank by the plan exchange
-        local_error = ex
-    fingerprint = hashlib.sha256(_desc_json(described, aliases) + str(dist.get_world_size()).encode()).hexdigest()
-
-    cached = (cache or {}).get(fingerprint) if local_error is None else None
     if cache is not None:
-        ok = cached is not None
-        lock = None
-        if ok and rank == 0:
-            try:
-                lock = check_directory(storage, save_overwrite, retire_old=True)
-            except BaseException:  # noqa: BLE001 - the full path below reports it
-                ok = False
-        # Every rank's entry must be the same plan: each rank's own pieces can recur while
-        # another rank's did not (they moved between ranks), or recur from another save.
-        plan_id = cached.plan_id if ok and cached is not None else -1
-        if dist.all_equal(plan_id) and plan_id >= 0:
-            assert cached is not None
-            return PlannedSave(storage, described, cached.keys, cached.metadata, fingerprint, lock)
-        if lock is not None:
-            release_lock(storage, lock)  # the full path below takes it again
-    keys, metadata, lock, plan_id = _plan(storage, described, aliases, local_error, save_overwrite, fingerprint)
+        reused = reuse_cached_plans([(storage, state_dict)], cache=cache, save_overwrite=save_overwrite, take_locks_now=True)
+        if reused is not None:
+            return reused[0]
+    d = _describe_for_save(state_dict)
+    keys, metadata, lock, plan_id = _plan(storage, d.described, d.aliases, d.error, save_overwrite, d.fingerprint)
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
             cache.pop(next(iter(cache)))
-        cache[fingerprint] = SavePlanCache(fingerprint, keys, metadata, plan_id)
-    return PlannedSave(storage, described, keys, metadata, fingerprint, lock)
+        cache[d.fingerprint] = SavePlanCache(d.fingerprint, keys, metadata, plan_id)
+    return PlannedSave(storage, d.described, keys, metadata, d.fingerprint, lock)
+
+
+def refuse_existing(storages: list[Storage]) -> None:
+    """``FileExistsError`` if any of ``storages`` holds a checkpoint (a save without ``save_overwrite``)."""
+    for storage in storages:
+        if storage.exists(METADATA_FILENAME):
+            raise FileExistsError(_exists_message(storage))
+
+
+def take_locks(planned: list[PlannedSave], save_overwrite: bool) -> list[PlannedSave]:
+    """Rank 0, before any rank writes: take every target's lock, retiring old checkpoints (see
+    :func:`check_directory`). Without ``save_overwrite``, nothing is locked when any target holds
+    a checkpoint. A failure releases the locks taken."""
+    if not save_overwrite:
+        refuse_existing([p.storage for p in planned])
+    locked: list[PlannedSave] = []
+    try:
+        for p in planned:
+            locked.append(replace(p, lock=check_directory(p.storage, save_overwrite, retire_old=True)))
+    except BaseException:
+        for p in locked:
+            release_lock(p.storage, p.lock)
+        raise
+    return locked
 
 
 def write_and_commit(

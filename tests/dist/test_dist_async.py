@@ -144,3 +144,71 @@ def _load_while_async_save_writes(rank, world_size, ckpt):
 def test_load_waits_for_an_async_save_into_the_same_directory(run_distributed, tmp_path):
     keys = run_distributed(_load_while_async_save_writes, 2, str(tmp_path / "ckpt"))
     assert keys[0] == keys[1] and keys[0]
+
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "barrier",
+    "broadcast", "broadcast_object_list", "gather", "irecv", "isend", "recv", "reduce", "scatter", "send",
+)
+
+
+def _blocking_collectives_then_a_refused_part(rank, world_size, base):
+    """The collectives each of three async saves issues before it returns (in the caller's
+    thread); then a save refused because only ``optim/`` holds a checkpoint."""
+    import contextlib
+    import shutil
+    import threading
+    from unittest import mock
+
+    import torch.distributed as tdist
+
+    from checkpointer import api
+
+    model = build_model(world_size)
+    optim = build_optim(model, "adamw")
+    train(model, optim, range(1))
+    api._DEFAULT._plan_cache.clear()  # this worker process saved the same model in earlier tests
+    caller = threading.current_thread()
+    calls: list[str] = []
+
+    def counted(name):
+        real = getattr(tdist, name)
+
+        def call(*args, **kwargs):
+            if threading.current_thread() is caller:
+                calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    per_save = []
+    for step in range(3):
+        calls.clear()
+        with contextlib.ExitStack() as patches:
+            for name in _COLLECTIVES:
+                patches.enter_context(mock.patch.object(tdist, name, counted(name)))
+            future = async_save_model_and_optim_state(f"{base}/step{step}", model, optim)
+        per_save.append(list(calls))
+        future.result(timeout=60)
+        train(model, optim, range(step + 1, step + 2))
+    if rank == 0:
+        shutil.rmtree(f"{base}/step1/model")
+    barrier()
+    refused = catch(async_save_model_and_optim_state(f"{base}/step1", model, optim).result, timeout=60)
+    barrier()
+    return per_save, refused, sorted(files_under(f"{base}/step1/model")), os.path.exists(f"{base}/step1/model")
+
+
+def test_a_repeated_async_save_blocks_for_one_all_reduce(run_distributed, tmp_path):
+    """Once planned, an async save keeps its caller for the copy and one all-reduce (the plans
+    are unchanged on every rank); the directory checks and locks go to the background, which
+    still refuses, before any rank writes, a save with a part already saved."""
+    base = str(tmp_path)
+    for rank, (per_save, refused, model_files, model_dir) in enumerate(
+        run_distributed(_blocking_collectives_then_a_refused_part, 2, base)
+    ):
+        assert "all_gather" in per_save[0], f"rank {rank}: the first save exchanged no plans: {per_save[0]}"
+        assert per_save[1] == per_save[2] == ["all_reduce"], f"rank {rank}: {per_save}"
+        assert refused is not None and "FileExistsError" in refused["mro"], f"rank {rank}: {refused}"
+        assert "optim" in refused["msg"], refused["msg"]
+        assert model_files == [] and not model_dir, f"rank {rank}: the refused save wrote {model_files}"

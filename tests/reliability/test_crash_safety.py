@@ -14,6 +14,7 @@ import errno
 import os
 import shutil
 import signal
+import tempfile
 import time
 from typing import Any
 
@@ -100,7 +101,13 @@ def _install_kill(point: str, part: str) -> None:
     save_mod.commit_metadata, save_mod.release_lock = commit_metadata, release
 
 
-def _killed_save(top: str, model, optim, point: str, part: str, overwrite: bool, use_async: bool = False) -> str:
+def _killed_save(
+    top: str, model, optim, point: str, part: str, overwrite: bool, use_async: bool = False, planned_before: bool = False
+) -> str:
+    if planned_before:  # elsewhere, before the kill is installed: the killed save's plans are cached
+        elsewhere = tempfile.mkdtemp()
+        checkpointer.async_save_model_and_optim_state(elsewhere, model, optim).result()
+        shutil.rmtree(elsewhere)
     _install_kill(point, part)
     if use_async:
         checkpointer.async_save_model_and_optim_state(top, model, optim, save_overwrite=overwrite).result()
@@ -218,13 +225,28 @@ def test_save_killed_with_sigkill(ckpt, point, part, overwrite):
         assert check_after_crash(top, saved_model, ckpt)
 
 
-@pytest.mark.parametrize("point,part", [("rank_file_mid_write", "model"), ("after_rank_files_before_metadata", "optim")])
-def test_async_save_killed_with_sigkill(ckpt, point, part):
-    """The same for an async save: the process dies while the background thread writes."""
+ASYNC_KILLS = [
+    ("rank_file_mid_write", "model", False, False),
+    ("after_rank_files_before_metadata", "optim", False, False),
+    ("rank_file_mid_write", "model", True, True),
+    ("after_rank_files_before_metadata", "optim", True, True),
+]
+
+
+@pytest.mark.parametrize(
+    "point,part,overwrite,planned_before",
+    ASYNC_KILLS,
+    ids=[f"{p}-{q}{'-overwrite-plan_cached' if o else ''}" for p, q, o, _ in ASYNC_KILLS],
+)
+def test_async_save_killed_with_sigkill(ckpt, point, part, overwrite, planned_before):
+    """The same for an async save: the process dies while the background thread writes. With
+    its plans cached, the save takes its locks (retiring the old checkpoint) in the background."""
     earlier = rel_helpers.snapshot(ckpt.top)
     top = os.path.join(ckpt.run_dir, "step20")
+    if overwrite:
+        shutil.copytree(ckpt.top, top)
     model, optim = job_state()
-    result = rel_helpers.run_forked(_killed_save, top, model, optim, point, part, False, True, timeout=120)
+    result = rel_helpers.run_forked(_killed_save, top, model, optim, point, part, overwrite, True, planned_before, timeout=120)
     assert result.exitcode == -signal.SIGKILL, f"the save was not killed: {result}"
     assert not check_after_crash(top, model_full_state(model), ckpt)
     assert rel_helpers.snapshot(ckpt.top) == earlier

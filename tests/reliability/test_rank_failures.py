@@ -121,9 +121,11 @@ def _load_optim_task(rank, world_size, top, failing):
         return catch(checkpointer.load_model_and_optim_state, top, model, optim)
 
 
-def _async_stage_task(rank, world_size, path, failing):
+def _async_stage_task(rank, world_size, path, failing, planned_before):
     """An async save whose staging (the copy into host buffers) fails on rank ``failing`` only;
-    then a plain save into the same directory, which a lock left behind would refuse."""
+    then a plain save into the same directory, which a lock left behind would refuse. With
+    ``planned_before``, the saver has saved the same state elsewhere: rank 0 takes the lock in
+    the background, after staging."""
     from checkpointer.engine.async_save import AsyncSaver
 
     def no_memory(self, index, planned):
@@ -132,6 +134,8 @@ def _async_stage_task(rank, world_size, path, failing):
     with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": str(TIMEOUT_S)}):
         state = rel_helpers.flat_local(rank, world_size)
         saver = Checkpointer()
+        if planned_before:
+            saver.async_save(f"{path}_before", state).result(timeout=3 * TIMEOUT_S)
         with mock.patch.object(AsyncSaver, "_stage", no_memory) if rank == failing else contextlib.nullcontext():
             error = catch(lambda: saver.async_save(path, state).result(timeout=3 * TIMEOUT_S))
         return error, catch(Checkpointer().save, path, state)
@@ -208,9 +212,10 @@ def test_optimizer_load_with_a_rank_that_raises(run_distributed, ckpt):
     check_raised_rank(results, 1, "injected optimizer error")
 
 
-def test_async_save_with_a_rank_whose_staging_fails(run_distributed, tmp_path):
+@pytest.mark.parametrize("planned_before", [False, True], ids=["first_save", "plan_cached"])
+def test_async_save_with_a_rank_whose_staging_fails(run_distributed, tmp_path, planned_before):
     path = str(tmp_path / "ckpt")
-    results = run_distributed(_async_stage_task, 3, path, 1, timeout=120)
+    results = run_distributed(_async_stage_task, 3, path, 1, planned_before, timeout=120)
     check_raised_rank([error for error, _ in results], 1, "injected staging failure")
     assert [again for _, again in results] == [None] * 3, "a save after the failed one was refused"
     assert torch.equal(rel_helpers.load_part(path, rel_helpers.flat_full())["flat.w"], rel_helpers.flat_full()["flat.w"])
