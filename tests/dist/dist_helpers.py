@@ -7,9 +7,12 @@ arguments and the only state kept per process is a cache of device meshes (build
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any
+import threading
+from typing import Any, Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -337,3 +340,32 @@ def assert_local_same(expected_full: dict[str, torch.Tensor], actual: dict[str, 
     problems = local_diff(expected_full, actual)
     if problems:
         raise AssertionError(f"{what} differs in {len(problems)} entries:\n" + "\n".join(problems))
+
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "barrier",
+    "broadcast", "broadcast_object_list", "gather", "irecv", "isend", "recv", "reduce", "scatter", "send",
+)
+
+
+@contextlib.contextmanager
+def collectives_called() -> Iterator[list[str]]:
+    """The names of the ``torch.distributed`` collectives this thread calls inside the block,
+    in order (other threads' calls, such as an async save's writer's, are not counted)."""
+    caller = threading.current_thread()
+    calls: list[str] = []
+
+    def counted(name):
+        real = getattr(dist, name)
+
+        def call(*args, **kwargs):
+            if threading.current_thread() is caller:
+                calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    with contextlib.ExitStack() as patches:
+        for name in _COLLECTIVES:
+            patches.enter_context(mock.patch.object(dist, name, counted(name)))
+        yield calls

@@ -13,6 +13,7 @@ from dist_helpers import (
     build_model,
     build_optim,
     catch,
+    collectives_called,
     files_under,
     model_full_state,
     optim_full_state,
@@ -146,21 +147,11 @@ def test_load_waits_for_an_async_save_into_the_same_directory(run_distributed, t
     assert keys[0] == keys[1] and keys[0]
 
 
-_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "barrier",
-    "broadcast", "broadcast_object_list", "gather", "irecv", "isend", "recv", "reduce", "scatter", "send",
-)
-
 
 def _blocking_collectives_then_a_refused_part(rank, world_size, base):
     """The collectives each of three async saves issues before it returns (in the caller's
     thread); then a save refused because only ``optim/`` holds a checkpoint."""
-    import contextlib
     import shutil
-    import threading
-    from unittest import mock
-
-    import torch.distributed as tdist
 
     from checkpointer import api
 
@@ -168,27 +159,11 @@ def _blocking_collectives_then_a_refused_part(rank, world_size, base):
     optim = build_optim(model, "adamw")
     train(model, optim, range(1))
     api._DEFAULT._plan_cache.clear()  # this worker process saved the same model in earlier tests
-    caller = threading.current_thread()
-    calls: list[str] = []
-
-    def counted(name):
-        real = getattr(tdist, name)
-
-        def call(*args, **kwargs):
-            if threading.current_thread() is caller:
-                calls.append(name)
-            return real(*args, **kwargs)
-
-        return call
-
     per_save = []
     for step in range(3):
-        calls.clear()
-        with contextlib.ExitStack() as patches:
-            for name in _COLLECTIVES:
-                patches.enter_context(mock.patch.object(tdist, name, counted(name)))
+        with collectives_called() as calls:
             future = async_save_model_and_optim_state(f"{base}/step{step}", model, optim)
-        per_save.append(list(calls))
+        per_save.append(calls)
         future.result(timeout=60)
         train(model, optim, range(step + 1, step + 2))
     if rank == 0:

@@ -13,6 +13,7 @@ from dist_helpers import (
     build_model,
     build_optim,
     catch,
+    collectives_called,
     files_under,
     model_full_state,
     optim_full_state,
@@ -130,6 +131,37 @@ def _pieces_move_between_saves(rank, world_size, base):
 
 def test_repeated_saves_whose_pieces_move_between_ranks(run_distributed, tmp_path):
     assert run_distributed(_pieces_move_between_saves, 3, str(tmp_path)) == [True] * 3
+
+
+def _collectives_of_repeated_saves(rank, world_size, base):
+    """The collectives of three saves of one structure by one Checkpointer, then of a fourth
+    whose structure changed; and what the third save holds."""
+    state = {"w": to_layout(torch.arange(91.0).reshape(7, 13), f"shard0@{world_size}"), "r": torch.ones(3)}
+    saver = Checkpointer()
+    per_save = []
+    for i in range(3):
+        state["r"].fill_(i)
+        with collectives_called() as calls:
+            saver.save(f"{base}/save{i}", state)
+        per_save.append(calls)
+    state["added"] = torch.zeros(2)
+    with collectives_called() as calls:
+        saver.save(f"{base}/changed", state)
+    per_save.append(calls)
+    target = {"w": zeros_like_layout({"w": state["w"]})["w"], "r": torch.zeros(3)}
+    Checkpointer().load(f"{base}/save2", target)
+    assert_local_same({"w": torch.arange(91.0).reshape(7, 13), "r": torch.full((3,), 2.0)}, target, "third save")
+    return per_save
+
+
+def test_a_repeated_save_exchanges_no_plans(run_distributed, tmp_path):
+    """Plan caching: a save of a structure saved before confirms it with one all-reduce and
+    exchanges no pieces; the rest is the commit. A changed structure is planned again."""
+    commit = ["all_gather", "gather", "all_reduce"]  # statuses to rank 0 (sizes, then bytes); the closing agreement
+    for rank, (first, second, third, changed) in enumerate(run_distributed(_collectives_of_repeated_saves, 3, str(tmp_path))):
+        assert second == third == ["all_reduce"] + commit, f"rank {rank}: {second} / {third}"
+        for planned in (first, changed):
+            assert planned[-3:] == commit and "all_gather" in planned[:-3], f"rank {rank}: {planned}"
 
 
 def _views(rank, world_size, ckpt):
