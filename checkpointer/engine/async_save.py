@@ -25,8 +25,8 @@ from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
-from .save import PlannedSave, SavePlanCache, plan_save, refuse_existing, release_lock, reuse_cached_plans
-from .save import take_locks, write_and_commit
+from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, refuse_existing, release_lock
+from .save import reuse_cached_plans, take_locks, write_and_commit
 
 __all__ = ["AsyncSaver", "wait_for_writes_into"]
 
@@ -108,15 +108,16 @@ class AsyncSaver:
                 if not self._group_made:
                     self._group = dist.new_cpu_group()
                     self._group_made = True
-                reused = reuse_cached_plans(targets, cache=cache, save_overwrite=save_overwrite, take_locks_now=False)
+                described = [(st, describe_for_save(sd)) for st, sd in targets]
+                reused = reuse_cached_plans(described, cache=cache, save_overwrite=save_overwrite, take_locks_now=False)
                 locked = reused is None
                 if reused is not None:
                     planned = reused
                 else:
                     if not save_overwrite:  # before any target's lock: a refused save locks none
                         dist.share_from(0, lambda: _refused([st for st, _ in targets]), "async save")
-                    for st, sd in targets:  # each plan ends with an agreement: its errors reach every rank
-                        planned.append(plan_save(st, sd, save_overwrite=save_overwrite, cache=cache))
+                    for st, d in described:  # each plan ends with an agreement: its errors reach every rank
+                        planned.append(plan_in_full(st, d, save_overwrite=save_overwrite, cache=cache))
             except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
                 _release_locks(planned)
                 result.set_exception(ex)

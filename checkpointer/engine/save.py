@@ -43,7 +43,8 @@ from .rankfile import write_rank_file
 
 __all__ = [
     "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict",
-    "check_directory", "commit_metadata", "release_lock", "reuse_cached_plans", "refuse_existing", "take_locks",
+    "check_directory", "commit_metadata", "release_lock", "DescribedState", "describe_for_save", "reuse_cached_plans",
+    "plan_in_full", "refuse_existing", "take_locks",
 ]
 
 _CACHE_ENTRIES = 8
@@ -269,16 +270,16 @@ class PlannedSave:
 
 
 @dataclass
-class _Described:
+class DescribedState:
     """One state dict described for a save (step 1), with the key of its plan cache entry."""
 
     described: dict[str, LocalTensor]
     aliases: dict[str, str]
-    error: BaseException | None
+    error: BaseException | None  # this rank's, reported to every rank by the full plan
     fingerprint: str
 
 
-def _describe_for_save(state_dict: Mapping[str, Any]) -> _Described:
+def describe_for_save(state_dict: Mapping[str, Any]) -> DescribedState:
     described: dict[str, LocalTensor] = {}
     aliases: dict[str, str] = {}
     error: BaseException | None = None
@@ -287,11 +288,11 @@ def _describe_for_save(state_dict: Mapping[str, Any]) -> _Described:
     except BaseException as ex:  # noqa: BLE001 - reported to every rank by the plan exchange
         error = ex
     fingerprint = hashlib.sha256(_desc_json(described, aliases) + str(dist.get_world_size()).encode()).hexdigest()
-    return _Described(described, aliases, error, fingerprint)
+    return DescribedState(described, aliases, error, fingerprint)
 
 
 def reuse_cached_plans(
-    targets: list[tuple[Storage, Mapping[str, Any]]],
+    targets: list[tuple[Storage, DescribedState]],
     *,
     cache: dict[str, SavePlanCache],
     save_overwrite: bool,
@@ -304,8 +305,7 @@ def reuse_cached_plans(
     to the full plan, which reports it. Without, the caller calls :func:`take_locks` (rank 0)
     and agrees on its outcome before any rank writes.
     """
-    descs = [_describe_for_save(sd) for _, sd in targets]
-    hits = [cache.get(d.fingerprint) if d.error is None else None for d in descs]
+    hits = [cache.get(d.fingerprint) if d.error is None else None for _, d in targets]
     locks: list[bytes | None] = [None] * len(targets)
     ok = all(hit is not None for hit in hits)
     if ok and take_locks_now and dist.get_rank() == 0:
@@ -323,7 +323,7 @@ def reuse_cached_plans(
     if dist.all_equal(plan_id) and plan_id >= 0:
         return [
             PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, lock)
-            for (storage, _), d, hit, lock in zip(targets, descs, hits, locks)
+            for (storage, d), hit, lock in zip(targets, hits, locks)
             if hit is not None
         ]
     for (storage, _), lock in zip(targets, locks):
@@ -340,11 +340,18 @@ def plan_save(
     cache: dict[str, SavePlanCache] | None = None,
 ) -> PlannedSave:
     """Steps 1-3 on every rank: describe, check the directory, plan (or reuse a cached plan)."""
+    d = describe_for_save(state_dict)
     if cache is not None:
-        reused = reuse_cached_plans([(storage, state_dict)], cache=cache, save_overwrite=save_overwrite, take_locks_now=True)
+        reused = reuse_cached_plans([(storage, d)], cache=cache, save_overwrite=save_overwrite, take_locks_now=True)
         if reused is not None:
             return reused[0]
-    d = _describe_for_save(state_dict)
+    return plan_in_full(storage, d, save_overwrite=save_overwrite, cache=cache)
+
+
+def plan_in_full(
+    storage: Storage, d: DescribedState, *, save_overwrite: bool, cache: dict[str, SavePlanCache] | None
+) -> PlannedSave:
+    """Steps 2-3 without the cache (every rank's pieces exchanged); the plan goes into ``cache``."""
     keys, metadata, lock, plan_id = _plan(storage, d.described, d.aliases, d.error, save_overwrite, d.fingerprint)
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
