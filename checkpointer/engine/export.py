@@ -42,7 +42,8 @@ from ..planning.plan import TensorLoadPlan, build_load_plan
 from ..storage.base import Storage, Writer, open_storage, path_arg
 from .load import read_metadata
 from .locate import model_checkpoint
-from .rankfile import HeaderCache, ReadJob, check_chunk, check_files_hold, execute_reads, verify_reads
+from .headers import HeaderCache, check_files_hold
+from .reads import ReadJob, check_chunk, execute_reads, verify_reads
 
 __all__ = [
     "export_safetensors",

@@ -30,7 +30,8 @@ from ..planning.overlap import Range, box_ranges
 from ..planning.plan import build_load_plan
 from ..storage.base import ReadRequest, Storage, Writer
 from ..storage.local import LocalStorage
-from .rankfile import HeaderCache, ReadJob, check_files_hold, execute_reads, read_small_file
+from .headers import HeaderCache, check_files_hold, read_small_file
+from .reads import ReadJob, execute_reads
 
 __all__ = [
     "Box",

@@ -29,7 +29,8 @@ from ..planning.plan import TensorLoadPlan, build_load_plan, piece_ranges
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .locate import missing_metadata_message
-from .rankfile import HeaderCache, ReadJob, execute_reads, execute_reads_from
+from .headers import HeaderCache
+from .reads import ReadJob, execute_reads, execute_reads_from
 from .save import describe_state_dict
 
 __all__ = [

@@ -33,7 +33,8 @@ from ..format.metadata import StorageMetadata
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
 from .load import LocalLoad, copy_into, plan_local_loads
-from .rankfile import HeaderCache, ReadJob, piece_start, read_file_ranges, verify_reads
+from .headers import HeaderCache, piece_start
+from .reads import ReadJob, read_file_ranges, verify_reads
 
 __all__ = ["LoadStats", "load_two_stage"]
 

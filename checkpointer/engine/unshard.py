@@ -14,7 +14,8 @@ from ..planning.overlap import SourceIndex
 from ..planning.plan import build_load_plan, spec_ranges
 from ..storage.base import Storage
 from .load import fill_in_place, plan_local_loads, read_metadata
-from .rankfile import HeaderCache, ReadJob, check_files_hold, execute_reads
+from .headers import HeaderCache, check_files_hold
+from .reads import ReadJob, execute_reads
 
 __all__ = ["unshard_state_dict", "read_full", "read_full_onto"]
 

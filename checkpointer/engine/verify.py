@@ -34,7 +34,8 @@ from ..planning.overlap import Range
 from ..planning.plan import spec_ranges
 from ..storage.base import Storage, open_storage
 from .load import read_metadata
-from .rankfile import HeaderCache, io_threads
+from .headers import HeaderCache
+from .rankfile import io_threads
 
 __all__ = ["verify_checkpoint"]
 

@@ -13,7 +13,7 @@ from ..buffers import memoryview_of
 from ..engine.export import INDEX_NAME, split_output
 from ..engine.lazy import split_url
 from ..engine.lazy_sources import read_hf_index
-from ..engine.rankfile import HeaderCache
+from ..engine.headers import HeaderCache
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import is_rank_filename

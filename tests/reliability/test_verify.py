@@ -121,7 +121,7 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
     """Chunks of 4 KiB, runs of at most three chunks, tensors asked for in an order unlike the
     file's (the runs are read in file order): every value is exact, every chunk is hashed once,
     and a flipped bit is caught, naming its chunk."""
-    from checkpointer.engine import rankfile
+    from checkpointer.engine import reads as rankfile
 
     sizes = {"a": 300_000, "b": 5_000, "c": 70_001}
     saved = {k: torch.arange(n, dtype=torch.float32) * 0.5 for k, n in sizes.items()}

@@ -13,6 +13,8 @@ from checkpointer import Checkpointer, CorruptCheckpointError
 from checkpointer.buffers import memoryview_of
 from checkpointer.checksums import CHUNK_BYTES, chunk_crcs
 from checkpointer.engine import rankfile
+from checkpointer.engine import reads as reads_module
+from checkpointer.engine.headers import HeaderCache
 from checkpointer.engine.rankfile import write_rank_file
 from checkpointer.format.dtypes import code_from_dtype
 from checkpointer.sharding import describe
@@ -116,13 +118,13 @@ def test_header_cache_refuses_a_file_whose_id_is_not_the_one_metadata_lists(tmp_
     with safe_open(str(tmp_path / "rank_0.safetensors"), "pt") as f:
         assert f.metadata() == {"checkpointer_file_id": "aaaa"}
 
-    assert rankfile.HeaderCache(storage, {"rank_0.safetensors": "aaaa"}).get("rank_0.safetensors").entries["w"].numel == 10
-    assert rankfile.HeaderCache(storage).get("rank_0.safetensors").user_metadata == {"checkpointer_file_id": "aaaa"}
-    assert rankfile.HeaderCache(storage, {"rank_0.safetensors": "aaaa"}).get("rank_1.safetensors").user_metadata is None
+    assert HeaderCache(storage, {"rank_0.safetensors": "aaaa"}).get("rank_0.safetensors").entries["w"].numel == 10
+    assert HeaderCache(storage).get("rank_0.safetensors").user_metadata == {"checkpointer_file_id": "aaaa"}
+    assert HeaderCache(storage, {"rank_0.safetensors": "aaaa"}).get("rank_1.safetensors").user_metadata is None
     for ids, found in (({"rank_0.safetensors": "bbbb"}, "'aaaa'"), ({"rank_1.safetensors": "aaaa"}, "None")):
         name = next(iter(ids))
         with pytest.raises(CorruptCheckpointError, match=rf"{name}: written by another save .* \(file id {found}, expected"):
-            rankfile.HeaderCache(storage, ids).get(name)
+            HeaderCache(storage, ids).get(name)
 
 
 def test_a_large_tensor_is_read_in_parts_shared_by_the_threads(tmp_path, monkeypatch):
@@ -130,7 +132,7 @@ def test_a_large_tensor_is_read_in_parts_shared_by_the_threads(tmp_path, monkeyp
     (a 129 MiB tensor was one read on one thread: loads through host staging ran at one thread's speed)."""
     import threading
 
-    monkeypatch.setattr(rankfile, "_SPLIT_BYTES", 1 << 20)
+    monkeypatch.setattr(reads_module, "_SPLIT_BYTES", 1 << 20)
     saved = {"big": torch.randn(5 << 18, generator=torch.Generator().manual_seed(3))}  # 5 MiB
     Checkpointer().save(str(tmp_path / "ckpt"), saved)
     reads, threads = [], set()
