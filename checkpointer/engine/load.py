@@ -25,7 +25,7 @@ from ..errors import CheckpointError, CheckpointMismatchError, CorruptCheckpoint
 from ..format.dtypes import dtype_from_code
 from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, parse_metadata
-from ..planning.plan import TensorLoadPlan, build_load_plan, piece_ranges
+from ..planning.plan import TensorLoadPlan, build_load_plan
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .locate import missing_metadata_message
@@ -162,7 +162,7 @@ def plan_local_loads(storage: Storage, metadata: StorageMetadata, state_dict: Ma
         if meta.dtype != lt.dtype:
             raise CheckpointMismatchError(_dtype_mismatch(key, storage, meta.dtype, lt.dtype))
         saved_key = key if key in metadata.tensors else metadata.aliases[key]  # type: ignore[index]
-        plan = build_load_plan(saved_key, meta, piece_ranges(lt.piece, lt.shape))
+        plan = build_load_plan(saved_key, meta, lt.piece)
         # Only the files read: a tensor of a large job has thousands, most not this rank's.
         specs = [(f, meta.shard_spec_per_file[f]) for f in plan.files]
         out.append(

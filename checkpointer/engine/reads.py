@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -13,7 +14,8 @@ from ..buffers import memoryview_of
 from ..checksums import crc32c, crc32c_extend
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
-from ..planning.plan import TensorLoadPlan
+from ..planning.boxes import span_boxes
+from ..planning.plan import ReadItem, TensorLoadPlan
 from ..storage.base import ReadRequest, Storage
 from .headers import HeaderCache, piece_start
 from .rankfile import io_threads
@@ -25,9 +27,14 @@ __all__ = [
     "check_chunk",
     "read_file_ranges",
     "verify_reads",
+    "scatter_span",
+    "StagingBlocks",
+    "STRIDED_BLOCK",
 ]
 
 _SPLIT_BYTES = 32 << 20
+STRIDED_BLOCK = 8 << 20
+"""Bytes of a stored piece read at once for a strided copy (a tensor-parallel box)."""
 _HASH_BLOCK = 1 << 20  # hashed right after it is read, from the CPU cache
 
 
@@ -46,6 +53,8 @@ def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache) -> dict
     size = itemsize(plan.dtype)
     out: dict[str, list[ReadRequest]] = {}
     for item in plan.items:
+        if item.sizes:
+            continue  # read through a staging block: _strided_tasks
         entry_start = piece_start(headers, item.file, plan.key, plan.dtype, job.numel_per_file[item.file])
         start = entry_start + item.src_offset * size
         buf = dest[item.dst_offset * size : (item.dst_offset + item.numel) * size]
@@ -84,13 +93,17 @@ def execute_reads_from(
     cache of its storage), in one thread pool: a model's and its optimizer's reads overlap."""
     tasks: list[tuple] = []
     checked_after: list[tuple[HeaderCache, Sequence[ReadJob]]] = []
+    buffers = StagingBlocks()
     for headers, jobs in sources:
+        tasks += _strided_tasks(headers, jobs, verify_chunk_bytes, buffers)
         tasks += _read_tasks(headers, jobs, verify_chunk_bytes)
         if verify_chunk_bytes and not headers.storage.is_local():
             checked_after.append((headers, jobs))
     _run(num_threads, tasks)
     for headers, jobs in checked_after:
-        verify_reads(headers.storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads)
+        verify_reads(
+            headers.storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads, strided=False
+        )
 
 
 def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None) -> list[tuple]:
@@ -126,6 +139,104 @@ def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_byte
     runs.sort(key=lambda run: (run.file, run.start))  # in file order, as the plain reads: the disk reads ahead
     hashed = [(_read_hashed, storage, r.file, r.key, r.start, r.view, verify_chunk_bytes, r.expected) for r in runs]
     return checks + hashed + tasks
+
+
+class StagingBlocks:
+    """Host buffers of at most :data:`STRIDED_BLOCK` bytes (or one checksum chunk), one per
+    thread reading at once, reused: the only memory a strided read adds."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, STRIDED_BLOCK), dtype=torch.uint8)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+def _strided_tasks(
+    headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None, buffers: StagingBlocks
+) -> list[tuple]:
+    """The tasks of the strided items: each item's span of its stored piece, read in blocks of at
+    most :data:`STRIDED_BLOCK` bytes (whole checksum chunks when verifying, each hashed once read),
+    each block copied out as at most ``2 * ndim - 1`` strided boxes."""
+    tasks: list[tuple] = []
+    storage = headers.storage
+    for job in jobs:
+        plan = job.plan
+        size = itemsize(plan.dtype)
+        for item in plan.items:
+            if not item.sizes:
+                continue
+            numel = job.numel_per_file[item.file]
+            start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
+            lo, hi = item.src_offset, item.src_end
+            crcs = (job.checksums_per_file or {}).get(item.file) if verify_chunk_bytes else None
+            if crcs is not None:
+                chunk = verify_chunk_bytes // size  # type: ignore[operator]
+                lo, hi = lo - lo % chunk, min(numel, -(-hi // chunk) * chunk)
+                step = chunk * max(1, STRIDED_BLOCK // verify_chunk_bytes)  # type: ignore[operator]
+            else:
+                chunk, step = 0, max(1, STRIDED_BLOCK // size)
+            for a in range(lo, hi, step):
+                b = min(hi, a + step)
+                checks = []
+                if crcs is not None:
+                    for c in range(a // chunk, -(-b // chunk)):
+                        if c >= len(crcs):
+                            raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {plan.key!r} has too few checksums")
+                        checks.append((c, c * chunk - a, min(b, (c + 1) * chunk) - a, crcs[c]))
+                tasks.append((_read_strided, storage, item.file, plan.key, start, size, item, job.dest, a, b, checks, buffers))
+    return tasks
+
+
+def _read_strided(
+    storage: Storage,
+    name: str,
+    key: str,
+    piece_start_byte: int,
+    size: int,
+    item: ReadItem,
+    dest: torch.Tensor,
+    lo: int,
+    hi: int,
+    checks: list[tuple[int, int, int, int]],
+    buffers: StagingBlocks,
+) -> None:
+    """Read elements ``[lo, hi)`` of the stored piece into a staging block, check the checksum
+    chunks it holds whole, and copy the item's elements among them into ``dest``."""
+    nbytes = (hi - lo) * size
+    buf = buffers.take(nbytes)
+    try:
+        block = buf[:nbytes]
+        _read_with(storage, name, lambda: storage.read_into(name, [(piece_start_byte + lo * size, memoryview_of(block))]))
+        for c, a, b, expected in checks:
+            check_chunk(storage, (name, key, c), memoryview_of(block[a * size : b * size]), expected)
+        scatter_span(item, block.view(dest.dtype), lo, dest)
+    finally:
+        buffers.give(buf)
+
+
+def scatter_span(item: ReadItem, span: torch.Tensor, lo: int, dest: torch.Tensor) -> int:
+    """Copy the elements of a strided ``item`` whose stored offsets lie in ``[lo, lo + len(span))``
+    from ``span`` (those stored elements, flat) into ``dest`` (the flat destination piece).
+    Returns how many elements it copied."""
+    copied = 0
+    base = dest.storage_offset()
+    for origin, sizes in span_boxes(item.sizes, item.src_strides, lo - item.src_offset, lo + span.numel() - item.src_offset):
+        src = item.src_offset - lo + sum(o * s for o, s in zip(origin, item.src_strides))
+        dst = item.dst_offset + sum(o * s for o, s in zip(origin, item.dst_strides))
+        target = dest.as_strided(sizes, item.dst_strides, base + dst)
+        target.copy_(span.as_strided(sizes, item.src_strides, span.storage_offset() + src))
+        copied += target.numel()
+    return copied
 
 
 def _split_request(req: ReadRequest) -> list[ReadRequest]:
@@ -167,6 +278,8 @@ def _verified_requests(
     runs: list[_HashedRun] = []
     rechecked: set[tuple[str, int]] = set()
     for item in plan.items:
+        if item.sizes:
+            continue  # checked as its staging blocks are read
         numel = job.numel_per_file[item.file]
         start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
         a, b = item.src_offset * size, (item.src_offset + item.numel) * size
@@ -225,10 +338,18 @@ class _RunningCrc:
 
 
 def verify_reads(
-    storage: Storage, jobs: Sequence[ReadJob], *, headers: HeaderCache, chunk_bytes: int, num_threads: int | None = None
+    storage: Storage,
+    jobs: Sequence[ReadJob],
+    *,
+    headers: HeaderCache,
+    chunk_bytes: int,
+    num_threads: int | None = None,
+    strided: bool = True,
 ) -> None:
-    """Check the checksums of every chunk the jobs' reads touched (after the reads filled them)."""
-    _run(num_threads, _verify_tasks(storage, jobs, headers, chunk_bytes))
+    """Check the checksums of every chunk the jobs' reads touched (after the reads filled them).
+    A strided item's chunks are read again from storage (``strided=False``: they were checked
+    as they were read)."""
+    _run(num_threads, _verify_tasks(storage, jobs, headers, chunk_bytes, strided))
 
 
 def _run(num_threads: int | None, tasks: list[tuple]) -> None:
@@ -242,7 +363,9 @@ def _run(num_threads: int | None, tasks: list[tuple]) -> None:
             future.result()
 
 
-def _verify_tasks(storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCache, chunk: int) -> list[tuple]:
+def _verify_tasks(
+    storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCache, chunk: int, strided: bool = True
+) -> list[tuple]:
     """Checks for every checksummed chunk the reads touched: hashed from the destination when
     one read covered it whole, re-read from storage otherwise (only at piece boundaries)."""
     tasks: list[tuple] = []
@@ -252,17 +375,17 @@ def _verify_tasks(storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCach
         dest = memoryview_of(job.dest)
         for item in job.plan.items:
             crcs = (job.checksums_per_file or {}).get(item.file)
-            if crcs is None:
+            if crcs is None or (item.sizes and not strided):
                 continue
             piece_bytes = job.numel_per_file[item.file] * size
-            a, b = item.src_offset * size, (item.src_offset + item.numel) * size
+            a, b = item.src_offset * size, item.src_end * size
             d = item.dst_offset * size
             for c in range(a // chunk, -(-b // chunk)):
                 lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
                 where = (item.file, job.plan.key, c)
                 if c >= len(crcs):
                     raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {job.plan.key!r} has too few checksums")
-                if a <= lo and hi <= b:
+                if a <= lo and hi <= b and not item.sizes:
                     tasks.append((check_chunk, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
                 elif where not in reread:
                     reread.add(where)

@@ -30,11 +30,12 @@ from ..buffers import memoryview_of
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
+from ..planning.plan import ReadItem
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
 from .load import LocalLoad, copy_into, plan_local_loads
 from .headers import HeaderCache, piece_start
-from .reads import ReadJob, read_file_ranges, verify_reads
+from .reads import ReadJob, read_file_ranges, scatter_span, verify_reads
 
 __all__ = ["LoadStats", "load_two_stage"]
 
@@ -72,10 +73,8 @@ class _Staged:
 
 @dataclass
 class _Dest:
-    start: int  # element offset into the piece
-    numel: int
+    item: ReadItem  # elements of one stored piece, to one destination
     dest: torch.Tensor | _Staged  # flat destination, or one filled through host memory
-    offset: int  # element offset into dest
 
 
 def load_two_stage(
@@ -114,8 +113,8 @@ def load_two_stage(
                 flat = _Staged(load, load.local.numel)
                 staged.append(flat)
             for item in load.plan.items:
-                needs.append(Need(item.file, load.plan.key, item.src_offset, item.src_offset + item.numel))
-                dests[(item.file, load.plan.key)].append(_Dest(item.src_offset, item.numel, flat, item.dst_offset))
+                needs.append(Need(item.file, load.plan.key, item.src_offset, item.src_end))
+                dests[(item.file, load.plan.key)].append(_Dest(item, flat))
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     lap("planning")
@@ -217,15 +216,21 @@ def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: list[_Dest], size: i
     destinations this unit completed."""
     done = []
     for d in dests:
-        lo, hi = max(unit.start, d.start), min(unit.end, d.start + d.numel)
+        item = d.item
+        lo, hi = max(unit.start, item.src_offset), min(unit.end, item.src_end)
         if hi <= lo:
             continue
         flat = d.dest.buffer() if isinstance(d.dest, _Staged) else d.dest
-        target = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-        dst = (d.offset + lo - d.start) * size
-        target[dst : dst + (hi - lo) * size].copy_(buf[(lo - unit.start) * size : (hi - unit.start) * size])
+        part = buf[(lo - unit.start) * size : (hi - unit.start) * size]
+        if item.sizes:
+            copied = scatter_span(item, part.view(flat.dtype), lo, flat)
+        else:
+            target = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+            dst = (item.dst_offset + lo - item.src_offset) * size
+            target[dst : dst + (hi - lo) * size].copy_(part)
+            copied = hi - lo
         if isinstance(d.dest, _Staged):
-            d.dest.missing -= hi - lo
+            d.dest.missing -= copied
             if d.dest.missing == 0:
                 done.append(d.dest)
     return done

@@ -11,7 +11,7 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..planning.overlap import SourceIndex
-from ..planning.plan import build_load_plan, spec_ranges
+from ..planning.plan import build_load_plan, spec_ranges, whole
 from ..storage.base import Storage
 from .load import fill_in_place, plan_local_loads, read_metadata
 from .headers import HeaderCache, check_files_hold
@@ -75,7 +75,7 @@ def read_full(
         full = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
         out[key] = full
         if meta.numel:
-            plan = build_load_plan(key, meta, [(0, meta.numel)])
+            plan = build_load_plan(key, meta, whole(meta.shape))
             numels = {f: s.local_numel for f, s in specs.items()}
             jobs.append(ReadJob(plan, full.view(-1), numels, {f: s.checksums for f, s in specs.items()}))
     with torch.no_grad():

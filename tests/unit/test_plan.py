@@ -179,15 +179,22 @@ def simulate_save(tensors: Tensors, world: int, dtype: str = "F32"):
 def simulate_load(metadata, files, key: str, piece: Piece) -> None:
     meta = metadata.tensors[key]
     shape = meta.shape
-    lp = build_load_plan(key, meta, piece_ranges(piece, shape))
+    lp = build_load_plan(key, meta, piece)
     assert lp.key == key and lp.dtype == meta.dtype
     n = piece.numel
     dest = torch.full((n,), -1, dtype=torch.int64)
     count = torch.zeros(n, dtype=torch.int64)
     for item in lp.items:
         assert item.numel > 0
-        src = files[(item.file, key)]
-        assert 0 <= item.src_offset and item.src_offset + item.numel <= src.numel()
+        src = files[(item.file, key)].contiguous()  # as the rank file holds it
+        assert 0 <= item.src_offset and item.src_end <= src.numel()
+        if item.sizes:  # a strided box on both sides
+            assert math.prod(item.sizes) == item.numel
+            dst_view = dest.as_strided(item.sizes, item.dst_strides, item.dst_offset)
+            assert item.dst_offset + sum((z - 1) * s for z, s in zip(item.sizes, item.dst_strides)) < n
+            dst_view.copy_(src.as_strided(item.sizes, item.src_strides, src.storage_offset() + item.src_offset))
+            count.as_strided(item.sizes, item.dst_strides, item.dst_offset).add_(1)
+            continue
         assert 0 <= item.dst_offset and item.dst_offset + item.numel <= n
         dest[item.dst_offset : item.dst_offset + item.numel] = src[item.src_offset : item.src_offset + item.numel]
         count[item.dst_offset : item.dst_offset + item.numel] += 1

@@ -85,9 +85,9 @@ def test_equal_layouts_are_shared():
     assert md.tensors["u"].shard_spec_per_file.layout is not layout
     # the load planner indexes a shared layout once
     build_load_plan("w", md.tensors["w"], [(0, 48)])
-    index = layout.memo["source_index"]
+    index = layout.memo["tile_index"]  # box pieces: indexed as boxes
     build_load_plan("v", md.tensors["v"], [(0, 48)])
-    assert layout.memo["source_index"] is index
+    assert layout.memo["tile_index"] is index
 
 
 def test_with_checksums_matches_pydantic():
