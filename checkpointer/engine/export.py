@@ -371,7 +371,7 @@ def _streamed_checks(
         expected = crcs.get(name)
         if expected is None:
             continue
-        if len(items) != 1 or items[0].src_offset != 0 or items[0].numel != numels[name]:
+        if len(items) != 1 or items[0].sizes or items[0].src_offset != 0 or items[0].numel != numels[name]:
             return None
         piece_bytes, d = numels[name] * size, items[0].dst_offset * size
         count = -(-piece_bytes // chunk)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import io
-import math
 import os
 import pickle
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,13 +20,11 @@ from typing import Any
 
 import torch
 
-from ..buffers import memoryview_of
 from ..errors import CorruptCheckpointError
-from ..format.dtypes import dtype_from_code, itemsize
+from ..format.dtypes import dtype_from_code
 from ..format.layout import check_filename
 from ..format.metadata import StorageMetadata, reject_duplicate_keys
-from ..planning.overlap import Range, box_ranges
-from ..planning.plan import build_load_plan
+from ..planning.plan import Piece, build_load_plan, whole, whole_file_plan
 from ..storage.base import ReadRequest, Storage, Writer
 from ..storage.local import LocalStorage
 from .headers import HeaderCache, check_files_hold, read_small_file
@@ -54,9 +51,6 @@ MAX_NESTING = 100
 """How deeply the mappings of a torch pickle may nest (``{"model": {"layers": ...}}``)."""
 _GAP_BYTES = 1 << 20
 _SPAN_BYTES = 64 << 20
-_STAGE_BYTES = 16 << 20
-_MANY_RANGES = 64
-_SHORT_RANGE_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -70,42 +64,19 @@ class LazyTensor:
 
 
 def read_box(
-    shape: Sequence[int], dtype: torch.dtype, box: Box | None, read_ranges: Callable[[list[Range], torch.Tensor], None]
+    shape: Sequence[int], dtype: torch.dtype, box: Box | None, read_piece: Callable[[Piece, torch.Tensor], None]
 ) -> torch.Tensor:
     """A fresh tensor holding ``box`` of a stored tensor (all of it for ``None``).
 
-    ``read_ranges(ranges, flat)`` fills ``flat`` with the elements ``ranges`` of the flattened
-    stored tensor, back to back. A box cut along a trailing dimension is one range per row:
-    when there are many short ones, whole rows are read instead, 16 MiB at a time into a
-    staging buffer, and the box is copied out (fewer, larger reads for up to ``tp_size``
-    times the bytes); otherwise exactly the box's elements are read.
-    """
+    ``read_piece(piece, flat)`` fills ``flat`` with the elements of ``piece`` in its row-major
+    order: a box stays a box, read as a few strided copies however many rows it has."""
     if box is None:
-        dest = torch.empty(tuple(shape), dtype=dtype)
-        if dest.numel():
-            read_ranges([(0, dest.numel())], dest.view(-1))
-        return dest
-    local, offset = box
-    dest = torch.empty(local, dtype=dtype)
-    if dest.numel() == 0:
-        return dest
-    cut = [d for d in range(len(shape)) if local[d] != shape[d]]
-    if len(cut) == 1 and cut[0] > 0:
-        d = cut[0]
-        outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1 :])
-        row = shape[d] * inner
-        size = dest.element_size()
-        if outer > _MANY_RANGES and local[d] * inner * size < _SHORT_RANGE_BYTES and row * size <= _STAGE_BYTES:
-            per_block = _STAGE_BYTES // (row * size)
-            stage = torch.empty(min(per_block, outer) * row, dtype=dtype)
-            out = dest.view(outer, local[d], inner)
-            for first in range(0, outer, per_block):
-                n = min(per_block, outer - first)
-                flat = stage[: n * row]
-                read_ranges([(first * row, (first + n) * row)], flat)
-                out[first : first + n].copy_(flat.view(n, shape[d], inner).narrow(1, offset[d], local[d]))
-            return dest
-    read_ranges(box_ranges(shape, local, offset), dest.view(-1))
+        dest, piece = torch.empty(tuple(shape), dtype=dtype), whole(shape)
+    else:
+        local, offset = box
+        dest, piece = torch.empty(tuple(local), dtype=dtype), Piece(local_shape=tuple(local), global_offset=tuple(offset))
+    if dest.numel():
+        read_piece(piece, dest.view(-1))
     return dest
 
 
@@ -122,14 +93,14 @@ def checkpoint_tensors(storage: Storage, metadata: StorageMetadata) -> Iterator[
         aliases.setdefault(target, []).append(alias)
     for key, meta in metadata.tensors.items():
 
-        def read_ranges(ranges: list[Range], flat: torch.Tensor, key: str = key, meta: Any = meta) -> None:
-            plan = build_load_plan(key, meta, ranges)
+        def read_piece(piece: Piece, flat: torch.Tensor, key: str = key, meta: Any = meta) -> None:
+            plan = build_load_plan(key, meta, piece)
             numel_per_file = {f: meta.shard_spec_per_file[f].local_numel for f in plan.files}
             execute_reads(storage, [ReadJob(plan, flat, numel_per_file)], headers=headers)
 
-        def read(box: Box | None, key: str = key, meta: Any = meta, read_ranges: Any = read_ranges) -> torch.Tensor:
+        def read(box: Box | None, key: str = key, meta: Any = meta, read_piece: Any = read_piece) -> torch.Tensor:
             check_files_hold(headers, key, meta)  # before read_box allocates what metadata.json claims
-            return read_box(meta.shape, dtype_from_code(meta.dtype), box, read_ranges)
+            return read_box(meta.shape, dtype_from_code(meta.dtype), box, read_piece)
 
         for name in [key, *aliases.get(key, [])]:
             yield LazyTensor(name, tuple(meta.shape), dtype_from_code(meta.dtype), read)
@@ -146,37 +117,26 @@ def safetensors_tensors(storage: Storage, name: str, keys: Sequence[str] | None 
     The header is read and validated now; the tensors as the iterator advances.
     """
     where = storage.join(name)
-    entries = HeaderCache(storage).get(name).entries
+    headers = HeaderCache(storage, what="safetensors file")
+    entries = headers.get(name).entries
     if keys is not None:
         missing = [k for k in keys if k not in entries]
         if missing:
             raise CorruptCheckpointError(f"{where}: tensors {missing[:5]} are listed in the index but not in the file")
         wanted = set(keys)
         entries = {k: e for k, e in entries.items() if k in wanted}
-    return _safetensors_entries(storage, name, where, sorted(entries.items(), key=lambda kv: kv[1].start))
+    return _safetensors_entries(headers, name, sorted(entries.items(), key=lambda kv: kv[1].start))
 
 
-def _safetensors_entries(storage: Storage, name: str, where: str, entries: list[tuple[str, Any]]) -> Iterator[LazyTensor]:
+def _safetensors_entries(headers: HeaderCache, name: str, entries: list[tuple[str, Any]]) -> Iterator[LazyTensor]:
     for key, entry in entries:
 
-        def read_ranges(ranges: list[Range], flat: torch.Tensor, key: str = key, entry: Any = entry) -> None:
-            size = itemsize(entry.dtype)
-            view = memoryview_of(flat)
-            requests: list[ReadRequest] = []
-            pos = 0
-            for start, end in ranges:
-                n = (end - start) * size
-                requests.append((entry.start + start * size, view[pos : pos + n]))
-                pos += n
-            try:
-                storage.read_into(name, requests)
-            except FileNotFoundError as ex:
-                raise CorruptCheckpointError(f"{where}: the file disappeared while reading {key!r}") from ex
-            except EOFError as ex:
-                raise CorruptCheckpointError(f"{where}: the file is truncated in {key!r} ({ex})") from ex
+        def read_piece(piece: Piece, flat: torch.Tensor, key: str = key, entry: Any = entry) -> None:
+            plan = whole_file_plan(key, entry.dtype, entry.shape, name, piece)
+            execute_reads(headers.storage, [ReadJob(plan, flat, {name: entry.numel})], headers=headers)
 
-        def read(box: Box | None, entry: Any = entry, read_ranges: Any = read_ranges) -> torch.Tensor:
-            return read_box(entry.shape, dtype_from_code(entry.dtype), box, read_ranges)
+        def read(box: Box | None, entry: Any = entry, read_piece: Any = read_piece) -> torch.Tensor:
+            return read_box(entry.shape, dtype_from_code(entry.dtype), box, read_piece)
 
         yield LazyTensor(key, entry.shape, dtype_from_code(entry.dtype), read)
 

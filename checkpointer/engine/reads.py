@@ -6,6 +6,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from itertools import product
 from typing import Callable, Sequence
 
 import torch
@@ -35,6 +36,8 @@ __all__ = [
 _SPLIT_BYTES = 32 << 20
 STRIDED_BLOCK = 8 << 20
 """Bytes of a stored piece read at once for a strided copy (a tensor-parallel box)."""
+_FEW_RUNS = 64
+_RUN_BYTES = 256 << 10
 _HASH_BLOCK = 1 << 20  # hashed right after it is read, from the CPU cache
 
 
@@ -48,17 +51,45 @@ class ReadJob:
     checksums_per_file: dict[str, tuple[int, ...] | None] | None = None
 
 
-def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache) -> dict[str, list[ReadRequest]]:
+def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache, *, runs: bool) -> dict[str, list[ReadRequest]]:
+    """Reads straight into the destination: contiguous items, and (with ``runs``) the strided
+    items whose runs are few or long (:func:`_by_runs`)."""
     plan = job.plan
     size = itemsize(plan.dtype)
     out: dict[str, list[ReadRequest]] = {}
+    cached: dict[str, int] = {}  # file -> byte offset of the piece: the header is checked once
     for item in plan.items:
-        if item.sizes:
+        if item.sizes and not (runs and _by_runs(item, size)):
             continue  # read through a staging block: _strided_tasks
-        entry_start = piece_start(headers, item.file, plan.key, plan.dtype, job.numel_per_file[item.file])
+        entry_start = cached.get(item.file)
+        if entry_start is None:
+            entry_start = cached[item.file] = piece_start(headers, item.file, plan.key, plan.dtype, job.numel_per_file[item.file])
+        reqs = out.setdefault(item.file, [])
+        if item.sizes:
+            reqs += _run_requests(item, entry_start, dest, size)
+            continue
         start = entry_start + item.src_offset * size
         buf = dest[item.dst_offset * size : (item.dst_offset + item.numel) * size]
-        out.setdefault(item.file, []).append((start, buf))
+        reqs.append((start, buf))
+    return out
+
+
+def _by_runs(item: ReadItem, size: int) -> bool:
+    """Whether a strided item is read run by run, straight into its destination: its runs are
+    contiguous on both sides, and few (a handful of ``preadv`` iovecs) or long (at least
+    :data:`_RUN_BYTES` each, so reads are large), exactly its bytes."""
+    if item.src_strides[-1] != 1 or item.dst_strides[-1] != 1:
+        return False
+    return item.numel // item.sizes[-1] <= _FEW_RUNS or item.sizes[-1] * size >= _RUN_BYTES
+
+
+def _run_requests(item: ReadItem, piece_byte: int, dest: memoryview, size: int) -> list[ReadRequest]:
+    run = item.sizes[-1] * size
+    out = []
+    for index in product(*map(range, item.sizes[:-1])):
+        src = item.src_offset + sum(i * s for i, s in zip(index, item.src_strides))
+        dst = (item.dst_offset + sum(i * s for i, s in zip(index, item.dst_strides))) * size
+        out.append((piece_byte + src * size, dest[dst : dst + run]))
     return out
 
 
@@ -120,7 +151,7 @@ def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_byte
             checks += job_checks
             runs += job_runs
         else:
-            requests = _byte_requests(job, dest, headers)
+            requests = _byte_requests(job, dest, headers, runs=not verify_chunk_bytes)
         for name, reqs in requests.items():
             per_file.setdefault(name, []).extend(reqs)
     tasks: list[tuple] = []
@@ -173,7 +204,7 @@ def _strided_tasks(
         plan = job.plan
         size = itemsize(plan.dtype)
         for item in plan.items:
-            if not item.sizes:
+            if not item.sizes or (not verify_chunk_bytes and _by_runs(item, size)):
                 continue
             numel = job.numel_per_file[item.file]
             start = piece_start(headers, item.file, plan.key, plan.dtype, numel)

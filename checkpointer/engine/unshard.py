@@ -11,7 +11,7 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..planning.overlap import SourceIndex
-from ..planning.plan import build_load_plan, spec_ranges, whole
+from ..planning.plan import build_load_plan, spec_ranges, stored_cover_exactly, whole
 from ..storage.base import Storage
 from .load import fill_in_place, plan_local_loads, read_metadata
 from .headers import HeaderCache, check_files_hold
@@ -121,6 +121,8 @@ def _check_whole(headers: HeaderCache, key: str, meta: TensorStorageMetadata) ->
     nothing before it is refused.
     """
     check_files_hold(headers, key, meta)
+    if stored_cover_exactly(meta):
+        return
     index = SourceIndex([spec_ranges(s, meta.shape) for s in meta.shard_spec_per_file.values()])
     if index.covered() != meta.numel:
         raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")

@@ -28,10 +28,10 @@ from ..checksums import ALGORITHM, crc32c
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import METADATA_FILENAME, is_rank_filename
-from ..format.metadata import StorageMetadata, TensorStorageMetadata
+from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from ..format.safetensors_header import SafetensorsHeader
 from ..planning.overlap import Range
-from ..planning.plan import spec_ranges
+from ..planning.plan import spec_ranges, stored_cover_exactly
 from ..storage.base import Storage, open_storage
 from .load import read_metadata
 from .headers import HeaderCache
@@ -142,7 +142,7 @@ def _check_tensor(
     problems: list[str] = []
     size = itemsize(meta.dtype)
     chunk_bytes = metadata.checksum_chunk_bytes
-    pieces: list[tuple[str, list[Range]]] = []
+    pieces: list[tuple[str, TensorShardSpec]] = []
     all_held = True  # every piece's file holds as many elements as metadata.json says
     for name, spec in meta.shard_spec_per_file.items():
         header = headers.get(name)
@@ -159,7 +159,7 @@ def _check_tensor(
         if entry.numel != numel:
             all_held = False
         else:  # bounded by the file: a box is a range per row, as many as the file holds rows
-            pieces.append((name, spec_ranges(spec, meta.shape)))
+            pieces.append((name, spec))
         if entry.dtype != meta.dtype or entry.numel != numel:
             problems.append(
                 f"{where}: tensor {key!r} is {entry.dtype} x {entry.numel} in the file "
@@ -182,8 +182,9 @@ def _check_tensor(
         for i, lo in enumerate(range(0, nbytes, step)):
             hi = min(lo + step, nbytes)
             chunks.append(_Chunk(name, key, i, entry.start + lo, entry.start + hi, crcs[i] if crcs is not None else None))
-    if all_held:  # else some elements are unaccounted for, and a line says why
-        problems.extend(_coverage_problems(key, meta.numel, pieces))
+    if all_held and not stored_cover_exactly(meta, replicas=False):  # else a line says why already
+        ranges = [(name, spec_ranges(spec, meta.shape)) for name, spec in pieces]
+        problems.extend(_coverage_problems(key, meta.numel, ranges))
     return problems
 
 

@@ -206,6 +206,7 @@ class TileIndex:
         self.shape = tuple(shape)
         seen: dict[tuple, int] = {}
         flat: list[tuple[int, Tile]] = []
+        self.replicas = 0  # tiles dropped because an earlier source holds the same box
         for source, piece in enumerate(tiles):
             for t in piece:
                 if t.numel == 0:
@@ -213,6 +214,7 @@ class TileIndex:
                 box = (t.origin, t.sizes)
                 if box in seen:
                     if seen[box] != source:
+                        self.replicas += 1
                         continue  # a replica: the first holder's copy is read
                 seen[box] = source
                 flat.append((source, t))

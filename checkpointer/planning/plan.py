@@ -39,6 +39,8 @@ __all__ = [
     "piece_ranges",
     "piece_tiles",
     "whole",
+    "whole_file_plan",
+    "stored_cover_exactly",
     "layout_tiles",
     "spec_ranges",
 ]
@@ -405,6 +407,9 @@ def _layout(
 
 def _check_tiling(key: str, shape: Sequence[int], pieces: Sequence[Piece]) -> None:
     numel = math.prod(shape)
+    index = TileIndex(shape, [piece_tiles(p, shape) for p in pieces])
+    if index.ok and index.covered == numel and not index.replicas:
+        return  # proven as boxes; the flattened ranges below only say what is wrong
     ranges = sorted(r for p in pieces for r in merge_adjacent(piece_ranges(p, shape)))
     pos = 0
     for start, end in ranges:
@@ -494,6 +499,14 @@ def whole(shape: Sequence[int]) -> Piece:
     return Piece(local_shape=tuple(shape), global_offset=(0,) * len(shape))
 
 
+def whole_file_plan(key: str, dtype: str, shape: Sequence[int], file: str, piece: Piece) -> TensorLoadPlan:
+    """The reads of ``piece`` from ``file``, which holds the whole tensor (a safetensors file of
+    full tensors, as Hugging Face writes): at most ``2 * ndim - 1`` items, however many rows."""
+    index = TileIndex(shape, [piece_tiles(whole(shape), shape)])
+    copies = index.copies(piece_tiles(piece, shape))
+    return TensorLoadPlan(key, dtype, tuple(_read_item(file, c) for c in copies))
+
+
 def piece_tiles(piece: Piece, shape: Sequence[int]) -> list[Tile]:
     """A piece as tiles: a box is one; each flattened range at most ``2 * ndim - 1``."""
     if piece.flat is None:
@@ -539,6 +552,16 @@ def _spec_tiles(spec: TensorShardSpec, shape: Sequence[int]) -> list[Tile]:
     ls = None if spec.local_shape is None else tuple(spec.local_shape)
     go = None if spec.global_offset is None else tuple(spec.global_offset)
     return piece_tiles(Piece(flat, ls, go), shape)  # type: ignore[arg-type]
+
+
+def stored_cover_exactly(meta: TensorStorageMetadata, *, replicas: bool = True) -> bool:
+    """Whether the stored pieces are proven, as boxes, to hold every element (once, but for
+    whole replicas where ``replicas``). ``False``: not proven; check with flattened ranges,
+    which also say where."""
+    specs = meta.shard_spec_per_file
+    layout = specs.layout if isinstance(specs, ShardSpecs) else None
+    index = _tile_index(meta, layout, list(specs))
+    return index.ok and index.covered == meta.numel and (replicas or not index.replicas)
 
 
 def _read_item(file: str, copy: BoxCopy) -> ReadItem:

@@ -141,43 +141,11 @@ def test_reads_only_the_slice(tmp_path, fmt, dim, rows):
     total = sum(t.numel() * t.element_size() for t in state.values())
     if dim == 0 or rows <= 64:
         assert storage.data_bytes() == total // 4
-    else:
-        assert storage.data_bytes() == total
+    else:  # the covering span of the slice's rows: at most every byte, in a few large reads
+        assert total // 4 < storage.data_bytes() <= total
         assert len(storage.data_reads) <= 6 * 4  # a few large reads, not one per row
     for key in state:
         assert torch.equal(got[key], state[key].chunk(4, dim)[1])
-
-
-@pytest.mark.parametrize("shape, dim", [((250, 7), 1), ((70, 3, 5), 1), ((70, 3, 5), 2), ((3, 30, 9), 2), ((100, 2), 1)])
-def test_read_box_staged_rows(monkeypatch, shape, dim):
-    """The staged path (many short rows) in small blocks, against the full tensor."""
-    from checkpointer.engine import lazy_sources
-
-    monkeypatch.setattr(lazy_sources, "_STAGE_BYTES", 64 * 4 * 3)
-    full = torch.randn(*shape)
-    calls = []
-
-    def read_ranges(ranges, flat):
-        calls.append(ranges)
-        src = full.reshape(-1)
-        pos = 0
-        for a, b in ranges:
-            flat[pos : pos + b - a] = src[a:b]
-            pos += b - a
-        assert pos == flat.numel()
-
-    from checkpointer.engine.reshard import tp_bounds
-
-    for n in (2, 3):
-        for r in range(n):
-            start, end = tp_bounds(shape[dim], n, r)
-            local, offset = list(shape), [0] * len(shape)
-            local[dim], offset[dim] = end - start, start
-            calls.clear()
-            got = lazy_sources.read_box(shape, full.dtype, (tuple(local), tuple(offset)), read_ranges)
-            assert torch.equal(got, full.narrow(dim, start, end - start))
-            if math.prod(shape[:dim]) > 64 and end > start:
-                assert all(len(c) == 1 for c in calls) and len(calls) > 1  # staged, in several blocks
 
 
 def test_sharded_checkpoint_across_rank_files(tmp_path):

@@ -160,6 +160,9 @@ def test_random_save_and_load_layouts_against_the_oracle(tmp_path_factory, data,
     storage = write_checkpoint(str(tmp_path_factory.mktemp("ckpt")), full, saved)
     # Small staging blocks: a block boundary falls inside rows and between a row's elements.
     monkeypatch.setattr(reads, "STRIDED_BLOCK", data.draw(st.sampled_from([8, 24, 1 << 20])))
+    if data.draw(st.booleans()):  # no strided item read run by run: all through staging blocks
+        monkeypatch.setattr(reads, "_FEW_RUNS", 0)
+        monkeypatch.setattr(reads, "_RUN_BYTES", 1 << 62)
     wanted = data.draw(layouts(shape)) + [whole(shape)]
     verify = data.draw(st.booleans())
     for piece in wanted:
@@ -287,6 +290,7 @@ def _shard2_reads(tmp_path, rows: int, monkeypatch) -> tuple[int, int]:
 
 def test_doubling_the_rows_doubles_neither_reads_nor_items(tmp_path, monkeypatch):
     monkeypatch.setattr(reads, "STRIDED_BLOCK", 1 << 20)
+    monkeypatch.setattr(reads, "_FEW_RUNS", 64)
     small_reads, small_items = _shard2_reads(tmp_path, 1024, monkeypatch)  # 256 KiB a piece: one block each
     large_reads, large_items = _shard2_reads(tmp_path, 2048, monkeypatch)
     assert small_items == large_items == 2
