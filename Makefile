@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet matplotlib ai2-olmo-core==0.1.0 torch==2.13.0
 	$(PY) benchmarks/compare.py
 	$(PY) benchmarks/plan_scale.py
+	$(PY) benchmarks/tp_compare.py
 
 fuzz: $(STAMP)
 	CHECKPOINTER_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/reliability -k fuzz
