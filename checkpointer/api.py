@@ -24,7 +24,7 @@ from .engine.load import load_state_dicts
 from .engine.locate import newest_checkpoint
 from .engine.headers import HeaderCache, check_files_hold
 from .engine.save import refuse_existing
-from .engine.unshard import read_full
+from .engine.reader import CheckpointReader
 from .errors import CheckpointMismatchError, CorruptCheckpointError
 from .format.builtins_pickle import decode_builtins, encode_builtins
 from .format.dtypes import dtype_from_code
@@ -352,8 +352,8 @@ def _plan_optim_load(
     for key in ("num_param_groups", "state_keys"):
         if key not in metadata.tensors:
             raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
-    headers = HeaderCache(open_storage(dir), metadata.file_ids)
-    small = read_full(headers.storage, metadata, [k for k in metadata.tensors if not k.startswith("state.")], headers=headers)
+    reader = CheckpointReader(open_storage(dir), metadata)
+    small = reader.full_tensors([k for k in metadata.tensors if not k.startswith("state.")])
     num_groups = int(small["num_param_groups"].item())
     if num_groups != len(optim.param_groups):
         raise CheckpointMismatchError(
@@ -401,7 +401,7 @@ def _plan_optim_load(
                 if dest is None or not _fits(dest, meta, value):
                     dest = existing.get(state_key)
                     if not _fits(dest, meta, value):
-                        dest = _allocate_state(flat_key, meta, value, headers)
+                        dest = _allocate_state(flat_key, meta, value, reader.headers)
                     shared.setdefault(saved_key, dest)
                 param_state[state_key] = dest
                 to_fill[flat_key] = _shard_like_param(dest, value)

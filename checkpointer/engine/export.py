@@ -42,7 +42,8 @@ from ..planning.plan import TensorLoadPlan, build_load_plan
 from ..storage.base import Storage, Writer, open_storage, path_arg
 from .load import read_metadata
 from .locate import model_checkpoint
-from .headers import HeaderCache, check_files_hold
+from .headers import check_files_hold
+from .reader import CheckpointReader
 from .reads import ReadJob, check_chunk, execute_reads, verify_reads
 
 __all__ = [
@@ -275,7 +276,9 @@ class CheckpointTensors:
     ):
         self.storage = storage
         self.metadata = metadata
-        self.headers = HeaderCache(storage, metadata.file_ids)
+        self.reader = CheckpointReader(storage, metadata, num_threads=num_threads)
+        self.headers = self.reader.headers
+        self.verify = verify
         self.verify_chunk = metadata.checksum_chunk_bytes if verify else None
         self.num_threads = num_threads
         self._staging = Staging() if reuse_memory else None
@@ -284,23 +287,10 @@ class CheckpointTensors:
         return [(key, tuple(meta.shape), meta.dtype) for key, meta in self.metadata.tensors.items()]
 
     def fetch(self, key: str) -> torch.Tensor:
-        key = (self.metadata.aliases or {}).get(key, key)
-        meta = self.metadata.tensors[key]
-        dtype = dtype_from_code(meta.dtype)
-        check_files_hold(self.headers, key, meta)
-        full = self._staging.take(meta.shape, dtype) if self._staging else torch.empty(meta.shape, dtype=dtype)
-        if meta.numel:
-            specs = meta.shard_spec_per_file
-            job = ReadJob(
-                build_load_plan(key, meta, [(0, meta.numel)]),
-                full.view(-1),
-                {f: s.local_numel for f, s in specs.items()},
-                {f: s.checksums for f, s in specs.items()},
-            )
-            execute_reads(
-                self.storage, [job], headers=self.headers, num_threads=self.num_threads, verify_chunk_bytes=self.verify_chunk
-            )
-        return full
+        saved, meta = self.reader.meta(key)
+        self.reader.check_whole(saved, meta)  # before the buffer of meta.shape is taken
+        out = self._staging.take(meta.shape, dtype_from_code(meta.dtype)) if self._staging else None
+        return self.reader.full(saved, verify=self.verify, out=out)
 
     def fetch_streaming(self, key: str) -> tuple[torch.Tensor, Iterator[int]]:
         """Like :meth:`fetch`, reading in blocks on a thread: returns the tensor at once and an

@@ -24,10 +24,11 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import check_filename
 from ..format.metadata import StorageMetadata, reject_duplicate_keys
-from ..planning.plan import Piece, build_load_plan, whole, whole_file_plan
+from ..planning.plan import Piece, whole, whole_file_plan
 from ..storage.base import ReadRequest, Storage, Writer
 from ..storage.local import LocalStorage
 from .headers import HeaderCache, check_files_hold, read_small_file
+from .reader import CheckpointReader
 from .reads import ReadJob, execute_reads
 
 __all__ = [
@@ -87,19 +88,17 @@ def read_box(
 
 def checkpoint_tensors(storage: Storage, metadata: StorageMetadata) -> Iterator[LazyTensor]:
     """The tensors of a checkpoint directory (tied keys after the key they share memory with)."""
-    headers = HeaderCache(storage, metadata.file_ids)
+    reader = CheckpointReader(storage, metadata)
     aliases: dict[str, list[str]] = {}
     for alias, target in (metadata.aliases or {}).items():
         aliases.setdefault(target, []).append(alias)
     for key, meta in metadata.tensors.items():
 
-        def read_piece(piece: Piece, flat: torch.Tensor, key: str = key, meta: Any = meta) -> None:
-            plan = build_load_plan(key, meta, piece)
-            numel_per_file = {f: meta.shard_spec_per_file[f].local_numel for f in plan.files}
-            execute_reads(storage, [ReadJob(plan, flat, numel_per_file)], headers=headers)
+        def read_piece(piece: Piece, flat: torch.Tensor, key: str = key) -> None:
+            reader.read([reader.job(reader.plan(key, piece), flat)])
 
         def read(box: Box | None, key: str = key, meta: Any = meta, read_piece: Any = read_piece) -> torch.Tensor:
-            check_files_hold(headers, key, meta)  # before read_box allocates what metadata.json claims
+            check_files_hold(reader.headers, key, meta)  # before read_box allocates what metadata.json claims
             return read_box(meta.shape, dtype_from_code(meta.dtype), box, read_piece)
 
         for name in [key, *aliases.get(key, [])]:

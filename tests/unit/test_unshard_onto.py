@@ -11,7 +11,8 @@ import torch
 
 from checkpointer import Checkpointer, CorruptCheckpointError
 from checkpointer.engine.load import read_metadata
-from checkpointer.engine.unshard import read_full, read_full_onto
+from checkpointer.engine.reader import CheckpointReader
+from checkpointer.engine.unshard import read_full_onto
 from checkpointer.storage.local import LocalStorage
 
 
@@ -38,7 +39,7 @@ def test_full_tensors_onto_a_device_equal_the_saved_ones(saved, verify):
     assert onto.keys() == state.keys()
     for key, value in state.items():
         assert onto[key].dtype == value.dtype and torch.equal(onto[key], value), key
-    plain = read_full(storage, metadata, list(metadata.tensors))
+    plain = CheckpointReader(storage, metadata).full_tensors(list(metadata.tensors))
     assert all(torch.equal(plain[k], onto[k]) for k in state)
 
 
@@ -89,7 +90,7 @@ def test_headers_are_checked_before_a_box_is_expanded(saved, monkeypatch):
     monkeypatch.setattr(plan, "box_ranges", lambda *a: expanded.append(len(r := real_box_ranges(*a))) or r)
     storage = LocalStorage(path)
     metadata = read_metadata(storage, no_dist=True)
-    for unshard in (read_full_onto, lambda device, s, m: read_full(s, m, ["w"])):
+    for unshard in (read_full_onto, lambda device, s, m: CheckpointReader(s, m).full_tensors(["w"])):
         with pytest.raises(CorruptCheckpointError, match=f"'w' is F32 x 407 in the file but F32 x {rows} in metadata"):
             unshard(torch.device("cpu"), storage, metadata)
     assert expanded == []

@@ -1,0 +1,121 @@
+"""One opened checkpoint directory: its storage, its metadata and its rank files' headers.
+
+Every reader of this library's checkpoints goes through a :class:`CheckpointReader`: a load
+plans and fills pieces with it, ``unshard`` and the export read full tensors, ``lazy_load``
+reads boxes, the optimizer load reads its small tensors. Each header is read once per reader,
+every read goes straight into its destination (strided boxes through bounded staging blocks),
+and nothing is allocated before the files are known to hold what ``metadata.json`` claims.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from ..format.dtypes import dtype_from_code
+from ..format.metadata import StorageMetadata, TensorStorageMetadata
+from ..planning.overlap import SourceIndex
+from ..planning.plan import Piece, TensorLoadPlan, build_load_plan, spec_ranges, stored_cover_exactly, whole
+from ..storage.base import Storage
+from .headers import HeaderCache, check_files_hold, read_small_file
+from .reads import ReadJob, execute_reads
+
+__all__ = ["CheckpointReader"]
+
+
+class CheckpointReader:
+    """Reads from one checkpoint directory, whose ``metadata.json`` was read already.
+
+    Example::
+
+        reader = CheckpointReader(storage, read_metadata(storage, no_dist=True))
+        full = reader.full("layers.0.w")                 # a whole tensor
+        part = reader.piece("layers.0.w", Piece(local_shape=(8, 4), global_offset=(0, 4)))
+    """
+
+    def __init__(self, storage: Storage, metadata: StorageMetadata, *, num_threads: int | None = None):
+        self.storage = storage
+        self.metadata = metadata
+        self.headers = HeaderCache(storage, metadata.file_ids)
+        self.num_threads = num_threads
+
+    def meta(self, key: str) -> tuple[str, TensorStorageMetadata]:
+        """The saved key (a tied key resolves to the one it shares memory with) and its metadata."""
+        saved = (self.metadata.aliases or {}).get(key, key)
+        return saved, self.metadata.tensors[saved]
+
+    def plan(self, key: str, piece: Piece) -> TensorLoadPlan:
+        saved, meta = self.meta(key)
+        return build_load_plan(saved, meta, piece)
+
+    def job(self, plan: TensorLoadPlan, dest: torch.Tensor) -> ReadJob:
+        """A read of ``plan`` into ``dest`` (flat, contiguous, on the CPU), with the file sizes and
+        checksums of just the files it reads."""
+        specs = [(f, self.metadata.tensors[plan.key].shard_spec_per_file[f]) for f in plan.files]
+        return ReadJob(plan, dest, {f: s.local_numel for f, s in specs}, {f: s.checksums for f, s in specs})
+
+    def read(self, jobs: Sequence[ReadJob], *, verify: bool = False) -> None:
+        """Fill the jobs' destinations; with ``verify``, every checksum chunk they touch is checked."""
+        execute_reads(
+            self.storage, jobs, headers=self.headers, num_threads=self.num_threads, verify_chunk_bytes=self._chunk(verify)
+        )
+
+    def piece(self, key: str, piece: Piece, *, verify: bool = False) -> torch.Tensor:
+        """A new tensor holding ``piece`` of ``key`` (a box keeps its shape; flattened ranges are 1-D)."""
+        saved, meta = self.meta(key)
+        check_files_hold(self.headers, saved, meta)  # before allocating what metadata.json claims
+        shape = piece.local_shape if piece.flat is None else (piece.numel,)
+        dest = torch.empty(shape, dtype=dtype_from_code(meta.dtype))  # type: ignore[arg-type]
+        if dest.numel():
+            self.read([self.job(build_load_plan(saved, meta, piece), dest.view(-1))], verify=verify)
+        return dest
+
+    def full(self, key: str, *, verify: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tensor ``key`` (into ``out`` when given: a reused buffer of its shape)."""
+        return self.full_tensors([key], verify=verify, out={key: out} if out is not None else None)[key]
+
+    def full_tensors(
+        self, keys: Sequence[str], *, verify: bool = False, out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Whole tensors of ``keys``, read by this process alone (no collectives), in one pool.
+
+        Every piece is checked against its file's header before anything is allocated, so a
+        hostile ``metadata.json`` cannot make this allocate more than the files hold.
+        """
+        result: dict[str, torch.Tensor] = {}
+        jobs = []
+        for key in keys:
+            saved, meta = self.meta(key)
+            self.check_whole(saved, meta)
+            dest = (out or {}).get(key)
+            if dest is None:
+                dest = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
+            result[key] = dest
+            if meta.numel:
+                jobs.append(self.job(build_load_plan(saved, meta, whole(meta.shape)), dest.view(-1)))
+        with torch.no_grad():
+            self.read(jobs, verify=verify)
+        return result
+
+    def check_whole(self, key: str, meta: TensorStorageMetadata) -> None:
+        """Before a full ``key`` is allocated: the files hold its pieces, and the pieces cover it.
+
+        The headers come first: a piece is only expanded into ranges (when its boxes cannot be
+        proven to tile the tensor) once its file is known to hold that many elements, so a
+        hostile shape in ``metadata.json`` costs nothing before it is refused.
+        """
+        check_files_hold(self.headers, key, meta)
+        if stored_cover_exactly(meta):
+            return
+        index = SourceIndex([spec_ranges(s, meta.shape) for s in meta.shard_spec_per_file.values()])
+        if index.covered() != meta.numel:
+            raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
+
+    def small_file(self, name: str, *, limit: int, what: str) -> bytes:
+        """A small file of the checkpoint read whole (never past its size as stat'ed)."""
+        return read_small_file(self.storage, name, limit=limit, what=what)
+
+    def _chunk(self, verify: bool) -> int | None:
+        return self.metadata.checksum_chunk_bytes if verify else None
