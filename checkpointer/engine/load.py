@@ -30,6 +30,7 @@ from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .locate import missing_metadata_message
 from .headers import HeaderCache
+from .reader import CheckpointReader
 from .reads import ReadJob, execute_reads, execute_reads_from
 from .save import describe_state_dict
 
@@ -218,7 +219,7 @@ def load_state_dicts(
     try:
         with torch.no_grad():
             for storage, meta, state_dict in zip(storages, metas, state_dicts(metas), strict=True):
-                parts.append((HeaderCache(storage, meta.file_ids), plan_local_loads(storage, meta, state_dict)))
+                parts.append((CheckpointReader(storage, meta).headers, plan_local_loads(storage, meta, state_dict)))
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
     dist.agree(error, "load", no_dist=no_dist)

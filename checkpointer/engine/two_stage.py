@@ -35,6 +35,7 @@ from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
 from .load import LocalLoad, copy_into, plan_local_loads
 from .headers import HeaderCache, piece_start
+from .reader import CheckpointReader
 from .reads import ReadJob, read_file_ranges, scatter_span, verify_reads
 
 __all__ = ["LoadStats", "load_two_stage"]
@@ -129,7 +130,7 @@ def load_two_stage(
     units = sorted(_split(assign_readers(needs_per_rank, sizes), sizes), key=lambda u: (u.key, u.file, u.start))
     lap("planning")
 
-    headers = HeaderCache(storage, metadata.file_ids)
+    headers = CheckpointReader(storage, metadata).headers
     chunk = metadata.checksum_chunk_bytes if verify else None
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
