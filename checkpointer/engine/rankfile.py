@@ -16,7 +16,7 @@ from ..storage.base import Storage, Writer
 from ..storage.direct import MIN_FROM_SOURCE
 from .file_order import order_for_alignment
 
-__all__ = ["write_rank_file", "staging_bytes", "io_threads"]
+__all__ = ["write_rank_file", "hash_pieces", "staging_bytes", "io_threads"]
 
 _WRITE_BLOCK = 2 << 20  # divides CHUNK_BYTES
 _FROM_MEMORY_BLOCK = 64 << 20  # a multiple of CHUNK_BYTES, and 4x MIN_FROM_SOURCE
@@ -94,6 +94,31 @@ def write_rank_file(
             writer.write_stable(pending)
         writer.commit()
     return result
+
+
+def hash_pieces(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Each tensor's CRC32C per :data:`CHUNK_BYTES` of its bytes in element order, exactly as
+    :func:`write_rank_file` computes them for a piece it writes, without writing it (a replica's
+    copy, compared with the written one). Tensors on another device or not contiguous go through
+    one staging buffer of at most :func:`staging_bytes`."""
+    staging = _Staging()
+    out = []
+    for data in tensors:
+        if data.device.type == "cpu" and data.is_contiguous():
+            out.append(chunk_crcs(memoryview_of(data.detach())))
+        else:
+            out.append(_write_staged(_DISCARD, data.detach(), staging, True))
+    return out
+
+
+class _Discard:
+    """A writer that keeps nothing: :func:`_write_staged` then only hashes."""
+
+    def write(self, views: Sequence[memoryview]) -> None:
+        pass
+
+
+_DISCARD: Writer = _Discard()  # type: ignore[assignment]
 
 
 def staging_bytes() -> int:
