@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
 
 from ..buffers import memoryview_of
-from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c_extend
+from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c, crc32c_extend
 from ..format.layout import FILE_ID_KEY
 from ..format.safetensors_header import build_header
 from ..sharding import LocalTensor
@@ -96,18 +97,31 @@ def write_rank_file(
     return result
 
 
-def hash_pieces(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+def hash_pieces(tensors: Sequence[torch.Tensor], *, threads: int = 1) -> list[list[int]]:
     """Each tensor's CRC32C per :data:`CHUNK_BYTES` of its bytes in element order, exactly as
     :func:`write_rank_file` computes them for a piece it writes, without writing it (a replica's
-    copy, compared with the written one). Tensors on another device or not contiguous go through
-    one staging buffer of at most :func:`staging_bytes`."""
-    staging = _Staging()
-    out = []
-    for data in tensors:
-        if data.device.type == "cpu" and data.is_contiguous():
-            out.append(chunk_crcs(memoryview_of(data.detach())))
-        else:
-            out.append(_write_staged(_DISCARD, data.detach(), staging, True))
+    copy, compared with the written one).
+
+    Chunks of contiguous CPU tensors are hashed by ``threads`` threads (each chunk's checksum
+    stands alone; the hashing releases the GIL). The others (on another device, or not
+    contiguous) go through one staging buffer of at most :func:`staging_bytes`, in this thread.
+    """
+    direct = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.is_contiguous()]
+    views = {i: memoryview_of(tensors[i].detach()) for i in direct}
+    out: list[list[int]] = [[] for _ in tensors]
+    chunks = [(i, view[at : at + CHUNK_BYTES]) for i, view in views.items() for at in range(0, len(view), CHUNK_BYTES)]
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-hash") if threads > 1 and len(chunks) > 1 else None
+    try:
+        hashed = pool.map(crc32c, [c for _, c in chunks]) if pool is not None else None
+        staging = _Staging()
+        for i, data in enumerate(tensors):
+            if i not in views:
+                out[i] = _write_staged(_DISCARD, data.detach(), staging, True)
+        for (i, chunk), crc in zip(chunks, hashed if hashed is not None else map(crc32c, (c for _, c in chunks))):
+            out[i].append(crc)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return out
 
 

@@ -29,12 +29,13 @@ from typing import Any, Mapping, Sequence
 from ..checksums import CHUNK_BYTES
 from ..errors import ReplicaMismatchError
 from ..sharding import LocalTensor
-from .rankfile import hash_pieces
+from .rankfile import hash_pieces, io_threads
 
 __all__ = ["VERIFY_ENV", "enabled", "start_hashing", "check_copies"]
 
 VERIFY_ENV = "CHECKPOINTER_VERIFY_REPLICAS"
 _SHOWN = 5  # tensors described in the error; the rest are counted
+_INLINE_BYTES = 4 << 20  # copies smaller than this in all are hashed by the caller (well under 1 ms)
 
 Copies = list[list[Any]]
 """This rank's copies as its commit status carries them: ``[key, writer, crcs]`` each."""
@@ -47,8 +48,9 @@ def enabled() -> bool:
 
 def start_hashing(copies: Mapping[str, int], described: Mapping[str, LocalTensor]) -> Future[Copies]:
     """Hash this rank's ``copies`` (key -> the rank writing that piece) on a thread (the hashing
-    releases the GIL); the future's result goes into the commit's status. Nothing to hash, or
-    the check turned off: an empty result at once."""
+    releases the GIL), the chunks of large ones on up to ``CHECKPOINTER_IO_THREADS`` threads; the
+    future's result goes into the commit's status. Nothing to hash, or the check turned off: an
+    empty result at once."""
     if not copies or not enabled():
         done: Future[Copies] = Future()
         done.set_result([])
@@ -56,9 +58,16 @@ def start_hashing(copies: Mapping[str, int], described: Mapping[str, LocalTensor
     keys = sorted(copies)
     tensors = [described[key].data for key in keys]
 
-    def run() -> Copies:
-        return [[key, copies[key], crcs] for key, crcs in zip(keys, hash_pieces(tensors))]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    threads = max(1, min(io_threads(), os.cpu_count() or 1, nbytes // (4 * CHUNK_BYTES)))
 
+    def run() -> Copies:
+        return [[key, copies[key], crcs] for key, crcs in zip(keys, hash_pieces(tensors, threads=threads))]
+
+    if nbytes < _INLINE_BYTES:
+        done = Future()
+        done.set_result(run())  # a few small tensors (an optimizer's steps): sooner than a thread starts
+        return done
     pool = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replica-hash")
     try:
         return pool.submit(run)

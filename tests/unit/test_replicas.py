@@ -101,6 +101,7 @@ def test_hashing_a_copy_gives_the_writers_checksums():
     written = write_rank_file(MemoryStorage("copies"), "rank_0.safetensors",
                               [(k, describe(v)) for k, v in tensors.items()])
     assert hash_pieces(list(tensors.values())) == [written[k] for k in tensors]
+    assert hash_pieces(list(tensors.values()), threads=3) == [written[k] for k in tensors]
     assert len(written["big"]) == 2
 
 
