@@ -190,3 +190,25 @@ def test_async_save_refuses_differing_replicas(run_distributed, tmp_path):
         assert model is not None and model["type"] == "ReplicaMismatchError", (rank, model)
         assert "'embed.weight'" in model["msg"], model["msg"]
         assert out["parts"] == [False, False], (rank, out["parts"])
+
+
+def _hsdp(rank, world_size, run):
+    full = torch.arange(48.0).reshape(8, 6)
+    state = {"m": to_layout(full, "rep_shard0@2x2")}  # ranks 0, 2 hold rows 0-3; ranks 1, 3 rows 4-7
+    Checkpointer().save(f"{run}/clean", state)
+    loaded = {"m": to_layout(torch.zeros(8, 6), "rep_shard0@2x2")}
+    Checkpointer().load(f"{run}/clean", loaded)
+    assert_local_same({"m": full}, loaded)
+    if rank == 3:
+        _flip_bit(state["m"], index=17, bit=0)
+    error = catch(Checkpointer().save, f"{run}/flipped", state)
+    barrier()
+    return error, os.path.exists(f"{run}/flipped/metadata.json")
+
+
+def test_hsdp_shard_differing_within_its_replica_group(run_distributed, tmp_path):
+    for rank, (error, committed) in enumerate(run_distributed(_hsdp, 4, str(tmp_path))):
+        assert error is not None and error["type"] == "ReplicaMismatchError", (rank, error)
+        detail = error["msg"].split("tensor 'm' differs between ", 1)[1].split(", first in", 1)[0]
+        assert "rank 1" in detail and "rank 3" in detail and "0" not in detail and "2" not in detail, detail
+        assert not committed
