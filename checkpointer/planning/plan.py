@@ -78,11 +78,12 @@ class SavePlan:
                 # this rank is a copy of it (the plan proved the pieces tile the tensor).
                 out[key] = writers[0]
                 continue
-            form = (mine.kind, mine.numbers())
-            for writer, piece in zip(writers, held):
-                if (piece.kind, piece.numbers()) == form:
-                    out[key] = writer
-                    break
+            # In the form the plan's pieces have (ints in tuples), so that == compares exactly.
+            mine = Piece.from_numbers(mine.kind, mine.numbers())
+            try:
+                out[key] = writers[held.index(mine)]
+            except ValueError:
+                pass  # cannot happen: a non-empty piece this rank does not write is one of these
         return out
 
     @property
