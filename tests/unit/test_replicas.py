@@ -105,6 +105,16 @@ def test_hashing_a_copy_gives_the_writers_checksums():
     assert len(written["big"]) == 2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hashing_a_copy_on_the_gpu_gives_the_checksums_of_its_bytes(monkeypatch):
+    monkeypatch.setenv("CHECKPOINTER_STAGING_MIB", "1")  # several blocks through pinned staging
+    g = torch.Generator().manual_seed(1)
+    host = [torch.randn(CHUNK_BYTES // 4 + 12345, generator=g), torch.randn(700, 300, generator=g)]
+    on_gpu = [host[0].cuda(), host[1].cuda().t()]
+    assert hash_pieces(on_gpu) == hash_pieces([host[0], host[1].t().contiguous()])
+
+
 def _status(crcs=None, copies=None) -> dict:
     return {"ok": True, "crcs": crcs or {}, "id": None, "copies": copies or []}
 
