@@ -15,6 +15,7 @@ from dist_helpers import (
     build_model,
     build_optim,
     catch,
+    collectives_called,
     mesh,
     model_full_state,
     optim_full_state,
@@ -212,3 +213,25 @@ def test_hsdp_shard_differing_within_its_replica_group(run_distributed, tmp_path
         detail = error["msg"].split("tensor 'm' differs between ", 1)[1].split(", first in", 1)[0]
         assert "rank 1" in detail and "rank 3" in detail and "0" not in detail and "2" not in detail, detail
         assert not committed
+
+
+def _collectives(rank, world_size, run):
+    state = {"w": torch.arange(30.0), "s": to_layout(torch.arange(12.0).reshape(6, 2), f"shard0@{world_size}")}
+    ckpt = Checkpointer()
+    ckpt.save(f"{run}/warm", state)  # the plan is cached from here on
+    calls = {}
+    for on in ("1", "0"):
+        os.environ[VERIFY_ENV] = on
+        try:
+            with collectives_called() as called:
+                ckpt.save(f"{run}/check{on}", state)
+        finally:
+            del os.environ[VERIFY_ENV]
+        calls[on] = called
+    return calls
+
+
+def test_the_check_adds_no_collective(run_distributed, tmp_path):
+    """The copies' checksums ride the commit's existing gather of every rank's status."""
+    for rank, calls in enumerate(run_distributed(_collectives, 2, str(tmp_path))):
+        assert calls["1"] == calls["0"], f"rank {rank}: {calls}"
