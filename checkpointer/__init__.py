@@ -22,6 +22,7 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     RankFailedError,
+    ReplicaMismatchError,
 )
 from .format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from .sharding import FlatShardedTensor
@@ -47,6 +48,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "CheckpointMismatchError",
     "RankFailedError",
+    "ReplicaMismatchError",
 ]
 
 __version__ = "0.1.0"

@@ -166,6 +166,9 @@ def save_model_and_optim_state(
     Raises:
         FileExistsError: ``dir`` holds a checkpoint and ``save_overwrite`` is False (no rank
             writes anything then).
+        ReplicaMismatchError: ranks holding copies of one tensor (a replicated parameter, say)
+            hold different bytes; nothing is committed (``CHECKPOINTER_VERIFY_REPLICAS=0`` skips
+            the check).
 
     Example::
 

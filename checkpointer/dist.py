@@ -292,7 +292,10 @@ def barrier() -> None:
 
 _KNOWN = {
     name: getattr(errors, name)
-    for name in ("CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "CheckpointMismatchError")
+    for name in (
+        "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "CheckpointMismatchError",
+        "ReplicaMismatchError",
+    )
 }
 
 

@@ -8,6 +8,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "CheckpointMismatchError",
     "RankFailedError",
+    "ReplicaMismatchError",
 ]
 
 
@@ -29,3 +30,7 @@ class CheckpointMismatchError(CheckpointError):
 
 class RankFailedError(CheckpointError):
     """Another rank of the job failed; the message names it and its error."""
+
+
+class ReplicaMismatchError(CheckpointError):
+    """Ranks holding copies of one tensor hold different bytes: the save is refused, nothing committed."""

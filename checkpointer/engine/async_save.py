@@ -1,7 +1,9 @@
 """Asynchronous saves: plan and stage in the foreground, write and commit in the background.
 
 The call returns once this rank's pieces are copied into host buffers (reused from one
-save to the next, pinned for CUDA tensors), so training can change its tensors at once.
+save to the next, pinned for CUDA tensors), so training can change its tensors at once. The
+copies of pieces another rank writes (replicas) are hashed before it returns too, on a thread
+beside the copying, for the commit to compare them with the written pieces.
 A background thread writes the rank file and commits through a separate gloo group, so
 its collectives never interleave with the training loop's. A new save waits for the one
 in flight. Once the plans are cached, the call's only collective confirms them: the save
@@ -25,6 +27,7 @@ from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
+from . import replicas
 from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, refuse_existing, release_lock
 from .save import reuse_cached_plans, take_locks, write_and_commit
 
@@ -123,16 +126,22 @@ class AsyncSaver:
                 result.set_exception(ex)
                 return result
             staged: list[list[tuple[str, LocalTensor]]] = []
+            copies: list[replicas.Copies] = []
             staging_error: BaseException | None = None
             try:
-                for index in [i for i in self._arenas if i >= len(planned)]:
-                    self._arenas.pop(index).release()
-                staged = [self._stage(i, p) for i, p in enumerate(planned)]
+                # Replicas are hashed now, from the state being staged: training changes it next.
+                hashing = [replicas.start_hashing(p.copies, p.described) for p in planned]
+                try:
+                    for index in [i for i in self._arenas if i >= len(planned)]:
+                        self._arenas.pop(index).release()
+                    staged = [self._stage(i, p) for i, p in enumerate(planned)]
+                finally:
+                    copies = [h.result() for h in hashing]  # no hashing outlives the call
             except BaseException as ex:  # noqa: BLE001 - one rank's: the background agreement tells the others
                 staging_error = ex
             _track(planned, +1)
             self._inflight = self._executor.submit(
-                self._write, planned, staged, staging_error, locked, save_overwrite, result
+                self._write, planned, staged, copies, staging_error, locked, save_overwrite, result
             )
             return result
 
@@ -140,6 +149,7 @@ class AsyncSaver:
         self,
         planned: list[PlannedSave],
         staged: list[list[tuple[str, LocalTensor]]],
+        copies: list[replicas.Copies],
         staging_error: BaseException | None,
         locked: bool,
         save_overwrite: bool,
@@ -154,8 +164,8 @@ class AsyncSaver:
                 except BaseException as ex:  # noqa: BLE001 - reported to every rank below
                     error = ex
             dist.agree(error, "async save", group=self._group)
-            for p, s in zip(planned, staged):
-                out.append((p.metadata, write_and_commit(p, pieces=s, group=self._group)))
+            for p, s, c in zip(planned, staged, copies):
+                out.append((p.metadata, write_and_commit(p, pieces=s, copies=c, group=self._group)))
         except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
             _release_locks(planned[len(out) :])  # rank 0's locks of the saves this failure stopped
             _track(planned, -1)

@@ -63,6 +63,8 @@ class Checkpointer:
 
         Raises:
             FileExistsError: ``dir`` holds a checkpoint and ``save_overwrite`` is False.
+            ReplicaMismatchError: ranks holding copies of one piece (a plain tensor every rank
+                passes, a ``Replicate`` placement) hold different bytes; nothing is committed.
         """
         if self._async is not None:
             self._async.wait()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
 
 from ..buffers import memoryview_of
-from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c_extend
+from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c, crc32c_extend
 from ..format.layout import FILE_ID_KEY
 from ..format.safetensors_header import build_header
 from ..sharding import LocalTensor
@@ -16,7 +17,7 @@ from ..storage.base import Storage, Writer
 from ..storage.direct import MIN_FROM_SOURCE
 from .file_order import order_for_alignment
 
-__all__ = ["write_rank_file", "staging_bytes", "io_threads"]
+__all__ = ["write_rank_file", "hash_pieces", "staging_bytes", "io_threads"]
 
 _WRITE_BLOCK = 2 << 20  # divides CHUNK_BYTES
 _FROM_MEMORY_BLOCK = 64 << 20  # a multiple of CHUNK_BYTES, and 4x MIN_FROM_SOURCE
@@ -94,6 +95,44 @@ def write_rank_file(
             writer.write_stable(pending)
         writer.commit()
     return result
+
+
+def hash_pieces(tensors: Sequence[torch.Tensor], *, threads: int = 1) -> list[list[int]]:
+    """Each tensor's CRC32C per :data:`CHUNK_BYTES` of its bytes in element order, exactly as
+    :func:`write_rank_file` computes them for a piece it writes, without writing it (a replica's
+    copy, compared with the written one).
+
+    Chunks of contiguous CPU tensors are hashed by ``threads`` threads (each chunk's checksum
+    stands alone; the hashing releases the GIL). The others (on another device, or not
+    contiguous) go through one staging buffer of at most :func:`staging_bytes`, in this thread.
+    """
+    direct = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.is_contiguous()]
+    views = {i: memoryview_of(tensors[i].detach()) for i in direct}
+    out: list[list[int]] = [[] for _ in tensors]
+    chunks = [(i, view[at : at + CHUNK_BYTES]) for i, view in views.items() for at in range(0, len(view), CHUNK_BYTES)]
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-hash") if threads > 1 and len(chunks) > 1 else None
+    try:
+        hashed = pool.map(crc32c, [c for _, c in chunks]) if pool is not None else None
+        staging = _Staging()
+        for i, data in enumerate(tensors):
+            if i not in views:
+                out[i] = _write_staged(_DISCARD, data.detach(), staging, True)
+        for (i, chunk), crc in zip(chunks, hashed if hashed is not None else map(crc32c, (c for _, c in chunks))):
+            out[i].append(crc)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return out
+
+
+class _Discard:
+    """A writer that keeps nothing: :func:`_write_staged` then only hashes."""
+
+    def write(self, views: Sequence[memoryview]) -> None:
+        pass
+
+
+_DISCARD: Writer = _Discard()  # type: ignore[assignment]
 
 
 def staging_bytes() -> int:

@@ -8,11 +8,16 @@ The recipe:
    old ``metadata.json`` is removed first so the old checkpoint reads as incomplete).
 3. Every rank gets every rank's pieces (as columns: the structure, which ranks of one model
    share, travels only when it differs from rank 0's) and builds the same plan from them
-   (each distinct piece gets one writer). A cached plan skips this: one all-reduce
-   confirms every rank's pieces are those of one earlier save, planned together.
-4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename), with a new id in its header.
-5. All ranks agree the files are written; rank 0 removes stale rank files and writes
-   ``metadata.json`` (listing every file's id) atomically; all ranks agree again.
+   (each distinct piece gets one writer; the other holders of a piece keep a copy). A cached
+   plan skips this: one all-reduce confirms every rank's pieces are those of one earlier save,
+   planned together.
+4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename), with a new id in its
+   header, checksumming each piece as it goes; meanwhile it hashes its copies of pieces that
+   another rank writes (:mod:`~checkpointer.engine.replicas`).
+5. Rank 0 gathers every rank's outcome and checksums, and refuses to commit
+   (:class:`~checkpointer.errors.ReplicaMismatchError`) if a copy differs from the written
+   piece; otherwise it removes stale rank files and writes ``metadata.json`` (listing every
+   file's id and checksum) atomically. All ranks agree on the outcome.
 
 A failure anywhere reaches every rank at the next agreement.
 """
@@ -25,7 +30,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -39,6 +44,7 @@ from ..format.safetensors_header import RESERVED_KEY
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
+from . import replicas
 from .rankfile import write_rank_file
 
 __all__ = [
@@ -60,6 +66,8 @@ class SavePlanCache:
     plan_id: int
     """The same on every rank for one plan: this rank's pieces recurring is not enough, the
     other ranks' entries must come from the same save (pieces may move between ranks)."""
+    copies: dict[str, int] = field(default_factory=dict)
+    """The keys whose piece this rank holds while another rank writes it: key -> that rank."""
 
 
 def describe_state_dict(
@@ -183,9 +191,10 @@ def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool)
 
 def _plan(
     storage: Storage, described, aliases, local_error, save_overwrite, fingerprint: str
-) -> tuple[tuple[str, ...], StorageMetadata, bytes | None, int]:
+) -> tuple[tuple[str, ...], StorageMetadata, bytes | None, int, dict[str, int]]:
     """Steps 2-3 without a cached plan. Returns this rank's keys, the metadata, (rank 0) the lock,
-    and the plan's id (a digest of every rank's fingerprint, the same on every rank).
+    the plan's id (a digest of every rank's fingerprint, the same on every rank) and this rank's
+    copies of pieces others write (key -> writer).
 
     Every rank gets every rank's pieces and makes the same plan from them: far fewer bytes
     and far less work than rank 0 sending the metadata it planned, as JSON, to be parsed."""
@@ -232,7 +241,8 @@ def _plan(
             error = ex
     dist.agree(error, "save")
     assert plan is not None
-    return plan.keys_for(rank), plan.metadata, lock, plan_id
+    copies = plan.copies_for(rank, {key: lt.piece for key, lt in described.items()})
+    return plan.keys_for(rank), plan.metadata, lock, plan_id, copies
 
 
 def _error_json(error: BaseException) -> bytes:
@@ -264,6 +274,7 @@ class PlannedSave:
     metadata: StorageMetadata
     fingerprint: str
     lock: bytes | None = None  # rank 0: the lock file this save wrote
+    copies: dict[str, int] = field(default_factory=dict)  # key -> the rank writing the piece this one holds too
 
     def local_pieces(self) -> list[tuple[str, LocalTensor]]:
         return [(key, self.described[key]) for key in self.keys]
@@ -322,7 +333,7 @@ def reuse_cached_plans(
         plan_id = int.from_bytes(digest.digest()[:7], "little")
     if dist.all_equal(plan_id) and plan_id >= 0:
         return [
-            PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, lock)
+            PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, lock, hit.copies)
             for (storage, d), hit, lock in zip(targets, hits, locks)
             if hit is not None
         ]
@@ -352,12 +363,14 @@ def plan_in_full(
     storage: Storage, d: DescribedState, *, save_overwrite: bool, cache: dict[str, SavePlanCache] | None
 ) -> PlannedSave:
     """Steps 2-3 without the cache (every rank's pieces exchanged); the plan goes into ``cache``."""
-    keys, metadata, lock, plan_id = _plan(storage, d.described, d.aliases, d.error, save_overwrite, d.fingerprint)
+    keys, metadata, lock, plan_id, copies = _plan(
+        storage, d.described, d.aliases, d.error, save_overwrite, d.fingerprint
+    )
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
             cache.pop(next(iter(cache)))
-        cache[d.fingerprint] = SavePlanCache(d.fingerprint, keys, metadata, plan_id)
-    return PlannedSave(storage, d.described, keys, metadata, d.fingerprint, lock)
+        cache[d.fingerprint] = SavePlanCache(d.fingerprint, keys, metadata, plan_id, copies)
+    return PlannedSave(storage, d.described, keys, metadata, d.fingerprint, lock, copies)
 
 
 def refuse_existing(storages: list[Storage]) -> None:
@@ -385,18 +398,28 @@ def take_locks(planned: list[PlannedSave], save_overwrite: bool) -> list[Planned
 
 
 def write_and_commit(
-    planned: PlannedSave, *, pieces: list[tuple[str, LocalTensor]] | None = None, group: Any = None
+    planned: PlannedSave,
+    *,
+    pieces: list[tuple[str, LocalTensor]] | None = None,
+    copies: replicas.Copies | None = None,
+    group: Any = None,
 ) -> list[str]:
     """Steps 4-5: write this rank's file (from ``pieces``, default the live tensors), then commit.
 
-    ``group`` is the process group for the closing collectives (async saves use their own).
+    ``copies``: the checksums of this rank's copies of pieces others write, hashed already
+    (async saves hash them before staging ends); by default they are hashed from the live
+    tensors while the file is written. ``group`` is the process group for the closing
+    collectives (async saves use their own).
     """
     storage, metadata, rank = planned.storage, planned.metadata, dist.get_rank()
     files: list[str] = []
     error: BaseException | None = None
     crcs: dict[str, list[int]] = {}
     file_id = None
+    hashing = None
     try:
+        if copies is None:
+            hashing = replicas.start_hashing(planned.copies, planned.described)
         if rank != 0:
             storage.prepare()
         pieces = planned.local_pieces() if pieces is None else pieces
@@ -407,7 +430,12 @@ def write_and_commit(
             files.append(storage.join(name))
     except BaseException as ex:  # noqa: BLE001 - reported to every rank
         error = ex
-    status = {"ok": error is None, "crcs": crcs, "id": file_id}
+    try:
+        if hashing is not None:
+            copies = hashing.result()  # waited for even after a failed write: no thread outlives the save
+    except BaseException as ex:  # noqa: BLE001 - reported to every rank
+        error = error or ex
+    status = {"ok": error is None, "crcs": crcs, "id": file_id, "copies": copies or []}
     gathered = dist.gather_bytes(json.dumps(status, separators=(",", ":")).encode(), dst=0, group=group)
 
     commit_error: BaseException | None = None
@@ -415,6 +443,7 @@ def write_and_commit(
         statuses = [json.loads(b) for b in gathered]
         if all(s["ok"] for s in statuses):
             try:
+                replicas.check_copies(statuses)
                 crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
                 committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
                 committed = committed.with_file_ids({rank_filename(r): s["id"] for r, s in enumerate(statuses) if s["id"]})

@@ -2,7 +2,8 @@
 
 ``build_save_plan`` turns what every rank holds into the checkpoint's metadata and each
 rank's list of pieces to write: a piece held by several ranks (a replicated tensor, a
-``Replicate`` placement) is written once, by the holder with the fewest bytes so far.
+``Replicate`` placement) is written once, by the holder with the fewest bytes so far; the
+other holders' copies (:meth:`SavePlan.copies_for`) are compared with it before a commit.
 ``build_load_plan`` turns one tensor's metadata and the piece a rank wants into reads.
 Rank and world size are arguments; nothing here looks them up.
 """
@@ -10,10 +11,10 @@ Rank and world size are arguments; nothing here looks them up.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -53,10 +54,39 @@ class SavePlan:
     """The keys the rows of ``writes`` index."""
     writes: np.ndarray
     """``writes[rank, i]``: ``rank`` writes ``keys[i]`` to its file (bool, world size x keys)."""
+    shared: dict[int, tuple[list[int], list[Piece]]] = field(default_factory=dict)
+    """By index into ``keys``: the pieces several ranks hold, and the rank that writes each."""
 
     def keys_for(self, rank: int) -> tuple[str, ...]:
         """The keys ``rank`` writes to its file, in file order."""
         return tuple(sorted(compress(self.keys, self.writes[rank].tolist())))
+
+    def copies_for(self, rank: int, pieces: Mapping[str, Piece]) -> dict[str, int]:
+        """The keys whose piece ``rank`` holds (``pieces``: its piece of each key) while another
+        rank writes the same piece: key -> that writer. These copies are never written; they
+        are compared with the written one. Examples: a tensor every rank holds whole (plain
+        module, DDP, a ``Replicate`` placement) is written by one rank, a copy on each other;
+        under HSDP each shard is written by one rank of its replica group, a copy on the others.
+        """
+        out: dict[str, int] = {}
+        mine_row = self.writes[rank]
+        for i, (writers, held) in self.shared.items():
+            key = self.keys[i]
+            mine = pieces.get(key)
+            if mine is None or mine_row[i] or not mine.numel:
+                continue
+            if len(held) == 1:
+                # Every holder of this key holds this piece: a non-empty piece not written by
+                # this rank is a copy of it (the plan proved the pieces tile the tensor).
+                out[key] = writers[0]
+                continue
+            # In the form the plan's pieces have (ints in tuples), so that == compares exactly.
+            mine = Piece.from_numbers(mine.kind, mine.numbers())
+            try:
+                out[key] = writers[held.index(mine)]
+            except ValueError:
+                pass  # cannot happen: a non-empty piece this rank does not write is one of these
+        return out
 
     @property
     def keys_per_rank(self) -> tuple[tuple[str, ...], ...]:
@@ -312,7 +342,7 @@ def _assign(
             shape=shapes[i], is_sharded=sharded[i], dtype=dtypes[i], shard_spec_per_file=ShardSpecs(layout)
         )
     metadata = new_metadata(tensors, world_size=world, aliases=dict(aliases or {}))
-    return SavePlan(metadata, tuple(keys), writes)
+    return SavePlan(metadata, tuple(keys), writes, extra)
 
 
 def _split(

@@ -65,6 +65,9 @@ EXTRAS = {
     "FlatShardedTensor",
     # "An error on one rank makes every rank raise": what the other ranks raise (a CheckpointError).
     "RankFailedError",
+    # "An error on one rank makes every rank raise", and replicas that disagree refuse a save
+    # (issue #26): what every rank raises then, so a training loop can tell it from an I/O error.
+    "ReplicaMismatchError",
 }
 
 
@@ -134,6 +137,7 @@ def test_error_hierarchy():
         parent = base if isinstance(base, type) else getattr(checkpointer, base)
         assert cls.__bases__ == (parent,), f"{name} derives from {cls.__bases__}, the contract says {parent.__name__}"
     assert issubclass(checkpointer.RankFailedError, checkpointer.CheckpointError)
+    assert issubclass(checkpointer.ReplicaMismatchError, checkpointer.CheckpointError)
     assert not issubclass(checkpointer.CheckpointError, OSError)
 
 
