@@ -9,6 +9,7 @@ from functools import partial
 from itertools import product
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..buffers import memoryview_of
@@ -200,6 +201,7 @@ def _strided_tasks(
     each block copied out as at most ``2 * ndim - 1`` strided boxes."""
     tasks: list[tuple] = []
     storage = headers.storage
+    scattered = storage.reads_runs()
     for job in jobs:
         plan = job.plan
         size = itemsize(plan.dtype)
@@ -208,6 +210,12 @@ def _strided_tasks(
                 continue
             numel = job.numel_per_file[item.file]
             start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
+            if not verify_chunk_bytes and scattered and item.src_strides[-1] == item.dst_strides[-1] == 1:
+                run = item.sizes[-1]
+                runs, per_task = item.numel // run, max(1, STRIDED_BLOCK // (run * size))
+                for r in range(0, runs, per_task):
+                    tasks.append((_read_runs, storage, item.file, start, size, item, job.dest, r, min(runs, r + per_task)))
+                continue
             lo, hi = item.src_offset, item.src_end
             crcs = (job.checksums_per_file or {}).get(item.file) if verify_chunk_bytes else None
             if crcs is not None:
@@ -226,6 +234,19 @@ def _strided_tasks(
                         checks.append((c, c * chunk - a, min(b, (c + 1) * chunk) - a, crcs[c]))
                 tasks.append((_read_strided, storage, item.file, plan.key, start, size, item, job.dest, a, b, checks, buffers))
     return tasks
+
+
+def _read_runs(
+    storage: Storage, name: str, piece_start_byte: int, size: int, item: ReadItem, dest: torch.Tensor, lo: int, hi: int
+) -> None:
+    """Runs ``[lo, hi)`` of a strided item whose runs are contiguous on both sides, read straight
+    into the destination by the storage's scattered reads (exactly their bytes, no staging)."""
+    index = np.unravel_index(np.arange(lo, hi, dtype=np.int64), item.sizes[:-1])
+    src = item.src_offset + sum(i * s for i, s in zip(index, item.src_strides[:-1]))
+    dst = item.dst_offset + sum(i * s for i, s in zip(index, item.dst_strides[:-1]))
+    offsets = piece_start_byte + src * size
+    addresses = (dest.data_ptr() + dst * size).astype(np.uint64)
+    _read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))
 
 
 def _read_strided(

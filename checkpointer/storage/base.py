@@ -15,11 +15,12 @@ load, any rank calls :meth:`Storage.read` and :meth:`Storage.read_into` on any f
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 import re
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "check_name", "check_url", "path_arg"]
 
@@ -163,6 +164,16 @@ class Storage(ABC):
             if len(data) != buf.nbytes:
                 raise OSError(f"short read of {self.join(name)} at {offset}: {len(data)} of {buf.nbytes} bytes")
             buf[:] = data
+
+    def reads_runs(self) -> bool:
+        """Whether :meth:`read_runs` is offered (a local file system); otherwise the caller reads
+        the span holding the runs into a staging buffer of its own."""
+        return False
+
+    def read_runs(self, name: str, file_offsets: Any, addresses: Any, length: int) -> None:
+        """Read ``length`` bytes at each of ``file_offsets`` (an increasing ``int64`` array) into
+        memory at each of ``addresses`` (``uint64``, memory the caller keeps alive), in few calls."""
+        raise io.UnsupportedOperation(f"{self.url}: no scattered reads")
 
     def read_blocks(
         self, name: str, start: int, buf: memoryview, block: int, after: Callable[[memoryview], None]

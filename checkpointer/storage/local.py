@@ -7,8 +7,9 @@ import ctypes.util
 import os
 import stat
 import uuid
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
+from . import scatter
 from .base import ReadRequest, Storage, Writer, check_name
 from .direct import DirectStream, direct_io_enabled
 
@@ -122,6 +123,17 @@ class LocalStorage(Storage):
                     j += 1
                 _preadv_exact(fd, bufs, offset, path)
                 i = j
+        finally:
+            os.close(fd)
+
+    def reads_runs(self) -> bool:
+        return scatter.available()
+
+    def read_runs(self, name: str, file_offsets: Any, addresses: Any, length: int) -> None:
+        path = self._path(name)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            scatter.preadv_runs(fd, file_offsets, addresses, length, path)
         finally:
             os.close(fd)
 

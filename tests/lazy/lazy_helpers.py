@@ -38,6 +38,11 @@ class CountingStorage(LocalStorage):
         with self._lock:
             self.data_reads.extend((name, off, len(buf)) for off, buf in requests)
 
+    def read_runs(self, name, file_offsets, addresses, length) -> None:
+        super().read_runs(name, file_offsets, addresses, length)
+        with self._lock:  # one entry per call: the bytes that reached the destination
+            self.data_reads.append((name, int(file_offsets[0]), len(file_offsets) * length))
+
     def data_bytes(self) -> int:
         return sum(n for _, _, n in self.data_reads)
 
