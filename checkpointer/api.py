@@ -318,21 +318,12 @@ def _load_optim(
     strategy: str,
 ) -> None:
     metadata = checkpointer.get_metadata(dir)
-    error: BaseException | None = None
-    try:
-        with _malformed(dir):
-            to_fill, torch_state = _plan_optim_load(dir, metadata, model, optim, model_state)
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank
-        error = ex
-    dist.agree(error, "load optimizer")
+    with dist.phase("load optimizer"), _malformed(dir):
+        to_fill, torch_state = _plan_optim_load(dir, metadata, model, optim, model_state)
     checkpointer.load(dir, to_fill, metadata=metadata, strategy=strategy)
-    error = None
-    try:
-        with _malformed(dir):
-            optim.load_state_dict(torch_state)
-    except BaseException as ex:  # noqa: BLE001 - a rank left behind would wait in training's next collective
-        error = ex
-    dist.agree(error, "load optimizer")
+    # Agreed on: a rank left behind would wait in training's next collective.
+    with dist.phase("load optimizer"), _malformed(dir):
+        optim.load_state_dict(torch_state)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import errors
 from .buffers import memoryview_of
-from .errors import RankFailedError
+from .errors import RankError, RankFailedError
 
 __all__ = [
     "is_distributed",
@@ -303,25 +303,81 @@ def agree(error: BaseException | None, what: str, *, no_dist: bool = False, grou
     """End a phase on every rank: raise on all ranks if any rank brought an error.
 
     The failing rank re-raises its own exception; the others raise the same library error
-    class (or :class:`RankFailedError`) with the failing rank and its message.
+    class (or :class:`RankFailedError`) naming the failing rank, with its message and traceback,
+    and every failing rank's :class:`~checkpointer.errors.RankError` in ``failures``.
     """
-    if no_dist or not is_distributed():
-        if error is not None:
-            raise error
-        return
-    if all_reduce_min(0 if error is not None else 1, group) == 1:
-        return  # every rank succeeded: one all-reduce; messages are exchanged only after a failure
-    mine = {"ok": error is None}
-    if error is not None:
-        mine.update(type=type(error).__name__, message=str(error), file_exists=isinstance(error, FileExistsError))
-    statuses = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode(), group)]
-    failed = [(r, s) for r, s in enumerate(statuses) if not s["ok"]]
-    if not failed:
-        return
+    if not (no_dist or not is_distributed()):
+        _settle(error, what, group)
     if error is not None:
         raise error
-    rank, status = failed[0]
-    _raise_remote(rank, status, what)
+
+
+class phase:
+    """``with dist.phase("load"):`` runs its block on every rank, then ends the phase together
+    (:func:`agree`): an exception on any rank makes every rank raise, the failing rank its own.
+
+    The one way a cross-rank step ends (after DCP's ``_DistWrapper``)::
+
+        with dist.phase("load", no_dist=no_dist):
+            plans = plan_local_loads(...)
+        # every rank planned, or every rank has raised
+    """
+
+    def __init__(self, what: str, *, no_dist: bool = False, group: Any = None):
+        self.what, self.no_dist, self.group = what, no_dist, group
+
+    def __enter__(self) -> phase:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+        if not (self.no_dist or not is_distributed()):
+            _settle(error, self.what, self.group)
+        return False  # this rank's own error, if any, goes on as it is
+
+
+def attempt(work: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """``(work(), None)``, or ``(None, its error)``: for a step whose error travels to the other
+    ranks in an exchange of its own, then ends in :func:`agree` (or :func:`remote_error`)."""
+    try:
+        return work(), None
+    except BaseException as ex:  # noqa: BLE001 - carried to every rank by the caller's exchange
+        return None, ex
+
+
+def _settle(error: BaseException | None, what: str, group: Any = None) -> None:
+    """One all-reduce when every rank succeeded; else the failures are exchanged, and a rank that
+    did not fail raises the first failing rank's error."""
+    if all_reduce_min(0 if error is not None else 1, group) == 1:
+        return  # every rank succeeded: one all-reduce; messages are exchanged only after a failure
+    mine = RankError.of(get_rank(), error).to_json() if error is not None else b""
+    failures = [RankError.from_json(b) for b in all_gather_bytes(mine, group) if b]
+    if failures and error is None:
+        raise remote_error(failures, what)
+
+
+def error_payload(error: BaseException) -> bytes:
+    """This rank's error as the bytes :func:`remote_error` reads (for exchanges of their own)."""
+    return RankError.of(get_rank(), error).to_json()
+
+
+def remote_error(failures: Sequence[RankError], what: str) -> BaseException:
+    """The error a rank raises for other ranks' failures: the first's class where the library
+    knows it (or :class:`RankFailedError`), its message and traceback, and every failure."""
+    first = failures[0]
+    message = f"{what} failed on rank {first.rank}: {first.type}: {first.message}"
+    others = [f.rank for f in failures[1:]]
+    if others:
+        message += f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
+    if first.traceback:
+        message += f"\n\nrank {first.rank}'s traceback:\n{first.traceback.rstrip()}"
+    by_rank = {f.rank: f for f in failures}
+    if first.file_exists:
+        error: BaseException = FileExistsError(message)
+    else:
+        cls = _KNOWN.get(first.type, RankFailedError)
+        error = cls(message, by_rank) if cls is RankFailedError else cls(message)
+    error.failures = by_rank  # type: ignore[attr-defined]
+    return error
 
 
 def agree_after(work: Callable[[], Any], what: str, *, no_dist: bool = False) -> Any:
@@ -356,15 +412,6 @@ def agree_after(work: Callable[[], Any], what: str, *, no_dist: bool = False) ->
     return outcome.get("result")
 
 
-def _raise_remote(rank: int, status: dict, what: str) -> None:
-    message = f"{what} failed on rank {rank}: {status['type']}: {status['message']}"
-    if status.get("file_exists"):
-        raise FileExistsError(message)
-    cls = _KNOWN.get(status["type"], RankFailedError)
-    raise cls(message)
-
-
-
 def share_from(src: int, produce, what: str, *, no_dist: bool = False) -> bytes:
     """Run ``produce()`` on ``src`` and give its bytes to every rank; its error, if any, reaches all."""
     if no_dist or not is_distributed():
@@ -372,21 +419,14 @@ def share_from(src: int, produce, what: str, *, no_dist: bool = False) -> bytes:
     payload: bytes | None = None
     error: BaseException | None = None
     if get_rank() == src:
-        try:
-            payload = b"\x00" + produce()
-        except BaseException as ex:  # noqa: BLE001 - sent to every rank
-            error = ex
-            payload = b"\x01" + json.dumps(
-                {"type": type(ex).__name__, "message": str(ex), "file_exists": isinstance(ex, FileExistsError)}
-            ).encode()
+        produced, error = attempt(produce)
+        payload = b"\x00" + produced if error is None else b"\x01" + error_payload(error)
     data = broadcast_bytes(payload, src=src)
     if data[:1] == b"\x00":
         return data[1:]
     if error is not None:
         raise error
-    status = json.loads(data[1:])
-    _raise_remote(src, status, what)
-    raise AssertionError("unreachable")
+    raise remote_error([RankError.from_json(data[1:])], what)
 
 
 def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import traceback as _traceback
+from dataclasses import asdict, dataclass
+
 __all__ = [
+    "RankError",
     "CheckpointError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
@@ -12,8 +17,36 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class RankError:
+    """One rank's failure as it travels to the other ranks: the one wire format of errors."""
+
+    rank: int
+    type: str
+    message: str
+    traceback: str = ""
+    file_exists: bool = False
+
+    @staticmethod
+    def of(rank: int, error: BaseException) -> RankError:
+        text = "".join(_traceback.format_exception(type(error), error, error.__traceback__))
+        return RankError(rank, type(error).__name__, str(error), text, isinstance(error, FileExistsError))
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @staticmethod
+    def from_json(data: bytes | str) -> RankError:
+        raw = json.loads(data)
+        return RankError(int(raw["rank"]), str(raw["type"]), str(raw["message"]), str(raw.get("traceback", "")),
+                         bool(raw.get("file_exists", False)))
+
+
 class CheckpointError(Exception):
     """Base class of every error this library raises on purpose."""
+
+    failures: dict[int, RankError] = {}
+    """Raised because other ranks failed: each failing rank's error, by rank (else empty)."""
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -29,7 +62,12 @@ class CheckpointMismatchError(CheckpointError):
 
 
 class RankFailedError(CheckpointError):
-    """Another rank of the job failed; the message names it and its error."""
+    """Other ranks of the job failed: the message names the first and shows its traceback;
+    ``failures`` holds every failing rank's :class:`RankError`."""
+
+    def __init__(self, message: str, failures: dict[int, RankError] | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})
 
 
 class ReplicaMismatchError(CheckpointError):

@@ -85,10 +85,7 @@ class AsyncSaver:
         """Block until the save in flight (if any) has finished; its errors stay on its future."""
         inflight = self._inflight
         if inflight is not None:
-            try:
-                inflight.result()
-            except BaseException:  # noqa: BLE001 - reported through that save's own future
-                pass
+            dist.attempt(inflight.result)  # its error stays on that save's own future
 
     def save(
         self,
@@ -107,7 +104,10 @@ class AsyncSaver:
             self.wait()
             result: Future[list[tuple[StorageMetadata, list[str]]]] = Future()
             planned: list[PlannedSave] = []
-            try:
+            locked = False
+
+            def plan() -> None:
+                nonlocal planned, locked
                 if not self._group_made:
                     self._group = dist.new_cpu_group()
                     self._group_made = True
@@ -121,14 +121,17 @@ class AsyncSaver:
                         dist.share_from(0, lambda: _refused([st for st, _ in targets]), "async save")
                     for st, d in described:  # each plan ends with an agreement: its errors reach every rank
                         planned.append(plan_in_full(st, d, save_overwrite=save_overwrite, cache=cache))
-            except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
+
+            _, error = dist.attempt(plan)
+            if error is not None:  # surfaces from .result()
                 _release_locks(planned)
-                result.set_exception(ex)
+                result.set_exception(error)
                 return result
             staged: list[list[tuple[str, LocalTensor]]] = []
             copies: list[replicas.Copies] = []
-            staging_error: BaseException | None = None
-            try:
+
+            def stage() -> None:
+                nonlocal staged, copies
                 # Replicas are hashed now, from the state being staged: training changes it next.
                 hashing = [replicas.start_hashing(p.copies, p.described) for p in planned]
                 try:
@@ -137,8 +140,9 @@ class AsyncSaver:
                     staged = [self._stage(i, p) for i, p in enumerate(planned)]
                 finally:
                     copies = [h.result() for h in hashing]  # no hashing outlives the call
-            except BaseException as ex:  # noqa: BLE001 - one rank's: the background agreement tells the others
-                staging_error = ex
+
+            # One rank's staging error: the background agreement tells the others.
+            _, staging_error = dist.attempt(stage)
             _track(planned, +1)
             self._inflight = self._executor.submit(
                 self._write, planned, staged, copies, staging_error, locked, save_overwrite, result
@@ -159,10 +163,8 @@ class AsyncSaver:
         try:
             error = staging_error
             if error is None and not locked and dist.get_rank() == 0:
-                try:
-                    planned = take_locks(planned, save_overwrite)
-                except BaseException as ex:  # noqa: BLE001 - reported to every rank below
-                    error = ex
+                taken, error = dist.attempt(lambda: take_locks(planned, save_overwrite))
+                planned = taken or planned
             dist.agree(error, "async save", group=self._group)
             for p, s, c in zip(planned, staged, copies):
                 out.append((p.metadata, write_and_commit(p, pieces=s, copies=c, group=self._group)))

@@ -461,18 +461,14 @@ def run_export(
     storage = dist.agree_after(write_mine, "export", no_dist=no_dist)
     if plan.single_file:
         return files
-    index_error: BaseException | None = None
-    if rank == 0:
-        try:
+    with dist.phase("export index", no_dist=no_dist):
+        if rank == 0:
             written = {s.name for s in plan.shards}
             for name in storage.list():
                 if (_SHARD_NAME.fullmatch(name) or name == "model.safetensors") and name not in written:
                     storage.delete(name)
             storage.write(INDEX_NAME, plan.index_json())
             files.append(storage.join(INDEX_NAME))
-        except BaseException as ex:  # noqa: BLE001 - reported to every rank
-            index_error = ex
-    dist.agree(index_error, "export index", no_dist=no_dist)
     return files
 
 
@@ -489,10 +485,7 @@ def export_checkpoint(
     """:func:`export_safetensors`, with a progress bar factory ``make_progress(bytes, tensors)``."""
     out = path_arg(out, "output path")
     world = 1 if no_dist else dist.get_world_size()
-    plan: ExportPlan | None = None
-    fetch: Fetch = _unplanned
-    error: BaseException | None = None
-    try:
+    def prepare() -> tuple[ExportPlan, Fetch]:
         storage = model_checkpoint(open_storage(dir))
         metadata = read_metadata(storage, no_dist=True)
         source = CheckpointTensors(storage, metadata, reuse_memory=True)
@@ -502,11 +495,10 @@ def export_checkpoint(
         if not tensors:
             raise ValueError(f"no tensor of {storage.url} matches --keys {getattr(keys, 'pattern', keys)!r}")
         plan = plan_export(tensors, single_file=str(out).endswith(".safetensors"), max_shard_size=max_shard_size, world_size=world)
-        fetch = source.fetch
-    except BaseException as ex:  # noqa: BLE001 - brought to the agreement in run_export
-        error = ex
-    if plan is None:
-        plan = ExportPlan((), True)
+        return plan, source.fetch
+
+    prepared, error = dist.attempt(prepare)  # brought to the agreement in run_export
+    plan, fetch = prepared or (ExportPlan((), True), _unplanned)
     return run_export(out, plan, fetch, no_dist=no_dist, make_progress=make_progress, prepared_error=error)
 
 

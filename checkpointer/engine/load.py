@@ -214,27 +214,18 @@ def load_state_dicts(
     for i, meta in zip(missing, read_metadatas([storages[i] for i in missing], no_dist=no_dist) if missing else []):
         given[i] = meta
     metas: list[StorageMetadata] = given  # type: ignore[assignment]
-    error: BaseException | None = None
     parts: list[tuple[HeaderCache, list[LocalLoad]]] = []
-    try:
-        with torch.no_grad():
-            for storage, meta, state_dict in zip(storages, metas, state_dicts(metas), strict=True):
-                parts.append((CheckpointReader(storage, meta).headers, plan_local_loads(storage, meta, state_dict)))
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank
-        error = ex
-    dist.agree(error, "load", no_dist=no_dist)
-    try:
-        with torch.no_grad():
-            by_chunk: dict[int | None, list[tuple[HeaderCache, list[LocalLoad]]]] = {}
-            for part, meta in zip(parts, metas):
-                by_chunk.setdefault(meta.checksum_chunk_bytes if verify else None, []).append(part)
-            for chunk, group in by_chunk.items():
-                fill_in_place_from(group, num_threads=num_threads, verify_chunk_bytes=chunk)
-            if finish is not None:
-                finish()
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank
-        error = ex
-    dist.agree(error, "load", no_dist=no_dist)
+    with dist.phase("load", no_dist=no_dist), torch.no_grad():
+        for storage, meta, state_dict in zip(storages, metas, state_dicts(metas), strict=True):
+            parts.append((CheckpointReader(storage, meta).headers, plan_local_loads(storage, meta, state_dict)))
+    with dist.phase("load", no_dist=no_dist), torch.no_grad():
+        by_chunk: dict[int | None, list[tuple[HeaderCache, list[LocalLoad]]]] = {}
+        for part, meta in zip(parts, metas):
+            by_chunk.setdefault(meta.checksum_chunk_bytes if verify else None, []).append(part)
+        for chunk, group in by_chunk.items():
+            fill_in_place_from(group, num_threads=num_threads, verify_chunk_bytes=chunk)
+        if finish is not None:
+            finish()
 
 
 def fill_in_place(

@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import dist
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RankError
 from ..checksums import ALGORITHM, CHUNK_BYTES
 from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename, new_file_id, rank_filename
 from ..format.metadata import StorageMetadata
@@ -201,16 +201,13 @@ def _plan(
     rank = dist.get_rank()
     error: BaseException | None = local_error
     if rank == 0 and error is None:
-        try:
-            check_directory(storage, save_overwrite, retire_old=False)
-        except BaseException as ex:  # noqa: BLE001 - reported to every rank below
-            error = ex
+        _, error = dist.attempt(lambda: check_directory(storage, save_overwrite, retire_old=False))
     columns = _columns(described) if error is None else None
     rank0_digest = dist.broadcast_bytes(
         (columns.structure.digest if columns is not None else "").encode() if rank == 0 else None, src=0
     ).decode()
     mine = (
-        _error_json(error)
+        dist.error_payload(error)  # type: ignore[arg-type]
         if columns is None
         else _pieces_payload(
             columns,
@@ -222,31 +219,28 @@ def _plan(
     gathered = dist.all_gather_bytes(mine)
     failed = [r for r, payload in enumerate(gathered) if payload[:1] != b"P"]
     if failed:
-        dist.agree(error, "save")  # re-raises this rank's own error, or the failing rank's
-        raise CheckpointError(f"save failed on rank {failed[0]}: {json.loads(gathered[failed[0]])['error']}")
+        if error is not None:
+            raise error
+        raise dist.remote_error([RankError.from_json(gathered[r]) for r in failed], "save")
     assert columns is not None
-    plan, plan_id = None, -1
-    try:
-        plan, plan_id = _plan_from(gathered, columns)
-    except (ValueError, CheckpointError) as ex:
-        error = CheckpointError(f"cannot save: {ex}")  # the same on every rank: the same inputs
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank below
-        error = ex
+    planned, error = dist.attempt(lambda: _plan_or_refuse(gathered, columns))
+    plan, plan_id = planned or (None, -1)
     lock = None
     if error is None and rank == 0:
         # Planned: only now retire an old checkpoint here, before any rank writes a file.
-        try:
-            lock = check_directory(storage, save_overwrite, retire_old=True)
-        except BaseException as ex:  # noqa: BLE001 - reported to every rank below
-            error = ex
+        lock, error = dist.attempt(lambda: check_directory(storage, save_overwrite, retire_old=True))
     dist.agree(error, "save")
     assert plan is not None
     copies = plan.copies_for(rank, {key: lt.piece for key, lt in described.items()})
     return plan.keys_for(rank), plan.metadata, lock, plan_id, copies
 
 
-def _error_json(error: BaseException) -> bytes:
-    return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
+def _plan_or_refuse(gathered: list[bytes], mine: RankPieces) -> tuple[SavePlan, int]:
+    """:func:`_plan_from`, its refusals (the same on every rank: the same inputs) as one error."""
+    try:
+        return _plan_from(gathered, mine)
+    except (ValueError, CheckpointError) as ex:
+        raise CheckpointError(f"cannot save: {ex}") from None
 
 
 def _plan_from(gathered: list[bytes], mine: RankPieces) -> tuple[SavePlan, int]:
@@ -291,13 +285,8 @@ class DescribedState:
 
 
 def describe_for_save(state_dict: Mapping[str, Any]) -> DescribedState:
-    described: dict[str, LocalTensor] = {}
-    aliases: dict[str, str] = {}
-    error: BaseException | None = None
-    try:
-        described, aliases = describe_state_dict(state_dict)
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank by the plan exchange
-        error = ex
+    result, error = dist.attempt(lambda: describe_state_dict(state_dict))  # its error: in the plan exchange
+    described, aliases = result or ({}, {})
     fingerprint = hashlib.sha256(_desc_json(described, aliases) + str(dist.get_world_size()).encode()).hexdigest()
     return DescribedState(described, aliases, error, fingerprint)
 
@@ -320,11 +309,11 @@ def reuse_cached_plans(
     locks: list[bytes | None] = [None] * len(targets)
     ok = all(hit is not None for hit in hits)
     if ok and take_locks_now and dist.get_rank() == 0:
-        try:
-            for i, (storage, _) in enumerate(targets):
-                locks[i] = check_directory(storage, save_overwrite, retire_old=True)
-        except BaseException:  # noqa: BLE001 - the full path reports it
-            ok = False
+        taken, failed = dist.attempt(
+            lambda: [check_directory(storage, save_overwrite, retire_old=True) for storage, _ in targets]
+        )
+        ok = failed is None  # the full path reports it
+        locks = taken or locks
     # Every rank's entries must come from one plan: each rank's own pieces can recur while
     # another rank's did not (they moved between ranks), or recur from another save.
     plan_id = -1
@@ -390,10 +379,10 @@ def take_locks(planned: list[PlannedSave], save_overwrite: bool) -> list[Planned
     try:
         for p in planned:
             locked.append(replace(p, lock=check_directory(p.storage, save_overwrite, retire_old=True)))
-    except BaseException:
-        for p in locked:
-            release_lock(p.storage, p.lock)
-        raise
+    finally:
+        if len(locked) < len(planned):  # a failure: the locks taken go
+            for p in locked:
+                release_lock(p.storage, p.lock)
     return locked
 
 
@@ -413,28 +402,27 @@ def write_and_commit(
     """
     storage, metadata, rank = planned.storage, planned.metadata, dist.get_rank()
     files: list[str] = []
-    error: BaseException | None = None
     crcs: dict[str, list[int]] = {}
     file_id = None
     hashing = None
-    try:
+
+    def write() -> None:
+        nonlocal crcs, file_id, hashing
         if copies is None:
             hashing = replicas.start_hashing(planned.copies, planned.described)
         if rank != 0:
             storage.prepare()
-        pieces = planned.local_pieces() if pieces is None else pieces
-        if pieces:
+        local = planned.local_pieces() if pieces is None else pieces
+        if local:
             name = rank_filename(rank)
             file_id = new_file_id()
-            crcs = write_rank_file(storage, name, pieces, file_id=file_id)
+            crcs = write_rank_file(storage, name, local, file_id=file_id)
             files.append(storage.join(name))
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank
-        error = ex
-    try:
-        if hashing is not None:
-            copies = hashing.result()  # waited for even after a failed write: no thread outlives the save
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank
-        error = error or ex
+
+    _, error = dist.attempt(write)
+    if hashing is not None:
+        hashed, hash_error = dist.attempt(hashing.result)  # waited for even after a failed write: no thread outlives the save
+        copies, error = hashed, error or hash_error
     status = {"ok": error is None, "crcs": crcs, "id": file_id, "copies": copies or []}
     gathered = dist.gather_bytes(json.dumps(status, separators=(",", ":")).encode(), dst=0, group=group)
 
@@ -442,15 +430,17 @@ def write_and_commit(
     if gathered is not None:
         statuses = [json.loads(b) for b in gathered]
         if all(s["ok"] for s in statuses):
-            try:
+
+            def commit() -> None:
                 replicas.check_copies(statuses)
                 crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
                 committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
                 committed = committed.with_file_ids({rank_filename(r): s["id"] for r, s in enumerate(statuses) if s["id"]})
                 commit_metadata(storage, committed, planned.lock)
                 files.append(storage.join(METADATA_FILENAME))
-            except BaseException as ex:  # noqa: BLE001 - reported to every rank
-                commit_error = ex
+
+            _, commit_error = dist.attempt(commit)
+            if commit_error is not None:
                 release_lock(storage, planned.lock)
         else:
             release_lock(storage, planned.lock)

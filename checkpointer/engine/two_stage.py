@@ -101,7 +101,8 @@ def load_two_stage(
     dests: dict[tuple[str, str], list[_Dest]] = defaultdict(list)
     staged: list[_Staged] = []
     jobs: list[ReadJob] = []
-    try:
+
+    def plan() -> None:
         for load in plan_local_loads(storage, metadata, state_dict):
             if load.local.numel == 0:
                 continue
@@ -116,8 +117,8 @@ def load_two_stage(
             for item in load.plan.items:
                 needs.append(Need(item.file, load.plan.key, item.src_offset, item.src_end))
                 dests[(item.file, load.plan.key)].append(_Dest(item, flat))
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank
-        error = ex
+
+    _, error = dist.attempt(plan)  # reported to every rank with the needs
     lap("planning")
     mine = json.dumps({"ok": error is None, "needs": [[n.file, n.key, n.start, n.end] for n in needs]})
     gathered = [json.loads(b) for b in dist.all_gather_bytes(mine.encode())]
@@ -137,7 +138,8 @@ def load_two_stage(
 
     def read_batch(batch: list[ReadUnit]) -> tuple[dict[ReadUnit, torch.Tensor], BaseException | None]:
         bufs = {u: torch.empty((u.end - u.start) * sizes[u.key], dtype=torch.uint8) for u in batch}
-        try:
+
+        def read() -> None:
             per_file: dict[str, list] = defaultdict(list)
             for u in batch:
                 if u.reader == rank:
@@ -147,9 +149,8 @@ def load_two_stage(
                     per_file[u.file].append((start + u.start * size, memoryview_of(bufs[u])))
             for name, reqs in per_file.items():
                 read_file_ranges(storage, name, reqs)
-            return bufs, None
-        except BaseException as ex:  # noqa: BLE001 - raised after the exchanges
-            return bufs, ex
+
+        return bufs, dist.attempt(read)[1]  # raised after the exchanges
 
     with ThreadPoolExecutor(1, thread_name_prefix="checkpointer-two-stage") as reader:
         pending = reader.submit(read_batch, batches[0]) if batches else None
@@ -167,18 +168,15 @@ def load_two_stage(
                 else:
                     stats.bytes_received += bufs[u].numel()
             lap("broadcasts")
-            try:
+            def scatter() -> None:
                 for u in batch:
                     for done in _scatter_unit(u, bufs[u], dests[(u.file, u.key)], sizes[u.key]):
                         _finish(storage, done, headers, chunk)
-            except BaseException as ex:  # noqa: BLE001 - raised after the exchanges
-                error = error or ex
+
+            error = error or dist.attempt(scatter)[1]  # raised after the exchanges
             lap("copies")
     if chunk and error is None:
-        try:
-            verify_reads(storage, jobs, headers=headers, chunk_bytes=chunk)
-        except BaseException as ex:  # noqa: BLE001 - reported to every rank
-            error = ex
+        _, error = dist.attempt(lambda: verify_reads(storage, jobs, headers=headers, chunk_bytes=chunk))
         lap("verify")
     unfilled = [s.load.key for s in staged if s.missing]
     if unfilled and error is None:

@@ -29,18 +29,13 @@ def unshard_state_dict(
     if rank0_only and rank != 0:
         return {}
     metadata = read_metadata(storage, no_dist=no_dist or rank0_only)
-    out: dict[str, torch.Tensor] = {}
-    error: BaseException | None = None
     device = torch.device(device) if device is not None else torch.device("cpu")
-    try:
+    with dist.phase("unshard", no_dist=no_dist or rank0_only):
         if device.type == "cpu":
             reader = CheckpointReader(storage, metadata, num_threads=num_threads)
             out = reader.full_tensors(list(metadata.tensors), verify=verify)
         else:
             out = read_full_onto(device, storage, metadata, num_threads=num_threads, verify=verify)
-    except BaseException as ex:  # noqa: BLE001 - reported to every rank
-        error = ex
-    dist.agree(error, "unshard", no_dist=no_dist or rank0_only)
     for alias, target in (metadata.aliases or {}).items():
         out[alias] = out[target]
     return out

@@ -121,10 +121,7 @@ def convert(
     fmt: str | None = None
     error: BaseException | None = None
     if dist.get_rank() == 0:
-        try:
-            fmt = detect_format(src)
-        except BaseException as ex:  # noqa: BLE001 - reported to every rank
-            error = ex
+        fmt, error = dist.attempt(lambda: detect_format(src))
     dist.agree(error, "convert")
     fmt = dist.broadcast_bytes(fmt.encode() if fmt else None).decode() if dist.is_distributed() else fmt
     if fmt == "checkpointer" and to == "hf":

@@ -60,6 +60,7 @@ def write_checkpoint(
     total = sum(math.prod(shape) * dtype_from_code(code).itemsize for _, shape, code in entries)
     bar = make_progress(total, len(entries)) if make_progress else None
     crcs: dict[str, list[int]] = {}
+    written = False
     try:
         with storage.open_writer(name) as writer:
             writer.write([memoryview(header)])
@@ -77,10 +78,10 @@ def write_checkpoint(
                 if bar is not None:
                     bar.advance(math.prod(shape) * dtype_from_code(code).itemsize, 1)
             writer.commit()
-    except BaseException:
-        release_lock(storage, lock)  # as a failed save does: a failure here is not a crashed save
-        raise
+        written = True
     finally:
+        if not written:
+            release_lock(storage, lock)  # as a failed save does: a failure here is not a crashed save
         if bar is not None:
             bar.close()
     tensors = {
@@ -94,9 +95,11 @@ def write_checkpoint(
     }
     metadata = new_metadata(tensors, world_size=1, aliases=dict(aliases or {}))
     metadata = metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
+    committed = False
     try:
         commit_metadata(storage, metadata.with_file_ids({name: file_id}), lock)
-    except BaseException:
-        release_lock(storage, lock)
-        raise
+        committed = True
+    finally:
+        if not committed:
+            release_lock(storage, lock)
     return [storage.join(name), storage.join(METADATA_FILENAME)]

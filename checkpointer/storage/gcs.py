@@ -402,15 +402,17 @@ class GCSWriter(PartWriter):
 
     def commit(self) -> None:
         self._check()
+        done = False
         try:
             if not self.started:
                 self._one_request()
             else:
                 self._finish_parts(last_if_empty=True)
             self._session_url = None
-        except BaseException:
-            self.abort()
-            raise
+            done = True
+        finally:
+            if not done:
+                self.abort()
         self._close()
 
     def _one_request(self) -> None:

@@ -71,6 +71,7 @@ class GCSComposeWriter(GCSWriter):
         if not self.started:
             super().commit()  # smaller than one part: one request
             return
+        composed = False
         try:
             self._finish_parts(last_if_empty=False)
             parts = self._part_names()
@@ -82,9 +83,10 @@ class GCSComposeWriter(GCSWriter):
                              self._s.max_concurrency)
                 parts = middle
             self._compose(parts, self._name)
-        except BaseException:
-            self.abort()
-            raise
+            composed = True
+        finally:
+            if not composed:
+                self.abort()
         self._committed = True
         self._close()
         self._delete_temporaries()

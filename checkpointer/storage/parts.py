@@ -206,11 +206,12 @@ class PartWriter(Writer):
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ckpt-upload")
         offset, self._offset = self._offset, self._offset + part_bytes(part)
         self._slots.acquire()
+        fut = None
         try:
             fut = self._pool.submit(self._upload, number, offset, part, total)
-        except BaseException:
-            self._slots.release()
-            raise
+        finally:
+            if fut is None:
+                self._slots.release()
         fut.add_done_callback(lambda _: self._slots.release())
         self._futures.append(fut)
         if self._grow_every and number % self._grow_every == 0:

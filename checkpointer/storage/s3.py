@@ -374,6 +374,7 @@ class S3Writer(PartWriter):
 
     def commit(self) -> None:
         self._check()
+        done = False
         try:
             if not self.started:
                 data = self._parts.rest()
@@ -383,9 +384,10 @@ class S3Writer(PartWriter):
                 self._finish_parts(last_if_empty=False)
                 self._complete()
                 self._upload_id = None
-        except BaseException:
-            self.abort()
-            raise
+            done = True
+        finally:
+            if not done:
+                self.abort()
         self._close()
 
     def _complete(self) -> None:

@@ -518,3 +518,50 @@ def test_no_store_count_outlives_its_collective(run_distributed):
     called without an active exception', about 1 in 12 CLI runs under torchrun on a busy host)."""
     for done in run_distributed(_collectives_with_a_slow_store, 2):
         assert done and all(done), done
+
+
+# ---------------------------------------------------------------------------------------
+# One way to end a collective phase: the failing rank's traceback reaches the others
+# ---------------------------------------------------------------------------------------
+
+
+def _fail_deep_in_rank_one():
+    raise ValueError("boom on rank 1")
+
+
+def _phase_failure(rank, world_size):
+    from checkpointer import dist as cdist
+    from checkpointer.errors import RankFailedError
+
+    try:
+        with cdist.phase("test step"):
+            if rank == 1:
+                _fail_deep_in_rank_one()
+    except RankFailedError as ex:
+        return {"rank": rank, "type": "RankFailedError", "msg": str(ex),
+                "failures": {r: (f.type, f.message, f.traceback) for r, f in ex.failures.items()}}
+    except ValueError as ex:
+        return {"rank": rank, "type": "ValueError", "msg": str(ex)}
+    return {"rank": rank, "type": None}
+
+
+def test_a_failed_phase_carries_the_failing_ranks_traceback(run_distributed):
+    results = run_distributed(_phase_failure, 3)
+    assert results[1] == {"rank": 1, "type": "ValueError", "msg": "boom on rank 1"}
+    for rank in (0, 2):
+        r = results[rank]
+        assert r["type"] == "RankFailedError", r
+        assert "test step failed on rank 1: ValueError: boom on rank 1" in r["msg"]
+        assert "rank 1's traceback" in r["msg"] and "_fail_deep_in_rank_one" in r["msg"], r["msg"]
+        assert list(r["failures"]) == [1]
+        kind, message, trace = r["failures"][1]
+        assert (kind, message) == ("ValueError", "boom on rank 1")
+        assert trace.startswith("Traceback") and "_fail_deep_in_rank_one" in trace
+
+
+def test_a_shape_mismatch_on_rank_one_shows_its_traceback_on_rank_zero(run_distributed, tmp_path):
+    ckpt = str(tmp_path / "ck")
+    run_distributed(_save_flat, 2, ckpt)
+    results = run_distributed(_load_flat, 2, ckpt, {"beta_bias": torch.zeros(6)}, 1)
+    check_all_raised(results, checkpointer.CheckpointMismatchError, "beta_bias")
+    assert "rank 1's traceback" in results[0]["msg"] and "plan_local_loads" in results[0]["msg"]
