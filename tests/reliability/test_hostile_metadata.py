@@ -364,6 +364,11 @@ def _pickle_bytes(kind: str, marker: str) -> bytes:
         return pickle.dumps(value)
     if kind == "names_mismatch":
         return pickle.dumps({**good, "_param_names": 5})
+    if kind == "shared":  # 30 lists, each holding the next twice: 2**30 values to a tree walk, 200 bytes
+        shared: list = []
+        for _ in range(30):
+            shared = [shared, shared]
+        return pickle.dumps({**good, "lr": shared})
     if kind == "garbage":
         return b"\x80\x05not a pickle at all"
     raise ValueError(kind)
@@ -378,8 +383,10 @@ def _pickle_bytes(kind: str, marker: str) -> bytes:
         "deep",
         pytest.param("names_mismatch", marks=BUG_OPTIM_GROUP),
         "garbage",
+        "shared",
     ],
 )
+@pytest.mark.timeout(120)
 def test_param_group_that_is_hostile(ckpt, tmp_path, kind):
     import torch
     from hostile import replace_tensor
