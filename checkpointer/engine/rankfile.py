@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass
 from functools import partial
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -20,7 +20,7 @@ from ..format.metadata import TensorStorageMetadata
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, build_header, header_length, parse_header
 from ..planning.plan import TensorLoadPlan
 from ..sharding import LocalTensor
-from ..storage.base import ReadRequest, Storage, Writer
+from ..storage.base import FileChangedError, ReadRequest, Storage, Writer
 from ..storage.direct import MIN_FROM_SOURCE
 from .file_order import order_for_alignment
 
@@ -45,6 +45,8 @@ _SPLIT_BYTES = 32 << 20
 _WRITE_BLOCK = 2 << 20  # divides CHUNK_BYTES
 _FROM_MEMORY_BLOCK = 64 << 20  # a multiple of CHUNK_BYTES, and 4x MIN_FROM_SOURCE
 _HASH_BLOCK = 1 << 20  # hashed right after it is read, from the CPU cache
+
+T = TypeVar("T")
 
 
 def io_threads() -> int:
@@ -217,11 +219,15 @@ class HeaderCache:
     """Each rank file's safetensors header, read once per load (two small reads at most).
 
     With ``file_ids`` (``metadata.json``'s), a file whose header names another id is refused:
-    it was written by another save than the metadata describes."""
+    it was written by another save than the metadata describes. ``storage`` is the given one
+    :meth:`~checkpointer.storage.base.Storage.pinned` for this load: reads through it reach the
+    file whose header was checked (a local file replaced meanwhile is an error, not other bytes).
+    """
 
     def __init__(self, storage: Storage, file_ids: Mapping[str, str] | None = None, *,
                  what: str = f"rank file listed in {METADATA_FILENAME}"):
-        self.storage = storage
+        self._given = storage
+        self.storage = storage.pinned()
         self.file_ids = file_ids or {}
         self.what = what  # what a file is, for the error when one is missing
         self._headers: dict[str, SafetensorsHeader] = {}
@@ -234,12 +240,13 @@ class HeaderCache:
             return cached
         where = self.storage.join(name)
         size = _file_size(self.storage, name, self.what)
-        prefix = self.storage.read(name, 0, min(size, _SPECULATIVE_HEADER))
+        prefix = _read_with(self.storage, name, lambda: self.storage.read(name, 0, min(size, _SPECULATIVE_HEADER)), self.what)
         n = header_length(prefix, where=where, file_size=size)
         if PREFIX_BYTES + n <= len(prefix):
             header_json = prefix[PREFIX_BYTES : PREFIX_BYTES + n]
         else:
-            header_json = prefix[PREFIX_BYTES:] + self.storage.read(name, len(prefix), PREFIX_BYTES + n)
+            rest = _read_with(self.storage, name, lambda: self.storage.read(name, len(prefix), PREFIX_BYTES + n), self.what)
+            header_json = prefix[PREFIX_BYTES:] + rest
         header = parse_header(header_json, where=where, file_size=size)
         expected = self.file_ids.get(name)
         if expected is not None:
@@ -253,6 +260,11 @@ class HeaderCache:
             self._headers[name] = header
         return header
 
+    def close(self) -> None:
+        """Close the files this load keeps open (done anyway when the cache is dropped)."""
+        if self.storage is not self._given:
+            self.storage.close()
+
 
 def _file_size(storage: Storage, name: str, what: str) -> int:
     """The size of a file the checkpoint needs; a missing or special file is corrupt data."""
@@ -261,6 +273,8 @@ def _file_size(storage: Storage, name: str, what: str) -> int:
         return storage.size(name)
     except FileNotFoundError as ex:
         raise CorruptCheckpointError(f"{where}: {what} is missing") from ex
+    except FileChangedError as ex:
+        raise CorruptCheckpointError(f"{where}: changed while the checkpoint was read ({ex})") from ex
     except (PermissionError, IsADirectoryError, NotADirectoryError, ValueError) as ex:
         raise CorruptCheckpointError(f"{where}: not a readable file inside the checkpoint ({ex})") from ex
     except OSError as ex:
@@ -278,7 +292,7 @@ def read_small_file(storage: Storage, name: str, *, limit: int, what: str) -> by
     size = _file_size(storage, name, what)
     if size > limit:
         raise CorruptCheckpointError(f"{where}: {what} of {size} bytes is over the limit of {limit} bytes")
-    data = storage.read(name, 0, size)
+    data = _read_with(storage, name, lambda: storage.read(name, 0, size), what)
     if len(data) != size:
         raise CorruptCheckpointError(f"{where}: read {len(data)} bytes of {size}: the file changed while it was read")
     return data
@@ -565,7 +579,8 @@ def check_chunk(storage: Storage, where: tuple[str, str, int], view: memoryview,
 
 
 def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
-    check_chunk(storage, where, memoryview(storage.read(where[0], start, end)), expected)
+    data = _read_with(storage, where[0], lambda: storage.read(where[0], start, end))
+    check_chunk(storage, where, memoryview(data), expected)
 
 
 def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:
@@ -577,10 +592,22 @@ def _read(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:
     _read_with(storage, name, lambda: storage.read_into(name, reqs))
 
 
-def _read_with(storage: Storage, name: str, read: Callable[[], None]) -> None:
+def _read_with(storage: Storage, name: str, read: Callable[[], T], what: str = f"rank file listed in {METADATA_FILENAME}") -> T:
+    """``read()``, its errors as a load reports them: a file that is missing, cut short, replaced
+    or not a readable file inside the checkpoint is corrupt; any other ``OSError`` names the file."""
+    where = storage.join(name)
     try:
-        read()
+        return read()
     except FileNotFoundError as ex:
-        raise CorruptCheckpointError(f"{storage.join(name)}: rank file listed in metadata.json is missing") from ex
-    except EOFError as ex:
-        raise CorruptCheckpointError(f"{storage.join(name)}: file is truncated ({ex})") from ex
+        raise CorruptCheckpointError(f"{where}: {what} is missing") from ex
+    except (EOFError, FileChangedError) as ex:
+        raise CorruptCheckpointError(f"{where}: changed while the checkpoint was read, or damaged ({ex})") from ex
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as ex:
+        if not storage.is_local():
+            raise
+        raise CorruptCheckpointError(f"{where}: not a readable file inside the checkpoint ({ex})") from ex
+    except OSError as ex:
+        if where in str(ex) or name in str(ex):
+            raise
+        message = f"{where}: {ex.strerror or ex}"
+        raise (OSError(ex.errno, message) if ex.errno else OSError(message)) from ex
