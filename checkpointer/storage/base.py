@@ -138,6 +138,12 @@ class Storage(ABC):
     def child(self, name: str) -> Storage:
         """A storage rooted at the sub-directory ``name``."""
 
+    def part(self, name: str) -> Storage:
+        """The sub-directory ``name`` as a part of the checkpoint here (``model/``, ``optim/``):
+        :meth:`child`, except that through it a backend with links (local files) reads nothing
+        outside this storage's root, as it reads nothing outside its own."""
+        return self.child(name)
+
     def pinned(self) -> Storage:
         """This storage for one reader (a load): a backend that can keeps each file it opens
         open, so that every read of a file reaches the file first opened under its name, or

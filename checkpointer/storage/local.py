@@ -1,6 +1,7 @@
 """Local files: reads with ``preadv`` straight into the caller's buffers, atomic publication by rename.
 
-Nothing is read outside the storage's root, whatever symbolic links say: a name is resolved,
+Nothing is read outside :attr:`LocalStorage.within` (the storage's root, or the checkpoint
+directory a part such as ``model/`` belongs to), whatever symbolic links say: a name is resolved,
 refused if it leads out, and opened at the place it resolved to without following a link there;
 then the kernel is asked where the descriptor it opened leads (``/proc/self/fd``), and every
 byte is read through that descriptor. So a link swapped between inside and outside targets
@@ -66,11 +67,13 @@ def fsync_dir(path: str) -> None:
 
 
 class LocalStorage(Storage):
-    """The files under ``root``; nothing is read outside it."""
+    """The files under ``root``; nothing is read outside ``within`` (``root`` unless given: a
+    part of a checkpoint, from :meth:`part`, reads nothing outside the checkpoint)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, *, within: str | None = None):
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
+        self.within = self.root if within is None else os.path.abspath(os.path.expanduser(within))
         self._files: OpenFiles | None = None
 
     def is_local(self) -> bool:
@@ -78,11 +81,12 @@ class LocalStorage(Storage):
 
     def _resolve(self, name: str) -> tuple[str, str]:
         """``(path, real)``: the path of ``name`` and where its links lead; PermissionError when
-        that is outside the root."""
+        that is outside :attr:`within`."""
         path = os.path.join(self.root, check_name(name))
         real = os.path.realpath(path)
-        if not inside(real, os.path.realpath(self.root)):
-            raise PermissionError(f"{path} resolves to {real}, outside {self.root}")
+        within = os.path.realpath(self.within)
+        if not inside(real, within):
+            raise PermissionError(f"{path} resolves to {real}, outside {self.within}")
         return path, real
 
     def _path(self, name: str) -> str:
@@ -90,6 +94,11 @@ class LocalStorage(Storage):
 
     def child(self, name: str) -> LocalStorage:
         return LocalStorage(os.path.join(self.root, check_name(name)))
+
+    def part(self, name: str) -> LocalStorage:
+        part = self.child(name)
+        part.within = self.within
+        return part
 
     def pinned(self) -> LocalStorage:
         if self._files is not None:
@@ -108,7 +117,7 @@ class LocalStorage(Storage):
         os.makedirs(self.root, exist_ok=True)
 
     def _open(self, name: str) -> OpenFile:
-        """Open ``name`` for reading where it resolved to, as a regular file inside the root."""
+        """Open ``name`` for reading where it resolved to, as a regular file inside :attr:`within`."""
         path, real = self._resolve(name)
         try:
             fd = os.open(real, _OPEN_FLAGS)
@@ -123,8 +132,8 @@ class LocalStorage(Storage):
                     raise IsADirectoryError(f"{path} is not a regular file")
                 raise OSError(f"{path} is not a regular file")
             where = where_opened(fd, real)
-            if not inside(where, os.path.realpath(self.root)):
-                raise PermissionError(f"{path} was opened at {where}, outside {self.root}")
+            if not inside(where, os.path.realpath(self.within)):
+                raise PermissionError(f"{path} was opened at {where}, outside {self.within}")
         except BaseException:
             os.close(fd)
             raise
@@ -158,6 +167,8 @@ class LocalStorage(Storage):
             return False  # a symlink leading out of the root: nothing of this checkpoint is there
 
     def list(self) -> list[str]:
+        if not inside(os.path.realpath(self.root), os.path.realpath(self.within)):
+            return []  # a part leading out of its checkpoint: nothing of the checkpoint is there
         try:
             return sorted(os.listdir(self.root))
         except (FileNotFoundError, NotADirectoryError):

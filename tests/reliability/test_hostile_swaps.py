@@ -1,10 +1,12 @@
-"""Hostile input, part 4: files that change while a load runs (issue 26).
+"""Hostile input, part 4: files that change while a load runs, and parts that lead out (issue 26).
 
 The rule of ``test_hostile_files`` holds while files change under a load: a rank file replaced
 by another file, cut short, or swapped for a link leading out between reading its header and
 reading its bytes (or between two tensors of ``lazy_load``) gives the bytes of the file whose
 header was checked, or a CheckpointError naming the file; never the other file's bytes, never
-a raw OSError.
+a raw OSError. A ``model/`` or ``optim/`` that is a link leading out of the checkpoint directory
+is not followed. The Hugging Face cache's links from ``snapshots/`` to ``blobs/`` are the one
+exception (``tests/lazy/test_lazy_formats.py::test_hf_cache_symlinks_into_blobs``).
 """
 
 from __future__ import annotations
@@ -127,6 +129,61 @@ def test_rank_file_changed_between_two_tensors_of_lazy_load(ckpt, tmp_path, kind
     assert got.keys() == expected.keys()
     for key, want in expected.items():
         assert torch.equal(got[key], want), f"{key}: another file's bytes after the file was {kind}"
+
+
+# --------------------------------------------------------------------------------------
+# A part directory that leads out of the checkpoint
+# --------------------------------------------------------------------------------------
+
+
+def top_loaders(top: str) -> dict:
+    """Every loader given the directory that holds model/ and optim/."""
+    from checkpointer.cli import main as cli_main
+
+    return {
+        "load_model_and_optim_state": lambda: rel_helpers.load_model_top(top),
+        "unshard_model_state": lambda: checkpointer.unshard_model_state(top, no_dist=True),
+        "unshard_optim_state": lambda: checkpointer.unshard_optim_state(top, no_dist=True),
+        "lazy_load": lambda: rel_helpers.lazy_all(top),
+        "cli_inspect": lambda: _cli(cli_main, "inspect", top),
+        "cli_verify": lambda: _cli(cli_main, "verify", top),
+    }
+
+
+def _cli(cli_main, command: str, top: str) -> int:
+    rc = cli_main([command, top])
+    if rc != 0:
+        raise checkpointer.CorruptCheckpointError(f"checkpointer {command} {top} exited with {rc}")
+    return rc
+
+
+@pytest.mark.parametrize("part", ["model", "optim"])
+def test_part_directory_that_is_a_link_leading_out(ckpt, tmp_path, capsys, part):
+    """``model/`` (or ``optim/``) moved out of the checkpoint and linked back: every loader
+    given the top directory refuses it, naming it, and opens nothing there. Before, each of
+    them read the outside directory as the checkpoint's."""
+    outside = tmp_path / "outside" / part
+    outside.parent.mkdir()
+    os.rename(ckpt.part(part), outside)
+    os.symlink(str(outside), ckpt.part(part))
+    outcomes = run_loaders(top_loaders(ckpt.top), ckpt.top, (str(tmp_path),))
+    must = {"load_model_and_optim_state"}
+    must |= {"unshard_model_state", "lazy_load"} if part == "model" else {"unshard_optim_state"}
+    assert_rule(outcomes, must_raise=must, needles=(f"{part}/",), cls=checkpointer.CorruptCheckpointError)
+    assert not outcomes["cli_inspect"].ok and not outcomes["cli_verify"].ok
+    said = "".join(capsys.readouterr())  # what the command line says (verify lists problems on stdout)
+    assert said.count(f"{part}/metadata.json: not a readable file") == 2 and "outside" in said, said
+
+
+def test_part_directory_linked_inside_the_checkpoint_is_fine(ckpt, tmp_path):
+    """Not hostile: a link to a directory that stays inside the checkpoint loads normally."""
+    os.rename(ckpt.part("model"), os.path.join(ckpt.top, "model.real"))
+    os.symlink("model.real", ckpt.part("model"))
+    outcomes = run_loaders(top_loaders(ckpt.top), ckpt.top, (str(tmp_path),))
+    assert_rule(outcomes, must_raise=set())
+    assert all(out.ok for out in outcomes.values()), [out.describe() for out in outcomes.values() if not out.ok]
+    got = outcomes["unshard_model_state"].value
+    assert all(torch.equal(got[k], v) for k, v in ckpt.expected["model"].items())
 
 
 # --------------------------------------------------------------------------------------

@@ -240,3 +240,29 @@ def test_a_link_swapped_in_a_loop_never_yields_outside_bytes(root, tmp_path):
         stop.set()
         thread.join()
     assert seen["inside"] and seen["refused"], seen  # the race ran both ways
+
+
+# ---------------------------------------------------------------------------------------------
+# Parts of a checkpoint read nothing outside it
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_part_reads_nothing_outside_its_checkpoint(tmp_path):
+    top = tmp_path / "top"
+    top.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "metadata.json").write_bytes(b"{}")
+    (top / "inside").mkdir()
+    (top / "inside" / "metadata.json").write_bytes(b"{}")
+    os.symlink(str(tmp_path / "elsewhere"), top / "model")
+    os.symlink("inside", top / "optim")
+    storage = LocalStorage(str(top))
+    model, optim = storage.part("model"), storage.part("optim")
+    assert optim.read("metadata.json") == b"{}" and optim.list() == ["metadata.json"]
+    assert not model.exists("metadata.json") and model.list() == []
+    for call in (lambda: model.read("metadata.json"), lambda: model.size("metadata.json")):
+        with pytest.raises(PermissionError, match=f"outside {top}"):
+            call()
+    # The directory itself, given as the root, is the user's choice: read wherever it is.
+    assert storage.child("model").read("metadata.json") == b"{}"
+    assert LocalStorage(str(top / "model")).read("metadata.json") == b"{}"
