@@ -31,7 +31,7 @@ from .format.dtypes import dtype_from_code
 from .format.layout import METADATA_FILENAME
 from .format.metadata import StorageMetadata, TensorStorageMetadata
 from .sharding import describe, fsdp1_flat_views, local_data, with_sharding_of
-from .storage.base import open_storage, path_arg
+from .storage.base import Storage, open_storage, path_arg
 
 __all__ = [
     "save_model_and_optim_state",
@@ -283,23 +283,29 @@ def load_model_and_optim_state(
         _load_model_and_optim(dir, model, optim, model_state)
         return
     checkpointer = Checkpointer()
-    checkpointer.load(f"{dir}/model", model_state, strategy=strategy)
+    checkpointer.load(_part(dir, "model"), model_state, strategy=strategy)
     if optim is not None:
-        _load_optim(checkpointer, f"{dir}/optim", model, optim, model_state, strategy)
+        _load_optim(checkpointer, _part(dir, "optim"), model, optim, model_state, strategy)
+
+
+def _part(dir: str, name: str) -> Storage:
+    """``dir/name`` (``model`` or ``optim``), read as a part of the checkpoint ``dir``: a local
+    ``name`` that is a link leading out of ``dir`` is not followed."""
+    return open_storage(dir).part(name)
 
 
 def _load_model_and_optim(dir: str, model: nn.Module, optim: torch.optim.Optimizer, model_state: dict[str, Any]) -> None:
     """Both checkpoints as one load: one metadata broadcast, one pool of reads, and no tensor
     of either written before every rank has planned both."""
-    optim_dir = f"{dir}/optim"
-    storages = [open_storage(f"{dir}/model"), open_storage(optim_dir)]
+    storages = [_part(dir, "model"), _part(dir, "optim")]
+    optim_dir = storages[1].url
     for storage in storages:
         wait_for_writes_into(storage.url)
     torch_state: dict[str, Any] = {}
 
     def state_dicts(metadatas: list[StorageMetadata]) -> list[dict[str, Any]]:
         with _malformed(optim_dir):
-            to_fill, torch_state["optim"] = _plan_optim_load(optim_dir, metadatas[1], model, optim, model_state)
+            to_fill, torch_state["optim"] = _plan_optim_load(storages[1], metadatas[1], model, optim, model_state)
         return [model_state, to_fill]
 
     def finish() -> None:
@@ -311,16 +317,17 @@ def _load_model_and_optim(dir: str, model: nn.Module, optim: torch.optim.Optimiz
 
 def _load_optim(
     checkpointer: Checkpointer,
-    dir: str,
+    storage: Storage,
     model: nn.Module,
     optim: torch.optim.Optimizer,
     model_state: dict[str, Any],
     strategy: str,
 ) -> None:
-    metadata = checkpointer.get_metadata(dir)
+    dir = storage.url
+    metadata = checkpointer.get_metadata(storage)
     with dist.phase("load optimizer"), _malformed(dir):
-        to_fill, torch_state = _plan_optim_load(dir, metadata, model, optim, model_state)
-    checkpointer.load(dir, to_fill, metadata=metadata, strategy=strategy)
+        to_fill, torch_state = _plan_optim_load(storage, metadata, model, optim, model_state)
+    checkpointer.load(storage, to_fill, metadata=metadata, strategy=strategy)
     # Agreed on: a rank left behind would wait in training's next collective.
     with dist.phase("load optimizer"), _malformed(dir):
         optim.load_state_dict(torch_state)
@@ -336,17 +343,18 @@ def _malformed(where: str) -> Iterator[None]:
 
 
 def _plan_optim_load(
-    dir: str,
+    storage: Storage,
     metadata: StorageMetadata,
     model: nn.Module,
     optim: torch.optim.Optimizer,
     model_state: dict[str, Any],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The state tensors to fill in place, and the state dict to hand the optimizer afterwards."""
+    dir = storage.url
     for key in ("num_param_groups", "state_keys"):
         if key not in metadata.tensors:
             raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
-    reader = CheckpointReader(open_storage(dir), metadata)
+    reader = CheckpointReader(storage, metadata)
     small = reader.full_tensors([k for k in metadata.tensors if not k.startswith("state.")])
     num_groups = int(small["num_param_groups"].item())
     if num_groups != len(optim.param_groups):
@@ -444,7 +452,7 @@ def unshard_model_state(
         rank0_only: only rank 0 reads; the other ranks get ``{}``.
         no_dist: no collectives; this process reads everything alone.
     """
-    return Checkpointer().unshard(f"{path_arg(dir).rstrip('/')}/model", device=device, rank0_only=rank0_only, no_dist=no_dist)
+    return Checkpointer().unshard(_part(path_arg(dir), "model"), device=device, rank0_only=rank0_only, no_dist=no_dist)
 
 
 @torch.no_grad()
@@ -462,8 +470,9 @@ def unshard_optim_state(
         rank0_only: only rank 0 reads; the other ranks get ``{}``.
         no_dist: no collectives; this process reads everything alone.
     """
-    where = f"{path_arg(dir).rstrip('/')}/optim"
-    flat = Checkpointer().unshard(where, device=device, rank0_only=rank0_only, no_dist=no_dist)
+    storage = _part(path_arg(dir), "optim")
+    where = storage.url
+    flat = Checkpointer().unshard(storage, device=device, rank0_only=rank0_only, no_dist=no_dist)
     if not flat:
         return {}
     with _malformed(where):

@@ -243,9 +243,12 @@ def _open_dir(storage: Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyT
     """The tensors of the checkpoint in a directory; None when it holds none (by the names probed)."""
     if not storage.is_local() and not isinstance(storage, GatheredReads):
         storage = GatheredReads(storage)
-    for root in (storage, storage.child("model")):
+    model = storage.part("model")
+    for root in (storage, model):
         if root.exists(METADATA_FILENAME):
             return checkpoint_tensors(root, read_metadata(root, no_dist=True))
+    if isinstance(model, LocalStorage) and os.path.isfile(os.path.join(model.root, METADATA_FILENAME)):
+        read_metadata(model, no_dist=True)  # there, but leads out of the checkpoint: the error says so
     if _has(storage, HF_INDEX):
         return hf_index_tensors(storage, HF_INDEX, safetensors_tensors, _resolve)
     if _has(storage, HF_BIN_INDEX):
@@ -263,7 +266,7 @@ def _open_dir(storage: Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyT
             f"{storage.url} is a torch DCP checkpoint, which lazy_load does not read: convert it first "
             f"(checkpointer convert {storage.url} OUT --to checkpointer --allow-pickle, for a DCP checkpoint you trust)"
         )
-    for root in (storage, storage.child("model")):
+    for root in (storage, storage.part("model")):
         try:
             names = root.list()
         except (OSError, NotImplementedError):  # http(s) cannot list; no model/ there

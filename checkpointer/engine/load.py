@@ -72,7 +72,12 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
             "parsing takes about 2x the file's size in memory on every rank)"
         )
     # Bytes [0, size) of the size just checked: a file that grows meanwhile is not read on.
-    data = storage.read(METADATA_FILENAME, 0, size)
+    try:
+        data = storage.read(METADATA_FILENAME, 0, size)
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as ex:  # replaced since
+        if not storage.is_local():
+            raise
+        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: changed while it was read ({ex})") from ex
     if len(data) != size:
         raise CorruptCheckpointError(
             f"{storage.join(METADATA_FILENAME)}: read {len(data)} bytes of {size}: the file changed while it was read"

@@ -46,7 +46,7 @@ def is_complete(storage: Storage) -> bool:
     ``optim/`` are both complete."""
     if storage.exists(METADATA_FILENAME):
         return True
-    return bool(_lists(storage)) and all(storage.child(part).exists(METADATA_FILENAME) for part in PARTS)
+    return bool(_lists(storage)) and all(storage.part(part).exists(METADATA_FILENAME) for part in PARTS)
 
 
 def newest_checkpoint(run: Storage) -> str | None:
@@ -125,7 +125,7 @@ def wrong_directory_hint(storage: Storage) -> str:
     only: it lists and probes storage."""
     names = set(_lists(storage))
     if names:
-        parts = [p for p in PARTS if p in names and storage.child(p).exists(METADATA_FILENAME)]
+        parts = [p for p in PARTS if p in names and storage.part(p).exists(METADATA_FILENAME)]
         if parts:
             joined = " and ".join(f"{p}/" for p in parts)
             return (
@@ -174,8 +174,8 @@ def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:
     try:
         names = set(storage.list())
     except io.UnsupportedOperation:  # read-only storage (http): look for the parts by name
-        names = {name for name in PARTS if storage.child(name).exists(METADATA_FILENAME)}
-    parts = [(name, storage.child(name)) for name in PARTS if name in names]
+        names = {name for name in PARTS if storage.part(name).exists(METADATA_FILENAME)}
+    parts = [(name, storage.part(name)) for name in PARTS if name in names]
     if not names:
         if storage.is_local() and os.path.isfile(storage.url):
             raise IncompleteCheckpointError(

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from itertools import product
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from ..format.dtypes import itemsize
 from ..planning.boxes import span_boxes
 from ..planning.plan import ReadItem, TensorLoadPlan
 from ..storage.base import ReadRequest, Storage
-from .headers import HeaderCache, piece_start
+from .headers import HeaderCache, piece_start, read_with
 from .rankfile import io_threads
 
 __all__ = [
@@ -246,7 +246,7 @@ def _read_runs(
     dst = item.dst_offset + sum(i * s for i, s in zip(index, item.dst_strides[:-1]))
     offsets = piece_start_byte + src * size
     addresses = (dest.data_ptr() + dst * size).astype(np.uint64)
-    _read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))
+    read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))
 
 
 def _read_strided(
@@ -268,7 +268,7 @@ def _read_strided(
     buf = buffers.take(nbytes)
     try:
         block = buf[:nbytes]
-        _read_with(storage, name, lambda: storage.read_into(name, [(piece_start_byte + lo * size, memoryview_of(block))]))
+        read_with(storage, name, lambda: storage.read_into(name, [(piece_start_byte + lo * size, memoryview_of(block))]))
         for c, a, b, expected in checks:
             check_chunk(storage, (name, key, c), memoryview_of(block[a * size : b * size]), expected)
         scatter_span(item, block.view(dest.dtype), lo, dest)
@@ -376,7 +376,7 @@ def _read_hashed(
     for i, (c, crc) in enumerate(expected):
         lo, hi = i * chunk, min((i + 1) * chunk, len(view))
         running = _RunningCrc()
-        _read_with(storage, name, partial(storage.read_blocks, name, start + lo, view[lo:hi], _HASH_BLOCK, running.extend))
+        read_with(storage, name, partial(storage.read_blocks, name, start + lo, view[lo:hi], _HASH_BLOCK, running.extend))
         if running.value != crc:
             raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
 
@@ -454,7 +454,8 @@ def check_chunk(storage: Storage, where: tuple[str, str, int], view: memoryview,
 
 
 def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
-    check_chunk(storage, where, memoryview(storage.read(where[0], start, end)), expected)
+    data = read_with(storage, where[0], lambda: storage.read(where[0], start, end))
+    check_chunk(storage, where, memoryview(data), expected)
 
 
 def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:
@@ -463,13 +464,4 @@ def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> No
 
 
 def _read(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:
-    _read_with(storage, name, lambda: storage.read_into(name, reqs))
-
-
-def _read_with(storage: Storage, name: str, read: Callable[[], None]) -> None:
-    try:
-        read()
-    except FileNotFoundError as ex:
-        raise CorruptCheckpointError(f"{storage.join(name)}: rank file listed in metadata.json is missing") from ex
-    except EOFError as ex:
-        raise CorruptCheckpointError(f"{storage.join(name)}: file is truncated ({ex})") from ex
+    read_with(storage, name, lambda: storage.read_into(name, reqs))

@@ -148,7 +148,7 @@ def load_two_stage(
                     start = piece_start(headers, u.file, u.key, meta.dtype, meta.shard_spec_per_file[u.file].local_numel)
                     per_file[u.file].append((start + u.start * size, memoryview_of(bufs[u])))
             for name, reqs in per_file.items():
-                read_file_ranges(storage, name, reqs)
+                read_file_ranges(headers.storage, name, reqs)  # the files whose headers were checked
 
         return bufs, dist.attempt(read)[1]  # raised after the exchanges
 

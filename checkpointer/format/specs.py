@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+from array import array
 from collections.abc import Mapping
 from contextlib import contextmanager
 from itertools import chain
@@ -436,6 +437,11 @@ def _kind(value: Any) -> str:
             float: "a number", _NONE: "null"}.get(type(value), type(value).__name__)  # fmt: skip
 
 
+_SCANNED = 8
+"""Layouts of one shape (and first file) compared one by one; past that many, the next are
+found by a hash of all their columns."""
+
+
 def shared_layout(
     layouts: dict[tuple, list[Layout]],
     shape: tuple[int, ...],
@@ -444,12 +450,44 @@ def shared_layout(
     ls: list | None,
     go: list | None,
 ) -> Layout:
-    """The layout with these columns from ``layouts`` (keyed loosely, compared exactly), added
-    there if it is new: tensors whose pieces sit alike share one."""
-    bucket = layouts.setdefault((shape, len(names), names[0] if names else None), [])
+    """The layout with these columns from ``layouts``, added there if it is new: tensors whose
+    pieces sit alike share one. Candidates are always compared exactly.
+
+    The first :data:`_SCANNED` layouts of a shape and first file share a bucket (most
+    checkpoints have a few per shape, found at the cost of a list comparison); further ones
+    are filed by a hash of all their columns, so a document of many tensors of one shape, each
+    cut elsewhere, still costs time linear in its size (one bucket for all of them made it
+    quadratic: 16,000 such tensors took a minute to parse).
+    """
+    loose = (shape, len(names), names[0] if names else None)
+    bucket = layouts.setdefault(loose, [])
     for layout in bucket:
         if layout.same(names, flat, ls, go):
             return layout
+    if len(bucket) >= _SCANNED:
+        bucket = layouts.setdefault((*loose, _columns_hash(names, flat, ls, go)), [])
+        for layout in bucket:
+            if layout.same(names, flat, ls, go):
+                return layout
     layout = Layout(shape, names, flat, ls, go)
     bucket.append(layout)
     return layout
+
+
+def _columns_hash(names: Sequence[str], flat: Any, ls: Any, go: Any) -> int:
+    """A hash of a layout's columns, equal for equal columns (lists or tuples alike), that input
+    cannot steer: strings and bytes hash with a per-process random key, integers would not."""
+    return hash((tuple(names), _column_bytes(flat, 2), _column_bytes(ls, 1), _column_bytes(go, 1)))
+
+
+def _column_bytes(column: Sequence[Any] | None, depth: int) -> bytes | str | None:
+    """A column as bytes: each file's length, then every number (``depth`` levels of lists)."""
+    if column is None:
+        return None
+    try:
+        values = chain.from_iterable(column)
+        if depth == 2:
+            values = chain.from_iterable(values)
+        return array("q", map(len, column)).tobytes() + array("q", values).tobytes()
+    except (TypeError, OverflowError):  # a file without this field (null), or a number past 64 bits
+        return json.dumps(column, separators=(",", ":"), default=int)

@@ -45,7 +45,7 @@ def detect_format(src: str) -> str:
     storage = open_storage(src)
     names = set(storage.list())
     if METADATA_FILENAME in names or any(
-        part in names and storage.child(part).exists(METADATA_FILENAME) for part in ("model", "optim")
+        part in names and storage.part(part).exists(METADATA_FILENAME) for part in ("model", "optim")
     ):
         return "checkpointer"
     if is_dcp(names):

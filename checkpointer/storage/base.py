@@ -22,10 +22,15 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
-__all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "check_name", "check_url", "path_arg"]
+__all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "FileChangedError", "check_name", "check_url", "path_arg"]
 
 ReadRequest = tuple[int, memoryview]
 """``(byte offset, buffer)``: fill the whole buffer with the bytes starting at the offset."""
+
+
+class FileChangedError(OSError):
+    """A file is not what its reader was given: it ends before bytes its size promised, or it is
+    no longer the file first opened under its name (another was renamed over it)."""
 
 
 def check_name(name: str) -> str:
@@ -133,6 +138,22 @@ class Storage(ABC):
     @abstractmethod
     def child(self, name: str) -> Storage:
         """A storage rooted at the sub-directory ``name``."""
+
+    def part(self, name: str) -> Storage:
+        """The sub-directory ``name`` as a part of the checkpoint here (``model/``, ``optim/``):
+        :meth:`child`, except that through it a backend with links (local files) reads nothing
+        outside this storage's root, as it reads nothing outside its own."""
+        return self.child(name)
+
+    def pinned(self) -> Storage:
+        """This storage for one reader (a load): a backend that can keeps each file it opens
+        open, so that every read of a file reaches the file first opened under its name, or
+        fails (:class:`FileChangedError`). Released by :meth:`close` or when no longer referenced.
+        By default the storage itself."""
+        return self
+
+    def close(self) -> None:
+        """Release what :meth:`pinned` holds; a no-op for others."""
 
     @abstractmethod
     def size(self, name: str) -> int:

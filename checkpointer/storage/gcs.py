@@ -267,7 +267,8 @@ class GCSStorage(Storage):
             resp = self.request("GET", url, ok=(200, 206, 416), headers=headers, stream=True)
             with resp:
                 length, content_range = resp.headers.get("Content-Length"), resp.headers.get("Content-Range")
-                if resp.status_code == 416 or ends_before(task.end, first, resp.status_code, length, content_range):
+                where = f"GET {self.join(name)}"
+                if resp.status_code == 416 or ends_before(task.end, first, resp.status_code, length, content_range, where=where):
                     raise self._truncated(name, task.end)
                 if resp.status_code == 200 and first:
                     raise OSError(f"the server ignored the Range header of a read of {self.join(name)}")

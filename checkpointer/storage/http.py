@@ -25,6 +25,7 @@ from .retry import (
     RetryPolicy,
     StreamEnded,
     call_with_retry,
+    content_length,
     ended_as_sent,
     ends_before,
     fill_range,
@@ -179,10 +180,10 @@ class HTTPStorage(Storage):
         def head(_: int) -> int:
             resp = self._request("HEAD", name)
             _finish(resp)
-            length = resp.headers.get("Content-Length")
+            length = content_length(resp.headers.get("Content-Length"), f"HEAD {self.join(name)}")
             if length is None:
                 raise OSError(f"HEAD {self.join(name)}: the response has no Content-Length")
-            return int(length)
+            return length
 
         return self.call("HEAD", name, head)
 
@@ -202,6 +203,12 @@ class HTTPStorage(Storage):
         if resp.status == 416:
             _finish(resp)
             return io.BytesIO(b""), resp
+        try:  # urllib3 takes a length it cannot read for none, and would read to the connection's end
+            content_length(resp.headers.get("Content-Length"), f"GET {self.join(name)}")
+        except OSError:
+            resp.close()
+            resp.release_conn()
+            raise
         return (_Skip(resp, start) if resp.status == 200 and start else resp), resp
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
@@ -238,7 +245,7 @@ class HTTPStorage(Storage):
             try:
                 headers = resp.headers
                 if resp.status == 416 or ends_before(task.end, first, resp.status, headers.get("Content-Length"),
-                                                     headers.get("Content-Range")):
+                                                     headers.get("Content-Range"), where=f"GET {self.join(name)}"):
                     raise self._truncated(name, task.end)
                 with _transport_errors():
                     try:

@@ -1,20 +1,39 @@
-"""Local files: reads with ``preadv`` straight into the caller's buffers, atomic publication by rename."""
+"""Local files: reads with ``preadv`` straight into the caller's buffers, atomic publication by rename.
+
+Nothing is read outside :attr:`LocalStorage.within` (the storage's root, or the checkpoint
+directory a part such as ``model/`` belongs to), whatever symbolic links say: a name is resolved,
+refused if it leads out, and opened at the place it resolved to without following a link there;
+then the kernel is asked where the descriptor it opened leads (``/proc/self/fd``), and every
+byte is read through that descriptor. So a link swapped between inside and outside targets
+while a load runs gives the inside file or an error naming the file, never outside bytes.
+
+A :meth:`LocalStorage.pinned` view (one per load: the header cache takes one) keeps the files
+it opened open, so that the bytes of a file come from the file whose header was checked, even
+when another file is renamed over it meanwhile; a file it opens again (at most
+:data:`PINNED_FILES` stay open) must be the one first opened, else :class:`FileChangedError`.
+"""
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
+import errno
 import os
 import stat
 import uuid
-from typing import Any, Callable, Sequence
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 from . import scatter
-from .base import ReadRequest, Storage, Writer, check_name
+from .base import FileChangedError, ReadRequest, Storage, Writer, check_name
+from .open_files import PINNED_FILES, OpenFile, OpenFiles, inside, where_opened
 from .direct import DirectStream, direct_io_enabled
 
-__all__ = ["LocalStorage", "LocalWriter", "fsync_dir"]
+__all__ = ["LocalStorage", "LocalWriter", "fsync_dir", "PINNED_FILES"]
 
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW  # a FIFO must not block the open
 _IOV_MAX = 1024
 _WRITEBACK_BYTES = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2
@@ -49,39 +68,100 @@ def fsync_dir(path: str) -> None:
 
 
 class LocalStorage(Storage):
-    def __init__(self, root: str):
+    """The files under ``root``; nothing is read outside ``within`` (``root`` unless given: a
+    part of a checkpoint, from :meth:`part`, reads nothing outside the checkpoint)."""
+
+    def __init__(self, root: str, *, within: str | None = None):
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
+        self.within = self.root if within is None else os.path.abspath(os.path.expanduser(within))
+        self._files: OpenFiles | None = None
 
     def is_local(self) -> bool:
         return True
 
-    def _path(self, name: str) -> str:
+    def _resolve(self, name: str) -> tuple[str, str]:
+        """``(path, real)``: the path of ``name`` and where its links lead; PermissionError when
+        that is outside :attr:`within`."""
         path = os.path.join(self.root, check_name(name))
         real = os.path.realpath(path)
-        real_root = os.path.realpath(self.root)
-        if real != real_root and not real.startswith(real_root + os.sep):
-            raise PermissionError(f"{path} resolves to {real}, outside {self.root}")
-        return path
+        within = os.path.realpath(self.within)
+        if not inside(real, within):
+            raise PermissionError(f"{path} resolves to {real}, outside {self.within}")
+        return path, real
+
+    def _path(self, name: str) -> str:
+        return self._resolve(name)[0]
 
     def child(self, name: str) -> LocalStorage:
         return LocalStorage(os.path.join(self.root, check_name(name)))
 
+    def part(self, name: str) -> LocalStorage:
+        part = self.child(name)
+        part.within = self.within
+        return part
+
+    def pinned(self) -> LocalStorage:
+        if self._files is not None:
+            return self
+        # A shallow copy: a subclass's overrides and attributes (tests count reads) carry over.
+        view = copy.copy(self)
+        view._files = files = OpenFiles()
+        weakref.finalize(view, files.close)
+        return view
+
+    def close(self) -> None:
+        if self._files is not None:
+            self._files.close()
+
     def prepare(self) -> None:
         os.makedirs(self.root, exist_ok=True)
 
-    def size(self, name: str) -> int:
-        return self._regular(self._path(name)).st_size
+    def _open(self, name: str) -> OpenFile:
+        """Open ``name`` for reading where it resolved to, as a regular file inside :attr:`within`."""
+        path, real = self._resolve(name)
+        try:
+            fd = os.open(real, _OPEN_FLAGS)
+        except OSError as ex:
+            if ex.errno == errno.ELOOP:  # a link where the resolved path had none: it changed meanwhile
+                raise PermissionError(f"{path} became a symbolic link while it was opened") from None
+            raise
+        checked = False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                if stat.S_ISDIR(st.st_mode):
+                    raise IsADirectoryError(f"{path} is not a regular file")
+                raise OSError(f"{path} is not a regular file")
+            where = where_opened(fd, real)
+            if not inside(where, os.path.realpath(self.within)):
+                raise PermissionError(f"{path} was opened at {where}, outside {self.within}")
+            checked = True
+        finally:
+            if not checked:
+                os.close(fd)
+        return OpenFile(fd, st, path)
 
-    @staticmethod
-    def _regular(path: str) -> os.stat_result:
-        """Stat a path that must be a regular file: a FIFO would block a reader, a directory fail it."""
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise IsADirectoryError(f"{path} is not a regular file") if stat.S_ISDIR(st.st_mode) else OSError(
-                f"{path} is not a regular file"
-            )
-        return st
+    @contextmanager
+    def _reading(self, name: str) -> Iterator[OpenFile]:
+        """An open file for ``name``: this view's (pinned), or one opened for these reads alone."""
+        files = self._files
+        if files is None:
+            entry = self._open(name)
+            try:
+                yield entry
+            finally:
+                os.close(entry.fd)
+        else:
+            entry = files.acquire(name, self._open)
+            try:
+                yield entry
+            finally:
+                files.release(entry)
+
+    def size(self, name: str) -> int:
+        with self._reading(name) as f:
+            return f.st.st_size
 
     def exists(self, name: str) -> bool:
         try:
@@ -90,6 +170,8 @@ class LocalStorage(Storage):
             return False  # a symlink leading out of the root: nothing of this checkpoint is there
 
     def list(self) -> list[str]:
+        if not inside(os.path.realpath(self.root), os.path.realpath(self.within)):
+            return []  # a part leading out of its checkpoint: nothing of the checkpoint is there
         try:
             return sorted(os.listdir(self.root))
         except (FileNotFoundError, NotADirectoryError):
@@ -102,16 +184,18 @@ class LocalStorage(Storage):
             pass
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
-        path = self._path(name)
-        self._regular(path)
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(-1 if end is None else max(0, end - start))
+        with self._reading(name) as f:
+            out = bytearray()
+            while end is None or start + len(out) < end:
+                want = (1 << 24) if end is None else min(1 << 24, end - start - len(out))
+                chunk = os.pread(f.fd, want, start + len(out))
+                if not chunk:
+                    break
+                out += chunk
+            return bytes(out)
 
     def read_into(self, name: str, requests: Sequence[ReadRequest]) -> None:
-        path = self._path(name)
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        with self._reading(name) as f:
             i = 0
             while i < len(requests):
                 # Requests that follow each other in the file go out as one preadv.
@@ -121,35 +205,25 @@ class LocalStorage(Storage):
                     bufs.append(requests[j][1])
                     end += requests[j][1].nbytes
                     j += 1
-                _preadv_exact(fd, bufs, offset, path)
+                _preadv_exact(f.fd, bufs, offset, f.path)
                 i = j
-        finally:
-            os.close(fd)
 
     def reads_runs(self) -> bool:
         return scatter.available()
 
     def read_runs(self, name: str, file_offsets: Any, addresses: Any, length: int) -> None:
-        path = self._path(name)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            scatter.preadv_runs(fd, file_offsets, addresses, length, path)
-        finally:
-            os.close(fd)
+        with self._reading(name) as f:
+            scatter.preadv_runs(f.fd, file_offsets, addresses, length, f.path)
 
     def read_blocks(
         self, name: str, start: int, buf: memoryview, block: int, after: Callable[[memoryview], None]
     ) -> None:
-        path = self._path(name)
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        with self._reading(name) as f:
             buf = memoryview(buf).cast("B")
             for b in range(0, buf.nbytes, block):
                 part = buf[b : b + block]
-                _preadv_exact(fd, [part], start + b, path)
+                _preadv_exact(f.fd, [part], start + b, f.path)
                 after(part)
-        finally:
-            os.close(fd)
 
     def write(self, name: str, data: bytes) -> None:
         with self.open_writer(name) as writer:
@@ -175,7 +249,7 @@ def _preadv_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> No
     while bufs:
         n = os.preadv(fd, bufs, offset)
         if n == 0:
-            raise OSError(f"{path} ends before byte {offset}: the file is truncated")
+            raise FileChangedError(f"{path} ends before byte {offset}: the file is truncated")
         offset += n
         while bufs and n >= len(bufs[0]):
             n -= len(bufs[0])

@@ -33,7 +33,7 @@ from .base import ReadRequest, Storage
 
 __all__ = [
     "RetryPolicy", "HTTPStatusError", "RangeTask", "StreamEnded", "bucket_url", "io_retries",
-    "call_with_retry", "certificate_refused", "content_range_total", "ended_as_sent", "ends_before", "holds",
+    "call_with_retry", "certificate_refused", "content_length", "content_range_total", "ended_as_sent", "ends_before", "holds",
     "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
     "redact_transport_logs",
 ]
@@ -283,12 +283,25 @@ def content_range_total(header: str | None) -> int | None:
     return int(total) if total.isdigit() else None
 
 
-def ends_before(end: int, first: int, status: int, content_length: str | int | None,
-                content_range: str | None) -> bool:
+def content_length(value: str | int | None, where: str) -> int | None:
+    """A ``Content-Length`` header as a number of bytes, None when absent. Anything but ASCII
+    digits (a sign, a fraction, two values joined by a comma, a word) is an ``OSError`` naming
+    ``where``: a server that says that much is not a store to read a checkpoint from."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip()
+    if not (text.isascii() and text.isdigit()):
+        raise OSError(f"{where}: the server's Content-Length {str(value)[:40]!r} is not a number of bytes")
+    return int(text)
+
+
+def ends_before(end: int, first: int, status: int, length: str | int | None,
+                content_range: str | None, *, where: str = "the response") -> bool:
     """Whether the answer to a GET from byte ``first`` shows the file ending before ``end``: a
     200's Content-Length is the file's size, a 206's counts from ``first``, and a 206's
-    Content-Range gives the size."""
-    if content_length is not None and int(content_length) < (end if status == 200 else end - first):
+    Content-Range gives the size. A Content-Length that is not a number is an ``OSError``."""
+    size = content_length(length, where)
+    if size is not None and size < (end if status == 200 else end - first):
         return True
     total = content_range_total(content_range) if status == 206 else None
     return total is not None and total < end

@@ -7,7 +7,13 @@ values replaced by edge cases, entries dropped, duplicated, swapped, numbers nud
 truncation, flipped bytes, duplicate keys, deep nesting; the header's 8-byte length), runs
 the loaders of that part, then puts the file back.
 
-``CHECKPOINTER_FUZZ_EXAMPLES`` (default 300) is the number of examples over both fuzzers;
+A third fuzzer feeds the decoder of the optimizer's pickled param groups (no loader around it:
+it is a pure function) values that share containers, a tree of up to billions of values in a
+few hundred bytes, pickled with every protocol and then mutated byte-wise: each decodes or is a
+CorruptCheckpointError, within a second.
+
+``CHECKPOINTER_FUZZ_EXAMPLES`` (default 300) is the number of examples over the first two fuzzers
+(and as many again for the pickle decoder, which takes milliseconds each);
 ``make fuzz`` runs 20000. Hits of bugs already known (each has its own strict-xfail test)
 are counted, not failed; the count of examples run and of known-bug hits is printed at the
 end of the session.
@@ -252,3 +258,110 @@ def test_fuzz_safetensors_header(fuzz_copy, data):
         run_and_check(copy, part, watched, f"{part}/{name} header mutated to (length {length}):\n{text[:3000]!r}")
     finally:
         rel_helpers.rewrite(path, original)
+
+
+# --------------------------------------------------------------------------------------
+# The optimizer's pickled param groups: shared references
+# --------------------------------------------------------------------------------------
+
+PICKLE_SCALARS = [0, 1, -1, 2**31, 2**64, 0.5, float("inf"), "", "lr", "x" * 40, None, True, False]
+
+
+@st.composite
+def shared_values(draw: Any) -> Any:
+    """A value built bottom-up, each new container holding earlier values (most often the
+    newest ones, so that sharing compounds: a tree of up to 4**34 values)."""
+    nodes: list[Any] = list(draw(st.lists(st.sampled_from(PICKLE_SCALARS), min_size=1, max_size=4)))
+    sizes = [1] * len(nodes)  # each node's size as a tree
+    hashable = [True] * len(nodes)
+    doubling = draw(st.booleans())  # each step holds the newest value two or three times
+    for _ in range(draw(st.integers(1, 34))):
+        near = st.integers(max(0, len(nodes) - 3), len(nodes) - 1)
+        pick = st.one_of(near, near, st.integers(0, len(nodes) - 1))
+        picked = draw(st.lists(pick, min_size=0, max_size=3))
+        if doubling:
+            picked = [len(nodes) - 1] * draw(st.integers(2, 3)) + picked[:1]
+        children = [nodes[i] for i in picked]
+        size = 1 + sum(sizes[i] for i in picked)
+        kind = draw(st.sampled_from(["list", "list", "tuple", "dict", "tuple_key"]))
+        if kind == "list":
+            nodes.append(children)
+            hashable.append(False)
+        elif kind == "tuple":
+            nodes.append(tuple(children))
+            hashable.append(all(hashable[i] for i in picked))
+        elif kind == "dict":
+            nodes.append({f"k{i}": c for i, c in enumerate(children)})
+            size += len(children)
+            hashable.append(False)
+        else:  # a small tuple as a dict key (hashing a large one here would take as long as the attack)
+            keys = [i for i in picked if hashable[i] and sizes[i] <= 1000]
+            nodes.append({tuple(nodes[i] for i in keys): len(nodes)})
+            size = 3 + sum(sizes[i] for i in keys)
+            hashable.append(False)
+        sizes.append(size)
+    return nodes[-1]
+
+
+def mutate_pickle(data: st.DataObject, raw: bytes) -> bytes:
+    op = data.draw(st.sampled_from(["none", "none", "flip", "truncate", "insert", "repeat"]), label="pickle mutation")
+    n = len(raw)
+    if op == "flip" and n:
+        i = data.draw(st.integers(0, n - 1))
+        return raw[:i] + bytes([data.draw(st.integers(0, 255))]) + raw[i + 1 :]
+    if op == "truncate" and n:
+        return raw[: data.draw(st.integers(0, n - 1))]
+    if op == "insert":
+        i = data.draw(st.integers(0, n))
+        opcode = data.draw(st.sampled_from([b"0", b"1", b"2", b"(", b"a", b"e", b"s", b"u", b"t", b"\x85", b"\x86", b"\x87", b"\x94", b"h\x00", b"h\x01", b"]", b"}", b")", b"\x8f", b"\x90", b"\x91"]))
+        return raw[:i] + opcode + raw[i:]
+    if op == "repeat" and n > 4:
+        i = data.draw(st.integers(2, n - 2))
+        j = data.draw(st.integers(i, min(n - 1, i + 16)))
+        return raw[:j] + raw[i:j] * data.draw(st.integers(1, 8)) + raw[j:]
+    return raw
+
+
+def _tree_size(value: Any, limit: int) -> int:
+    """Values in ``value`` counted as a tree, stopping past ``limit``."""
+    count, todo = 0, [value]
+    while todo and count <= limit:
+        v = todo.pop()
+        count += 1
+        if isinstance(v, (list, tuple)):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            for kv in v.items():
+                todo.extend(kv)
+    return count
+
+
+@fuzz_settings(EXAMPLES)
+@given(data=st.data())
+def test_fuzz_param_group_pickle(data):
+    import pickle
+    import time
+
+    from checkpointer.errors import CorruptCheckpointError
+    from checkpointer.format.builtins_pickle import decode_builtins, node_budget
+
+    value = data.draw(shared_values(), label="value")
+    protocol = data.draw(st.integers(0, pickle.HIGHEST_PROTOCOL), label="protocol")
+    try:
+        raw = pickle.dumps(value, protocol=protocol)
+    except RecursionError:  # protocols 0 and 1 recurse on the tree's depth when writing
+        return
+    payload = mutate_pickle(data, raw)
+    _count("param group pickle")
+    t0 = time.perf_counter()
+    try:
+        got = decode_builtins(payload, where="optim/param_group0")
+    except CorruptCheckpointError as ex:
+        assert "optim/param_group0" in str(ex)
+        got = ex
+    took = time.perf_counter() - t0
+    assert took < 1.0, f"decoding {len(payload)} bytes took {took:.2f}s: {payload[:400]!r}"
+    if not isinstance(got, CorruptCheckpointError):
+        assert _tree_size(got, node_budget(len(payload))) <= node_budget(len(payload))
+        if payload == raw:
+            assert got == value

@@ -367,13 +367,15 @@ class RangeFileServer:
     ``.connections`` (see ``_TLSServer``) drop handshakes and count connections. Setting
     ``cut_bodies`` cuts that many of the next bodies halfway: the connection closes (a chunked
     body's last chunk never comes). ``missing_status=403`` answers 403 for a missing file, as a
-    public S3 bucket without list permission does."""
+    public S3 bucket without list permission does. ``content_length`` is sent as every answer's
+    ``Content-Length`` instead of the body's length (a server that lies, or writes nonsense)."""
 
     def __init__(self, root: str, *, ranges: bool = True, auth: tuple[str, str] | None = None,
                  token: str | None = None, redirect_to: str | None = None, chunked: bool = False,
-                 tls=None, missing_status: int = 404):
+                 tls=None, missing_status: int = 404, content_length: str | None = None):
         server = self
         self.missing_status = missing_status
+        self.content_length = content_length
         self.root, self.ranges, self.token, self.redirect_to = root, ranges, token, redirect_to
         self.chunked = chunked
         self.cut_bodies = 0
@@ -413,7 +415,8 @@ class RangeFileServer:
             if not cut:
                 h.wfile.write(b"0\r\n\r\n")
         else:
-            h.send_header("Content-Length", headers.get("X-Length", str(len(body))))
+            length = headers.get("X-Length", str(len(body))) if self.content_length is None else self.content_length
+            h.send_header("Content-Length", length)
             h.end_headers()
             if not head:
                 h.wfile.write(body[: len(body) // 2] if cut else body)

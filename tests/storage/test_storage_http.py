@@ -58,6 +58,48 @@ def test_http_reads(served, file_server) -> None:
         store.read_into("rank_0.bin", [(1_999_000, memoryview(bytearray(2000)))])
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("length", ["abc", "-5", "1.5", "12, 12", "+12", "0x10", "\u00b2", ""])
+def test_http_content_length_that_is_not_a_number(served, file_server, length) -> None:
+    """Each way in that reads the header (HEAD for a size, ranged and whole GETs) raises an
+    OSError naming the file; int() made it a ValueError, and a GET read to the connection's end."""
+    root, _ = served
+    store = HTTPStorage(f"{file_server(root, content_length=length).url}/ckpt", retry=FAST, timeout=(5.0, 5.0))
+    calls = {
+        "size": lambda: store.size("rank_0.bin"),
+        "exists": lambda: store.exists("rank_0.bin"),
+        "read": lambda: store.read("metadata.json"),
+        "read_range": lambda: store.read("rank_0.bin", 10, 20),
+        "read_into": lambda: store.read_into("rank_0.bin", [(0, memoryview(bytearray(100)))]),
+    }
+    for what, call in calls.items():
+        t0 = time.monotonic()
+        with pytest.raises(OSError, match="Content-Length .* is not a number of bytes") as err:
+            call()
+        assert "rank_0.bin" in str(err.value) or "metadata.json" in str(err.value), (what, err.value)
+        assert time.monotonic() - t0 < 4.0, f"{what} waited for the connection to end"
+
+
+@pytest.mark.timeout(60)
+def test_http_loaders_with_a_content_length_that_is_not_a_number(tmp_path, file_server) -> None:
+    """What a user calls: an OSError (or a CheckpointError), never a ValueError."""
+    import torch
+
+    from checkpointer import CheckpointError, Checkpointer, lazy_load
+
+    Checkpointer().save(str(tmp_path / "ck"), {"w": torch.arange(6.0)})
+    url = f"{file_server(str(tmp_path), content_length='lots').url}/ck"
+    calls = {
+        "get_metadata": lambda: Checkpointer().get_metadata(url, no_dist=True),
+        "unshard": lambda: Checkpointer().unshard(url, no_dist=True),
+        "lazy_load": lambda: dict(lazy_load(url)),
+    }
+    for what, call in calls.items():
+        with pytest.raises((OSError, CheckpointError)) as err:
+            call()
+        assert "not a number of bytes" in str(err.value) or "not a number of bytes" in str(err.value.__cause__), (what, err.value)
+
+
 def test_http_is_read_only(served, file_server) -> None:
     store = HTTPStorage(f"{file_server(served[0]).url}/ckpt")
     for call in (lambda: store.write("a", b"1"), lambda: store.open_writer("a"), lambda: store.delete("a"), store.list):

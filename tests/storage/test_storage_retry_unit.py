@@ -15,6 +15,7 @@ from checkpointer.storage.retry import (
     RetryPolicy,
     bucket_url,
     call_with_retry,
+    content_length,
     ended_as_sent,
     ends_before,
     fill_range,
@@ -81,6 +82,10 @@ def test_what_an_answer_says_of_the_file_size() -> None:
     assert not ends_before(200, 100, 206, None, "bytes 100-149/*") and not ends_before(200, 100, 206, None, None)
     assert ended_as_sent(True, None) and ended_as_sent(True, "bytes 100-149/*")
     assert not ended_as_sent(True, "bytes 100-149/1000") and not ended_as_sent(False, None)
+    for length in ("abc", "-50", "50.0", "50, 50", "\u00b2", ""):  # a ValueError from int() before
+        with pytest.raises(OSError, match="GET https://h/x: the server's Content-Length .* is not a number of bytes"):
+            ends_before(200, 100, 206, length, None, where="GET https://h/x")
+    assert content_length(" 50 ", "x") == 50 and content_length(None, "x") is None
 
 
 def test_retry_counts_and_names_the_operation() -> None:

@@ -7,6 +7,7 @@ import os
 import pickle
 import pickletools
 import struct
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -124,3 +125,77 @@ def test_honest_memo_indices_decode():
     value = {"a": shared, "b": shared, "c": (shared, "x" * 300)}
     for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):
         assert decode_builtins(pickle.dumps(value, protocol=protocol), where=WHERE) == value
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared references: a small pickle of a huge tree
+# ---------------------------------------------------------------------------------------------
+
+
+def _shared_lists(levels: int) -> list:
+    value: list = []
+    for _ in range(levels):
+        value = [value, value]  # the memo stores each list once: 2**levels values as a tree
+    return value
+
+
+def _hashed_once_dropped(levels: int) -> bytes:
+    """A dict keyed by ``levels`` nested shared tuples, built and popped: the result is None,
+    but the unpickler hashes the key, a walk of 2**levels tuples."""
+    out = b"\x80\x04)\x940"  # EMPTY_TUPLE MEMOIZE POP
+    for i in range(1, levels + 1):
+        out += b"h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"\x86\x940"  # (t, t) MEMOIZE POP
+    return out + b"}h" + bytes([levels]) + b"Ns0N."  # {t: None} POP; None STOP
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "data",
+    [
+        pickle.dumps(_shared_lists(30), protocol=4),
+        pickle.dumps({"lr": 0.1, "betas": _shared_lists(30)}, protocol=2),
+        pickle.dumps({"x": tuple(_shared_lists(30))}, protocol=0),
+        _hashed_once_dropped(30),
+    ],
+    ids=["lists", "in-a-group", "protocol-0", "hashed-key"],
+)
+def test_shared_reference_bomb_is_refused_quickly(data):
+    """Under 400 bytes each; walking (or hashing) them as trees took minutes to hours."""
+    assert len(data) < 400
+    t0 = time.perf_counter()
+    with pytest.raises(CorruptCheckpointError, match=f"{WHERE}: refused a .*values counted as a tree"):
+        decode_builtins(data, where=WHERE)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_tree_size_is_linear_in_the_payload():
+    """Just under the budget decodes; the budget grows with the payload, not with the sharing."""
+    shared = _shared_lists(15)  # 2**16 - 1 values as a tree: within the smallest budget
+    assert decode_builtins(pickle.dumps(shared), where=WHERE) == shared
+    wide = list(range(100_000))  # no sharing: a large honest payload stays within its budget
+    assert decode_builtins(pickle.dumps(wide), where=WHERE) == wide
+    with pytest.raises(CorruptCheckpointError, match="values counted as a tree"):
+        decode_builtins(pickle.dumps([shared, shared]), where=WHERE)
+
+
+def test_a_list_filled_after_it_is_shared_counts_whole():
+    """The opcode scan follows the unpickler: a list referenced first and filled later."""
+    inner: list = []
+    outer = [inner] * 20_000  # 20,000 references to one list, stored once
+    inner.extend(range(100))  # ... that holds 100 values: 2 million values as a tree
+    data = pickle.dumps(outer, protocol=2)
+    with pytest.raises(CorruptCheckpointError, match="values counted as a tree"):
+        decode_builtins(data, where=WHERE)
+
+
+@pytest.mark.parametrize("levels", [31, 32, 33, 34])
+def test_depth_limit_unchanged(levels):
+    """Nested exactly as deep as before is still accepted, one more still refused."""
+    value: object = 1
+    for _ in range(levels):
+        value = [value]
+    if levels <= 32:
+        assert decode_builtins(encode_builtins(value), where=WHERE) == value
+    else:
+        with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+            decode_builtins(pickle.dumps(value), where=WHERE)

@@ -90,6 +90,30 @@ def test_equal_layouts_are_shared():
     assert layout.memo["tile_index"] is index
 
 
+def test_equal_layouts_are_shared_past_the_first_few_of_a_shape():
+    """Past the layouts of a shape compared one by one, layouts are found by a hash of their
+    columns: equal ones are still shared, unequal ones never are (lists or tuples alike)."""
+    from checkpointer.format.specs import _SCANNED, shared_layout
+
+    names = [rank_filename(r) for r in range(3)]
+    layouts: dict = {}
+    made = []
+    for cut in range(1, 4 * _SCANNED):
+        made.append(shared_layout(layouts, (100,), names, [[[0, cut]], [[cut, 99]], [[99, 100]]], None, None))
+    assert len({id(layout) for layout in made}) == len(made)
+    for cut in range(1, 4 * _SCANNED):
+        again = shared_layout(layouts, (100,), list(names), [[[0, cut]], [[cut, 99]], [[99, 100]]], None, None)
+        assert again is made[cut - 1]
+        planned = shared_layout(layouts, (100,), tuple(names), (((0, cut),), ((cut, 99),), ((99, 100),)), None, None)
+        assert planned.form(1) == (((cut, 99),), None, None)  # the planner's tuples hash as well
+    boxes = [shared_layout(layouts, (100,), names, None, [[cut], [99 - cut], [1]], [[0], [cut], [99]]) for cut in range(1, 40)]
+    assert boxes == [shared_layout(layouts, (100,), names, None, [[cut], [99 - cut], [1]], [[0], [cut], [99]]) for cut in range(1, 40)]
+    huge = [[0, 2**70]]  # past 64 bits: hashed as JSON text
+    first = [shared_layout(layouts, (2**71,), ["a"], [huge + [[2**70, 2**70 + i]]], None, None) for i in range(20)]
+    assert first == [shared_layout(layouts, (2**71,), ["a"], [huge + [[2**70, 2**70 + i]]], None, None) for i in range(20)]
+    assert len(set(map(id, first))) == 20
+
+
 def test_with_checksums_matches_pydantic():
     doc = rows_doc()
     crcs = {rank_filename(r): {"w": [r * 10]} for r in range(0, 8, 2)}
