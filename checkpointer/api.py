@@ -23,12 +23,11 @@ from .engine.checkpointer import Checkpointer
 from .engine.load import load_state_dicts
 from .engine.locate import newest_checkpoint
 from .engine.headers import HeaderCache, check_files_hold
-from .engine.save import refuse_existing
+from .engine.commit import claim_parts
 from .engine.reader import CheckpointReader
 from .errors import CheckpointMismatchError, CorruptCheckpointError
 from .format.builtins_pickle import decode_builtins, encode_builtins
 from .format.dtypes import dtype_from_code
-from .format.layout import METADATA_FILENAME
 from .format.metadata import StorageMetadata, TensorStorageMetadata
 from .sharding import describe, fsdp1_flat_views, local_data, with_sharding_of
 from .storage.base import Storage, open_storage, path_arg
@@ -178,28 +177,10 @@ def save_model_and_optim_state(
     model_state = model_state_dict(model)
     optim_state = flatten_optim_state(model, optim, model_state)
     _DEFAULT.wait()
-    _claim_parts(dir, save_overwrite)
+    claim_parts(open_storage(f"{dir}/model"), open_storage(f"{dir}/optim"), save_overwrite)
     _, model_files = _DEFAULT.save(f"{dir}/model", model_state, save_overwrite=save_overwrite)
     _, optim_files = _DEFAULT.save(f"{dir}/optim", optim_state, save_overwrite=save_overwrite)
     return model_files + optim_files
-
-
-def _claim_parts(dir: str, save_overwrite: bool) -> None:
-    """Before either part is written. Without ``save_overwrite``, every rank raises
-    ``FileExistsError`` when ``model/`` or ``optim/`` holds a checkpoint, so a refused save
-    writes neither. With it, rank 0 first makes the old ``optim/`` incomplete: the optimizer
-    is committed last, so a save that dies between the parts leaves the directory incomplete,
-    never the new model beside the old optimizer state, both complete."""
-
-    def check() -> bytes:
-        model, optim = open_storage(f"{dir}/model"), open_storage(f"{dir}/optim")
-        if not save_overwrite:
-            refuse_existing([model, optim])
-        elif optim.exists(METADATA_FILENAME):
-            optim.delete(METADATA_FILENAME)
-        return b""
-
-    dist.share_from(0, check, "save")
 
 
 def async_save_model_and_optim_state(

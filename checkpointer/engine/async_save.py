@@ -28,8 +28,8 @@ from ..sharding import LocalTensor
 from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
 from . import replicas
-from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, refuse_existing, release_lock
-from .save import reuse_cached_plans, take_locks, write_and_commit
+from .commit import refuse_existing_everywhere, release_locks, take_locks
+from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, reuse_cached_plans, write_and_commit
 
 __all__ = ["AsyncSaver", "wait_for_writes_into"]
 
@@ -53,16 +53,8 @@ def _track(planned: list[PlannedSave], step: int) -> None:
         _writing_changed.notify_all()
 
 
-def _refused(storages: list[Storage]) -> bytes:
-    refuse_existing(storages)
-    return b""
-
-
 def _release_locks(planned: list[PlannedSave]) -> None:
-    """Rank 0: release the locks of saves that will not be written (nothing was)."""
-    for p in planned:
-        if p.lock is not None:
-            release_lock(p.storage, p.lock)
+    release_locks([(p.storage, p.lock) for p in planned])
 
 
 class AsyncSaver:
@@ -118,7 +110,7 @@ class AsyncSaver:
                     planned = reused
                 else:
                     if not save_overwrite:  # before any target's lock: a refused save locks none
-                        dist.share_from(0, lambda: _refused([st for st, _ in targets]), "async save")
+                        refuse_existing_everywhere([st for st, _ in targets])
                     for st, d in described:  # each plan ends with an agreement: its errors reach every rank
                         planned.append(plan_in_full(st, d, save_overwrite=save_overwrite, cache=cache))
 
@@ -163,8 +155,8 @@ class AsyncSaver:
         try:
             error = staging_error
             if error is None and not locked and dist.get_rank() == 0:
-                taken, error = dist.attempt(lambda: take_locks(planned, save_overwrite))
-                planned = taken or planned
+                locks, error = dist.attempt(lambda: take_locks([p.storage for p in planned], save_overwrite))
+                planned = [replace(p, lock=lock) for p, lock in zip(planned, locks)] if error is None else planned
             dist.agree(error, "async save", group=self._group)
             for p, s, c in zip(planned, staged, copies):
                 out.append((p.metadata, write_and_commit(p, pieces=s, copies=c, group=self._group)))

@@ -26,11 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import socket
-import time
-import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
@@ -38,19 +34,19 @@ import numpy as np
 from .. import dist
 from ..errors import CheckpointError, RankError
 from ..checksums import ALGORITHM, CHUNK_BYTES
-from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename, new_file_id, rank_filename
+from ..format.layout import METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import RESERVED_KEY
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from . import replicas
+from .commit import check_directory, commit_metadata, release_lock
 from .rankfile import write_rank_file
 
 __all__ = [
     "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict",
-    "check_directory", "commit_metadata", "release_lock", "DescribedState", "describe_for_save", "reuse_cached_plans",
-    "plan_in_full", "refuse_existing", "take_locks",
+    "DescribedState", "describe_for_save", "reuse_cached_plans", "plan_in_full",
 ]
 
 _CACHE_ENTRIES = 8
@@ -147,46 +143,6 @@ def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPiec
         known[digest] = structure
     values = np.frombuffer(payload, dtype="<i8", offset=9 + n).astype(np.int64, copy=False)
     return RankPieces(structure, values), header["aliases"], header["fingerprint"]
-
-
-def _exists_message(storage: Storage) -> str:
-    return (
-        f"{storage.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
-        "(pass save_overwrite=True to replace it)"
-    )
-
-
-def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> bytes | None:
-    """Refuse to save over a checkpoint unless asked. With ``retire_old``, take the save lock
-    and make an old checkpoint incomplete, before any rank writes; returns the lock's bytes."""
-    storage.prepare()
-    if storage.exists(METADATA_FILENAME) and not save_overwrite:
-        raise FileExistsError(_exists_message(storage))
-    if not retire_old:
-        return None
-    # The token makes the lock file ours alone: a conditional create retried after a lost
-    # answer recognises its own file by its bytes.
-    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                       "token": uuid.uuid4().hex}).encode()
-    try:
-        storage.create_exclusive(LOCK_FILENAME, lock)
-    except FileExistsError:
-        if not save_overwrite:
-            raise FileExistsError(
-                f"another save into {storage.url} is in progress, or one crashed there: "
-                f"{storage.join(LOCK_FILENAME)} exists (remove it, or pass save_overwrite=True)"
-            ) from None
-        storage.write(LOCK_FILENAME, lock)
-    if storage.exists(METADATA_FILENAME):
-        if not save_overwrite:
-            # A save that held the lock committed between the first check and ours.
-            release_lock(storage, lock)
-            raise FileExistsError(
-                f"{storage.join(METADATA_FILENAME)} exists: a checkpoint was saved there while this save "
-                "was planning (pass save_overwrite=True to replace it)"
-            )
-        storage.delete(METADATA_FILENAME)
-    return lock
 
 
 def _plan(
@@ -362,30 +318,6 @@ def plan_in_full(
     return PlannedSave(storage, d.described, keys, metadata, d.fingerprint, lock, copies)
 
 
-def refuse_existing(storages: list[Storage]) -> None:
-    """``FileExistsError`` if any of ``storages`` holds a checkpoint (a save without ``save_overwrite``)."""
-    for storage in storages:
-        if storage.exists(METADATA_FILENAME):
-            raise FileExistsError(_exists_message(storage))
-
-
-def take_locks(planned: list[PlannedSave], save_overwrite: bool) -> list[PlannedSave]:
-    """Rank 0, before any rank writes: take every target's lock, retiring old checkpoints (see
-    :func:`check_directory`). Without ``save_overwrite``, nothing is locked when any target holds
-    a checkpoint. A failure releases the locks taken."""
-    if not save_overwrite:
-        refuse_existing([p.storage for p in planned])
-    locked: list[PlannedSave] = []
-    try:
-        for p in planned:
-            locked.append(replace(p, lock=check_directory(p.storage, save_overwrite, retire_old=True)))
-    finally:
-        if len(locked) < len(planned):  # a failure: the locks taken go
-            for p in locked:
-                release_lock(p.storage, p.lock)
-    return locked
-
-
 def write_and_commit(
     planned: PlannedSave,
     *,
@@ -458,42 +390,3 @@ def save_state_dict(
     """Save on every rank. Returns the metadata and the files this rank created."""
     planned = plan_save(storage, state_dict, save_overwrite=save_overwrite, cache=cache)
     return planned.metadata, write_and_commit(planned)
-
-
-def commit_metadata(storage: Storage, metadata: StorageMetadata, lock: bytes | None) -> None:
-    """Rank 0, once every rank file is durable: drop stale rank files, then publish metadata.json."""
-    _check_lock_is_ours(storage, lock)
-    wanted = set(metadata.files())
-    for name in storage.list():
-        if is_rank_filename(name) and name not in wanted:
-            storage.delete(name)
-    storage.write(METADATA_FILENAME, metadata.to_json_bytes())
-    release_lock(storage, lock)
-
-
-def _read_lock(storage: Storage, ours: bytes) -> bytes | None:
-    """The lock file's bytes, enough of them to tell whether it is ``ours`` (a larger file is
-    read no further than one byte past the length of ours)."""
-    try:
-        return storage.read(LOCK_FILENAME, 0, len(ours) + 1)
-    except FileNotFoundError:
-        return None
-
-
-def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
-    """Before committing: a save that took this directory's lock over (``save_overwrite=True``)
-    while this one wrote may have replaced some of its rank files, so this one must not commit."""
-    if lock is not None and _read_lock(storage, lock) != lock:
-        raise FileExistsError(
-            f"another save into {storage.url} took over its lock ({storage.join(LOCK_FILENAME)}) while this "
-            "one was writing (two jobs saving there with save_overwrite=True?): this save is not committed"
-        )
-
-
-def release_lock(storage: Storage, lock: bytes | None) -> None:
-    """Remove the lock this save wrote (``lock``), leaving one another save has taken over."""
-    try:
-        if lock is None or _read_lock(storage, lock) == lock:
-            storage.delete(LOCK_FILENAME)
-    except OSError:
-        pass  # the checkpoint stands; a leftover lock only makes the next save here ask for save_overwrite

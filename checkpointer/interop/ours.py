@@ -16,7 +16,7 @@ from ..buffers import memoryview_of
 from ..checksums import ALGORITHM, CHUNK_BYTES, chunk_crcs
 from ..errors import CheckpointError
 from ..format.dtypes import DTYPE_CODES, dtype_from_code
-from ..engine.save import check_directory, commit_metadata, release_lock
+from ..engine.commit import check_directory, commit_metadata, release_lock
 from ..format.layout import FILE_ID_KEY, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import TensorShardSpec, TensorStorageMetadata, new_metadata
 from ..format.safetensors_header import build_header

@@ -41,6 +41,7 @@ def _die() -> None:
 
 def _install_kill(point: str, part: str) -> None:
     """Patch the save path to SIGKILL this process at ``point`` while saving ``part`` (model/optim)."""
+    from checkpointer.engine import commit as commit_mod
     from checkpointer.engine import save as save_mod
     from checkpointer.format.layout import METADATA_FILENAME, is_rank_filename
     from checkpointer.storage import local
@@ -56,7 +57,7 @@ def _install_kill(point: str, part: str) -> None:
 
     real_write, real_commit = local.LocalWriter.write, local.LocalWriter.commit
     real_write_stable = local.LocalWriter.write_stable
-    real_commit_md, real_release = save_mod.commit_metadata, save_mod.release_lock
+    real_commit_md, real_release = save_mod.commit_metadata, commit_mod.release_lock
 
     def half_then_die(self, buffers, real) -> None:
         # Half of the bytes of the first write (the header and, for small files, every piece).
@@ -98,7 +99,7 @@ def _install_kill(point: str, part: str) -> None:
         return real_release(storage, lock)
 
     local.LocalWriter.write, local.LocalWriter.write_stable, local.LocalWriter.commit = write, write_stable, commit
-    save_mod.commit_metadata, save_mod.release_lock = commit_metadata, release
+    save_mod.commit_metadata, commit_mod.release_lock = commit_metadata, release
 
 
 def _killed_save(

@@ -1,0 +1,179 @@
+"""The commit protocol of a save: the directory's lock, the checks, and publication, in one place.
+
+Which rank calls what, in order (after Orbax's ``path/atomicity.py``):
+
+1. Every rank, before planning: :func:`claim_parts` (a model + optimizer save) or, for an async
+   save without ``save_overwrite``, :func:`refuse_existing_everywhere`: a directory that holds a
+   checkpoint refuses the save on every rank before anything is locked or written.
+2. Rank 0, once the plan is agreed and before any rank writes: :func:`check_directory` with
+   ``retire_old`` (or :func:`take_locks` for several targets) creates ``.lock`` exclusively
+   (``save_overwrite`` takes over a crashed save's) and removes an old ``metadata.json``, so
+   the old checkpoint reads as incomplete from then on. All ranks agree on the outcome.
+3. Every rank writes its rank file under a temporary name, fsyncs it and renames it.
+4. Rank 0, once every rank reported success and the replicas agree: :func:`commit_metadata`
+   checks the lock is still its own (another job may have taken it over), removes stale rank
+   files, writes ``metadata.json`` atomically (the commit point) and releases the lock.
+5. On any failure rank 0 :func:`release_lock` s (a lock another save took over is left alone);
+   a directory without ``metadata.json`` is an incomplete checkpoint to every reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+
+from .. import dist
+from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename
+from ..format.metadata import StorageMetadata
+from ..storage.base import Storage
+
+__all__ = [
+    "claim_parts",
+    "refuse_existing",
+    "refuse_existing_everywhere",
+    "check_directory",
+    "take_locks",
+    "commit_metadata",
+    "release_lock",
+    "release_locks",
+]
+
+
+def claim_parts(model: Storage, optim: Storage, save_overwrite: bool) -> None:
+    """Every rank, before either part of a model + optimizer save is planned. Without
+    ``save_overwrite``, every rank raises ``FileExistsError`` when ``model/`` or ``optim/`` holds
+    a checkpoint, so a refused save writes neither. With it, rank 0 first makes the old
+    ``optim/`` incomplete: the optimizer is committed last, so a save that dies between the
+    parts leaves the directory incomplete, never the new model beside the old optimizer state."""
+
+    def check() -> bytes:
+        if not save_overwrite:
+            refuse_existing([model, optim])
+        elif optim.exists(METADATA_FILENAME):
+            optim.delete(METADATA_FILENAME)
+        return b""
+
+    dist.share_from(0, check, "save")
+
+
+def refuse_existing_everywhere(storages: list[Storage]) -> None:
+    """Every rank: :func:`refuse_existing` checked by rank 0, its refusal raised on every rank."""
+
+    def check() -> bytes:
+        refuse_existing(storages)
+        return b""
+
+    dist.share_from(0, check, "async save")
+
+
+def refuse_existing(storages: list[Storage]) -> None:
+    """``FileExistsError`` if any of ``storages`` holds a checkpoint (a save without ``save_overwrite``)."""
+    for storage in storages:
+        if storage.exists(METADATA_FILENAME):
+            raise FileExistsError(_exists_message(storage))
+
+
+def _exists_message(storage: Storage) -> str:
+    return (
+        f"{storage.join(METADATA_FILENAME)} exists: a checkpoint is already saved there "
+        "(pass save_overwrite=True to replace it)"
+    )
+
+
+def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> bytes | None:
+    """Refuse to save over a checkpoint unless asked. With ``retire_old``, take the save lock
+    and make an old checkpoint incomplete, before any rank writes; returns the lock's bytes."""
+    storage.prepare()
+    if storage.exists(METADATA_FILENAME) and not save_overwrite:
+        raise FileExistsError(_exists_message(storage))
+    if not retire_old:
+        return None
+    # The token makes the lock file ours alone: a conditional create retried after a lost
+    # answer recognises its own file by its bytes.
+    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                       "token": uuid.uuid4().hex}).encode()
+    try:
+        storage.create_exclusive(LOCK_FILENAME, lock)
+    except FileExistsError:
+        if not save_overwrite:
+            raise FileExistsError(
+                f"another save into {storage.url} is in progress, or one crashed there: "
+                f"{storage.join(LOCK_FILENAME)} exists (remove it, or pass save_overwrite=True)"
+            ) from None
+        storage.write(LOCK_FILENAME, lock)
+    if storage.exists(METADATA_FILENAME):
+        if not save_overwrite:
+            # A save that held the lock committed between the first check and ours.
+            release_lock(storage, lock)
+            raise FileExistsError(
+                f"{storage.join(METADATA_FILENAME)} exists: a checkpoint was saved there while this save "
+                "was planning (pass save_overwrite=True to replace it)"
+            )
+        storage.delete(METADATA_FILENAME)
+    return lock
+
+
+def take_locks(storages: list[Storage], save_overwrite: bool) -> list[bytes | None]:
+    """Rank 0, before any rank writes: take every target's lock, retiring old checkpoints (see
+    :func:`check_directory`). Without ``save_overwrite``, nothing is locked when any target holds
+    a checkpoint. A failure releases the locks taken."""
+    if not save_overwrite:
+        refuse_existing(storages)
+    locks: list[bytes | None] = []
+    try:
+        for storage in storages:
+            locks.append(check_directory(storage, save_overwrite, retire_old=True))
+    finally:
+        if len(locks) < len(storages):  # a failure: the locks taken go
+            for storage, lock in zip(storages, locks):
+                release_lock(storage, lock)
+    return locks
+
+
+def release_locks(held: list[tuple[Storage, bytes | None]]) -> None:
+    """Rank 0: release the locks of saves that will not be written (nothing was)."""
+    for storage, lock in held:
+        if lock is not None:
+            release_lock(storage, lock)
+
+
+def commit_metadata(storage: Storage, metadata: StorageMetadata, lock: bytes | None) -> None:
+    """Rank 0, once every rank file is durable: drop stale rank files, then publish metadata.json."""
+    _check_lock_is_ours(storage, lock)
+    wanted = set(metadata.files())
+    for name in storage.list():
+        if is_rank_filename(name) and name not in wanted:
+            storage.delete(name)
+    storage.write(METADATA_FILENAME, metadata.to_json_bytes())
+    release_lock(storage, lock)
+
+
+def _read_lock(storage: Storage, ours: bytes) -> bytes | None:
+    """The lock file's bytes, enough of them to tell whether it is ``ours`` (a larger file is
+    read no further than one byte past the length of ours)."""
+    try:
+        return storage.read(LOCK_FILENAME, 0, len(ours) + 1)
+    except FileNotFoundError:
+        return None
+
+
+def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
+    """Before committing: a save that took this directory's lock over (``save_overwrite=True``)
+    while this one wrote may have replaced some of its rank files, so this one must not commit."""
+    if lock is not None and _read_lock(storage, lock) != lock:
+        raise FileExistsError(
+            f"another save into {storage.url} took over its lock ({storage.join(LOCK_FILENAME)}) while this "
+            "one was writing (two jobs saving there with save_overwrite=True?): this save is not committed"
+        )
+
+
+def release_lock(storage: Storage, lock: bytes | None) -> None:
+    """Remove the lock this save wrote (``lock``), leaving one another save has taken over."""
+    try:
+        if lock is None or _read_lock(storage, lock) == lock:
+            storage.delete(LOCK_FILENAME)
+    except OSError:
+        pass  # the checkpoint stands; a leftover lock only makes the next save here ask for save_overwrite
