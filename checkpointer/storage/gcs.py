@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, urlencode
 
+from .. import settings
 from .base import ReadRequest, Storage, check_name
 from .parts import Part, PartReader, PartWriter, part_bytes
 from .retry import (
@@ -50,7 +50,6 @@ T = TypeVar("T")
 
 MiB = 1 << 20
 CHUNK_UNIT = 256 * 1024  # resumable chunks (all but the last) are multiples of this
-PARALLEL_UPLOAD_ENV = "CHECKPOINTER_GCS_PARALLEL_UPLOAD"
 
 
 def _gcs():
@@ -134,8 +133,7 @@ class GCSStorage(Storage):
         self.retry = retry or RetryPolicy()
         self.timeout = timeout
         if parallel_upload is None:
-            setting = os.environ.get(PARALLEL_UPLOAD_ENV, "1").strip().lower()
-            parallel_upload = setting not in ("0", "false", "no", "off")
+            parallel_upload = settings.gcs_parallel_upload()
         self.parallel_upload = parallel_upload
         if client is None:
             import google.auth.exceptions

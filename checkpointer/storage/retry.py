@@ -20,7 +20,6 @@ The upload side (parts uploaded on a bounded pool) is in :mod:`~checkpointer.sto
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 import ssl
@@ -29,10 +28,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence, TypeVar
 
+from .. import settings
 from .base import ReadRequest, Storage
 
 __all__ = [
-    "RetryPolicy", "HTTPStatusError", "RangeTask", "StreamEnded", "bucket_url", "io_retries",
+    "RetryPolicy", "HTTPStatusError", "RangeTask", "StreamEnded", "bucket_url",
     "call_with_retry", "certificate_refused", "content_range_total", "ended_as_sent", "ends_before", "holds",
     "is_transient", "transient_status", "plan_ranges", "fill_range", "run_parallel", "redact",
     "redact_transport_logs",
@@ -41,25 +41,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RETRIES_ENV = "CHECKPOINTER_IO_RETRIES"
-DEFAULT_RETRIES = 8
 READ_BLOCK = 256 * 1024
 """Bytes asked of a response stream per ``readinto``: bounds the transient copy that urllib3
 makes, and what a dropped connection loses of a block in progress."""
-
-
-def io_retries() -> int:
-    """Retries allowed after a transient failure: ``CHECKPOINTER_IO_RETRIES`` (default 8)."""
-    raw = os.environ.get(RETRIES_ENV, "").strip()
-    if not raw:
-        return DEFAULT_RETRIES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{RETRIES_ENV}={raw!r} is not an integer; set it to 0 or more") from None
-    if value < 0:
-        raise ValueError(f"{RETRIES_ENV}={value} is negative; set it to 0 or more")
-    return value
 
 
 @dataclass(frozen=True)
@@ -73,7 +57,7 @@ class RetryPolicy:
         max_elapsed: no retry starts after this many seconds spent on the operation.
     """
 
-    retries: int = field(default_factory=io_retries)
+    retries: int = field(default_factory=settings.io_retries)
     base_delay: float = 0.25
     max_delay: float = 20.0
     max_elapsed: float = 600.0
@@ -193,7 +177,7 @@ def call_with_retry(
             if attempt > policy.retries or elapsed + pause > policy.max_elapsed:
                 raise OSError(
                     f"{op} {url} failed after {attempt} attempts in {elapsed:.1f}s "
-                    f"(limit {policy.retries} retries, {RETRIES_ENV}): "
+                    f"(limit {policy.retries} retries, {settings.IO_RETRIES_ENV}): "
                     f"{type(exc).__name__}: {redact(str(exc))}"
                 ) from exc
             log.debug("%s %s: retry %d in %.2fs after %s", op, url, attempt, pause, type(exc).__name__)

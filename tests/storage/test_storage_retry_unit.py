@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from checkpointer.settings import io_retries
 from checkpointer.storage.parts import PartBuffer, PartReader
 from checkpointer.storage.retry import (
     HTTPStatusError,
@@ -18,7 +19,6 @@ from checkpointer.storage.retry import (
     ended_as_sent,
     ends_before,
     fill_range,
-    io_retries,
     plan_ranges,
     redact,
     run_parallel,
