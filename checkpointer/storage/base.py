@@ -239,6 +239,6 @@ def open_storage(url: str | Storage) -> Storage:
         from .http import HTTPStorage
 
         return HTTPStorage(url)
-    from .retry import redact  # a mistyped https:// URL may carry a password or a token
+    from .redact import redact  # a mistyped https:// URL may carry a password or a token
 
     raise ValueError(f"unsupported storage URL {redact(url)!r}: use a path, file://, s3://, gs:// or http(s)://")

@@ -22,26 +22,13 @@ from urllib.parse import quote, urlencode
 
 from .. import settings
 from .base import ReadRequest, Storage, check_name
+from .parallel import run_parallel
 from .parts import Part, PartReader, PartWriter, part_bytes
-from .retry import (
-    HTTPStatusError,
-    RangeTask,
-    RetryPolicy,
-    StreamEnded,
-    bucket_url,
-    call_with_retry,
-    certificate_refused,
-    ended_as_sent,
-    ends_before,
-    fill_range,
-    holds,
-    is_transient,
-    plan_ranges,
-    redact,
-    redact_transport_logs,
-    run_parallel,
-    transient_status,
-)
+from .ranges import RangeTask, StreamEnded, ended_as_sent, ends_before, fill_range, plan_ranges
+from .redact import redact, redact_transport_logs
+from .retry import RetryPolicy, call_with_retry, holds
+from .transient import HTTPStatusError, certificate_refused, is_transient, transient_status
+from .urls import bucket_url
 
 __all__ = ["GCSStorage", "GCSWriter"]
 

@@ -28,7 +28,7 @@ from urllib.parse import quote, urlencode
 
 from .gcs import GCSStorage, GCSWriter, _body
 from .parts import Part
-from .retry import run_parallel
+from .parallel import run_parallel
 
 __all__ = ["GCSComposeWriter", "MAX_COMPONENTS", "MAX_COMPOSE_SOURCES"]
 
