@@ -31,7 +31,8 @@ from .format.dtypes import dtype_from_code
 from .format.layout import METADATA_FILENAME
 from .format.metadata import StorageMetadata, TensorStorageMetadata
 from .sharding import describe, fsdp1_flat_views, local_data, with_sharding_of
-from .storage.base import open_storage, path_arg
+from .storage import open_storage
+from .storage.base import path_arg
 
 __all__ = [
     "save_model_and_optim_state",

@@ -265,7 +265,7 @@ def _files_label(files: list[str]) -> str:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .engine.locate import checkpoint_parts
     from .engine.verify import verify_checkpoint
-    from .storage.base import open_storage
+    from .storage import open_storage
 
     problems: list[str] = []
     checked = []

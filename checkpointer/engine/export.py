@@ -38,7 +38,8 @@ from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, items
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
 from ..planning.plan import TensorLoadPlan, build_load_plan
-from ..storage.base import Storage, Writer, open_storage, path_arg
+from ..storage import open_storage
+from ..storage.base import Storage, Writer, path_arg
 from ..storage.urls import split_path
 from .load import read_metadata
 from .locate import model_checkpoint

@@ -28,7 +28,8 @@ from torch import Tensor
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_save_file
 from ..format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES
-from ..storage.base import Storage, open_storage, path_arg
+from ..storage import open_storage
+from ..storage.base import Storage, path_arg
 from ..storage.local import LocalStorage
 from ..storage.urls import local_path, split_url
 from .lazy_sources import (

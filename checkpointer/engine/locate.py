@@ -8,7 +8,8 @@ import re
 
 from ..errors import IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename, is_save_file
-from ..storage.base import Storage, open_storage
+from ..storage import open_storage
+from ..storage.base import Storage
 from ..storage.urls import parent_url
 
 __all__ = [

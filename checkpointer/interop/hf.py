@@ -16,7 +16,8 @@ from ..engine.headers import HeaderCache
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import is_rank_filename
-from ..storage.base import Storage, open_storage
+from ..storage import open_storage
+from ..storage.base import Storage
 from ..storage.urls import split_path
 
 __all__ = ["HFTensors", "is_hf"]
