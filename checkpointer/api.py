@@ -30,7 +30,8 @@ from .format.builtins_pickle import decode_builtins, encode_builtins
 from .format.dtypes import dtype_from_code
 from .format.metadata import StorageMetadata, TensorStorageMetadata
 from .sharding import describe, fsdp1_flat_views, local_data, with_sharding_of
-from .storage.base import Storage, open_storage, path_arg
+from .storage import open_storage
+from .storage.base import Storage, path_arg
 
 __all__ = [
     "save_model_and_optim_state",

@@ -19,6 +19,8 @@ from typing import Callable
 
 import google_crc32c
 
+from . import settings
+
 __all__ = ["ALGORITHM", "CHUNK_BYTES", "IMPLEMENTATION", "crc32c", "crc32c_extend", "chunk_crcs"]
 
 ALGORITHM = "crc32c"
@@ -80,7 +82,7 @@ def _load_google() -> _Extend | None:
 
 
 def _pick() -> tuple[str, _Extend | None]:
-    if os.environ.get("CHECKPOINTER_CRC32C") != "google":
+    if settings.crc32c() != "google":
         isal = _load_isal()
         if isal is not None and _passes_check(isal):
             return "isal", isal

@@ -265,7 +265,7 @@ def _files_label(files: list[str]) -> str:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .engine.locate import checkpoint_parts
     from .engine.verify import verify_checkpoint
-    from .storage.base import open_storage
+    from .storage import open_storage
 
     problems: list[str] = []
     checked = []
@@ -339,10 +339,12 @@ def overwrite_for_command_line(message: str) -> str:
 
 def _wrote(files: list[str], out: str) -> str:
     """``wrote 3 files (1.2 GiB) to OUT``; the size only where every file is local."""
+    from .storage.urls import is_url
+
     size: int | None = 0
     for f in files:
         try:
-            size = None if size is None or "://" in f else size + os.path.getsize(f)
+            size = None if size is None or is_url(f) else size + os.path.getsize(f)
         except OSError:
             size = None
     who = "" if _world() == 1 else "rank 0 "

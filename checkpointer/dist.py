@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import errors
+from . import errors, settings
 from .buffers import memoryview_of
 from .errors import RankError, RankFailedError
 
@@ -53,7 +53,7 @@ __all__ = [
     "leave_group",
 ]
 
-TIMEOUT_ENV = "CHECKPOINTER_TIMEOUT_S"
+TIMEOUT_ENV = settings.TIMEOUT_S_ENV
 
 
 def is_distributed() -> bool:
@@ -69,7 +69,7 @@ def get_world_size() -> int:
 
 
 def timeout_seconds() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, "300"))
+    return settings.timeout_s()
 
 
 def _device(group: Any = None) -> torch.device:

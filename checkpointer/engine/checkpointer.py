@@ -8,7 +8,8 @@ from typing import Any, Mapping
 import torch
 
 from ..format.metadata import StorageMetadata
-from ..storage.base import Storage, open_storage
+from ..storage import open_storage
+from ..storage.base import Storage
 from .. import dist
 from .load import load_state_dict, read_metadata
 from .async_save import AsyncSaver, wait_for_writes_into

@@ -24,7 +24,6 @@ import json
 import queue
 import threading
 import math
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -39,7 +38,9 @@ from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, items
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
 from ..planning.plan import TensorLoadPlan, build_load_plan
-from ..storage.base import Storage, Writer, open_storage, path_arg
+from ..storage import open_storage
+from ..storage.base import Storage, Writer, path_arg
+from ..storage.urls import split_path
 from .load import read_metadata
 from .locate import model_checkpoint
 from .headers import check_files_hold
@@ -57,7 +58,6 @@ __all__ = [
     "select_tensors",
     "parse_size",
     "parse_dtype",
-    "split_output",
     "INDEX_NAME",
 ]
 
@@ -399,16 +399,6 @@ def _write_tensor(writer: Writer, t: ExportTensor, fetch: Fetch, staging: Stagin
     writer.write([memoryview_of(data)])
 
 
-def split_output(out: str) -> tuple[str, str]:
-    """``(parent directory URL, file name)`` of an output file path or URL."""
-    out = str(out)
-    if "://" in out:
-        parent, _, name = out.rstrip("/").rpartition("/")
-        return parent, name
-    parent, name = os.path.split(os.path.abspath(os.path.expanduser(out)))
-    return parent, name
-
-
 def _write_shard(storage: Storage, name: str, shard: OutputShard, fetch: Fetch, bar: Any, staging: Staging) -> str:
     with storage.open_writer(name) as writer:
         writer.write([memoryview(shaped_header(shard.tensors, user_metadata={"format": "pt"}))])
@@ -441,7 +431,7 @@ def run_export(
         if prepared_error is not None:
             raise prepared_error
         if plan.single_file:
-            parent, filename = split_output(str(out))
+            parent, filename = split_path(str(out))
             storage = open_storage(parent)
         else:
             storage, filename = open_storage(out), ""

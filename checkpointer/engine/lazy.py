@@ -21,7 +21,6 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Union
-from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
 from torch import Tensor
@@ -29,8 +28,10 @@ from torch import Tensor
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_save_file
 from ..format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES
-from ..storage.base import Storage, open_storage, path_arg
+from ..storage import open_storage
+from ..storage.base import Storage, path_arg
 from ..storage.local import LocalStorage
+from ..storage.urls import local_path, split_url
 from .lazy_sources import (
     Box,
     GatheredReads,
@@ -44,7 +45,7 @@ from .load import read_metadata
 from .locate import run_directory_hint, unfinished_save_message
 from .reshard import tp_bounds
 
-__all__ = ["lazy_load", "StateDictConverter", "split_url"]
+__all__ = ["lazy_load", "StateDictConverter"]
 
 StateDictConverter = Callable[
     [str, Tensor], Union[tuple[str, Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], None]
@@ -198,9 +199,9 @@ def _open(path: str | os.PathLike[str] | Storage, *, mmap: bool, restrict: bool)
     if isinstance(path, Storage):
         return _open_dir(path, mmap=mmap, restrict=restrict) or _no_checkpoint(path)
     url = path_arg(path)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() == "file":
-        local = os.path.expanduser(rest if sep else url)
+    local = local_path(url)
+    if local is not None:
+        local = os.path.expanduser(local)
         if os.path.isdir(local):
             storage = LocalStorage(local)
             return _open_dir(storage, mmap=mmap, restrict=restrict) or _no_checkpoint(storage)
@@ -224,19 +225,6 @@ def _open(path: str | os.PathLike[str] | Storage, *, mmap: bool, restrict: bool)
         if found is not None:
             return found
     raise CorruptCheckpointError(f"{url}: no checkpoint found (neither a checkpoint directory nor a checkpoint file)")
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """``(parent URL, file name)``. An http(s) path is percent-encoded and may carry a query
-    (kept on the parent); the name is decoded, as storages take names. An object store's URL
-    is its key as it is: ``#``, ``?`` and ``%`` are part of the name."""
-    scheme, sep, rest = url.partition("://")
-    if scheme.lower() in ("http", "https"):
-        parts = urlsplit(url)
-        head, _, name = parts.path.rstrip("/").rpartition("/")
-        return urlunsplit(parts._replace(path=head)), unquote(name)
-    head, slash, name = rest.rstrip("/").rpartition("/")
-    return (f"{scheme}{sep}{head}", name) if slash else (url, "")
 
 
 def _open_dir(storage: Storage, *, mmap: bool, restrict: bool) -> Iterator[LazyTensor] | None:

@@ -13,14 +13,12 @@
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import dist
+from .. import dist, settings
 from ..errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import METADATA_FILENAME
@@ -64,7 +62,7 @@ def _read_metadata_bytes(storage: Storage) -> bytes:
         if not storage.is_local():
             raise
         raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a regular file ({ex})") from ex
-    limit_mib = float(os.environ.get("CHECKPOINTER_MAX_METADATA_MIB", MAX_METADATA_BYTES / (1 << 20)))
+    limit_mib = settings.max_metadata_mib()
     if size > limit_mib * (1 << 20):
         raise CorruptCheckpointError(
             f"{storage.join(METADATA_FILENAME)} is {size} bytes, over the limit of {limit_mib:g} MiB "

@@ -8,7 +8,9 @@ import re
 
 from ..errors import IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename, is_save_file
-from ..storage.base import Storage, open_storage
+from ..storage import open_storage
+from ..storage.base import Storage
+from ..storage.urls import parent_url
 
 __all__ = [
     "checkpoint_parts",
@@ -65,18 +67,8 @@ def newest_checkpoint(run: Storage) -> str | None:
 
 def _parent(storage: Storage) -> Storage | None:
     """The directory above ``storage`` (local, s3://, gs://), or None at a root or for http(s)."""
-    url = storage.url.rstrip("/")
-    scheme, sep, rest = url.partition("://")
-    if scheme.lower() in ("http", "https"):
-        return None
-    if not sep:
-        head = os.path.dirname(url)
-        return None if head == url else open_storage(head)
-    bucket, _, key = rest.partition("/")
-    if not key.strip("/"):
-        return None  # a bucket's root
-    head = key.rpartition("/")[0]
-    return open_storage(f"{scheme}://{bucket}" + (f"/{head}" if head else ""))
+    parent = parent_url(storage.url)
+    return None if parent is None else open_storage(parent)
 
 
 def _name(storage: Storage) -> str:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
 
+from .. import settings
 from ..buffers import memoryview_of
 from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c, crc32c_extend
 from ..format.layout import FILE_ID_KEY
@@ -24,7 +24,7 @@ _FROM_MEMORY_BLOCK = 64 << 20  # a multiple of CHUNK_BYTES, and 4x MIN_FROM_SOUR
 
 
 def io_threads() -> int:
-    return int(os.environ.get("CHECKPOINTER_IO_THREADS", "4"))
+    return settings.io_threads()
 
 
 def write_rank_file(
@@ -138,7 +138,7 @@ _DISCARD: Writer = _Discard()  # type: ignore[assignment]
 def staging_bytes() -> int:
     """Host memory a save may use to copy tensors that cannot be written from where they are
     (on a GPU, or not contiguous): ``CHECKPOINTER_STAGING_MIB``, default 256."""
-    return max(1, int(float(os.environ.get("CHECKPOINTER_STAGING_MIB", "256")) * (1 << 20)))
+    return max(1, int(settings.staging_mib() * (1 << 20)))
 
 
 class _Staging:

@@ -26,6 +26,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
+from .. import settings
 from ..checksums import CHUNK_BYTES
 from ..errors import ReplicaMismatchError
 from ..sharding import LocalTensor
@@ -33,7 +34,7 @@ from .rankfile import hash_pieces, io_threads
 
 __all__ = ["VERIFY_ENV", "enabled", "start_hashing", "check_copies"]
 
-VERIFY_ENV = "CHECKPOINTER_VERIFY_REPLICAS"
+VERIFY_ENV = settings.VERIFY_REPLICAS_ENV
 _SHOWN = 5  # tensors described in the error; the rest are counted
 _INLINE_BYTES = 4 << 20  # copies smaller than this in all are hashed by the caller (well under 1 ms)
 
@@ -43,7 +44,7 @@ Copies = list[list[Any]]
 
 def enabled() -> bool:
     """Whether saves compare replicas (default on; ``CHECKPOINTER_VERIFY_REPLICAS=0`` is off)."""
-    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.verify_replicas()
 
 
 def start_hashing(copies: Mapping[str, int], described: Mapping[str, LocalTensor]) -> Future[Copies]:

@@ -6,7 +6,8 @@ from typing import Any
 
 from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
-from ..storage.base import Storage, open_storage
+from ..storage import open_storage
+from ..storage.base import Storage
 from .load import read_metadata
 from .locate import checkpoint_parts
 

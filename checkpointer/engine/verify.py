@@ -32,7 +32,8 @@ from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMet
 from ..format.safetensors_header import SafetensorsHeader
 from ..planning.overlap import Range
 from ..planning.plan import spec_ranges, stored_cover_exactly
-from ..storage.base import Storage, open_storage
+from ..storage import open_storage
+from ..storage.base import Storage
 from .load import read_metadata
 from .headers import HeaderCache
 from .rankfile import io_threads

@@ -20,6 +20,7 @@ from ..errors import CorruptCheckpointError
 from .dtypes import DTYPE_CODES
 from .json_members import object_members, skip_whitespace
 from .layout import FORMAT_VERSION, check_filename
+from .shard_spec import TensorShardSpec
 from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, SpecParser, box_run_count, gc_paused
 
 __all__ = [
@@ -53,40 +54,6 @@ def dims_fit(shape: Sequence[int]) -> bool:
             if n > MAX_NUMEL:
                 return False
     return True
-
-
-class TensorShardSpec(BaseModel):
-    """Which elements of the full tensor one file holds."""
-
-    model_config = ConfigDict(frozen=True, extra="allow")
-
-    flattened_offsets: tuple[tuple[int, int], ...] | None = None
-    local_shape: tuple[int, ...] | None = None
-    global_offset: tuple[int, ...] | None = None
-    checksums: tuple[int, ...] | None = None
-    """CRC32C of each ``StorageMetadata.checksum_chunk_bytes`` of this piece's bytes (new, optional)."""
-
-    @model_validator(mode="after")
-    def _one_form(self) -> TensorShardSpec:
-        if self.flattened_offsets is not None:
-            for start, end in self.flattened_offsets:
-                if not 0 <= start <= end:
-                    raise ValueError(f"bad flattened range [{start}, {end})")
-        elif self.local_shape is not None and self.global_offset is not None:
-            if len(self.local_shape) != len(self.global_offset):
-                raise ValueError("local_shape and global_offset differ in length")
-            if any(d < 0 for d in self.local_shape) or any(o < 0 for o in self.global_offset):
-                raise ValueError("negative local_shape or global_offset")
-        else:
-            raise ValueError("a shard spec needs flattened_offsets, or local_shape and global_offset")
-        return self
-
-    @property
-    def local_numel(self) -> int:
-        if self.flattened_offsets is not None:
-            return sum(end - start for start, end in self.flattened_offsets)
-        assert self.local_shape is not None
-        return math.prod(self.local_shape)
 
 
 class TensorStorageMetadata(BaseModel):

@@ -5,7 +5,7 @@ of ranks save a large model. A pydantic object per spec is what made planning at
 slow, so a tensor's specs are kept as plain columns (a :class:`Layout`, shared by tensors
 whose pieces sit alike, plus the per-file checksums) and validated a column at a time with
 builtins that loop in C. :class:`ShardSpecs` is the ``shard_spec_per_file`` mapping over
-them: it builds a :class:`~checkpointer.format.metadata.TensorShardSpec` only for the file
+them: it builds a :class:`~checkpointer.format.shard_spec.TensorShardSpec` only for the file
 asked about.
 
 Validation here is strict (JSON integers are integers, not booleans, floats or strings) and
@@ -26,6 +26,7 @@ from operator import add, itemgetter, le
 from typing import Any, Iterator, Sequence
 
 from .layout import check_filename
+from .shard_spec import TensorShardSpec
 
 __all__ = ["Layout", "ShardSpecs", "SpecParser", "MAX_RUNS_PER_TENSOR", "box_run_count", "gc_paused", "shared_layout"]
 
@@ -164,9 +165,7 @@ class ShardSpecs(Mapping):
     def __repr__(self) -> str:
         return f"ShardSpecs({dict(self.items())!r})"
 
-    def spec(self, i: int):
-        from .metadata import TensorShardSpec  # the models module imports this one
-
+    def spec(self, i: int) -> TensorShardSpec:
         flat, ls, go = self.layout.form(i)
         checksums = self.checksums[i] if self.checksums is not None else None
         extra = (self.extras or {}).get(i, {})

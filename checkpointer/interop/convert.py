@@ -19,7 +19,8 @@ from ..engine.load import read_metadata
 from ..engine.locate import checkpoint_parts, model_checkpoint
 from ..errors import CheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename
-from ..storage.base import open_storage, path_arg
+from ..storage import open_storage
+from ..storage.base import path_arg
 from .dcp import DCPTensors, is_dcp, write_dcp
 from .hf import HFTensors, is_hf
 from .ours import write_checkpoint

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import code_from_dtype, dtype_from_code
+from ..storage import urls
 from ..storage.base import check_url
 
 __all__ = ["DCPTensors", "read_dcp_metadata", "write_dcp", "is_dcp", "DCP_METADATA", "local_path"]
@@ -40,11 +41,10 @@ def is_dcp(names: set[str]) -> bool:
 def local_path(url: str) -> str:
     """DCP directories are local: a path or ``file://`` URL."""
     url = check_url(str(url))
-    if url.startswith("file://"):
-        return url[len("file://") :]
-    if "://" in url:
+    path = urls.local_path(url)
+    if path is None:
         raise CheckpointError(f"{url}: torch DCP directories are read and written on local disk only")
-    return url
+    return path
 
 
 def read_dcp_metadata(path: str, *, allow_pickle: bool = False) -> Any:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 
 from ..buffers import memoryview_of
-from ..engine.export import INDEX_NAME, split_output
-from ..engine.lazy import split_url
+from ..engine.export import INDEX_NAME
 from ..engine.lazy_sources import read_hf_index
 from ..engine.headers import HeaderCache
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import is_rank_filename
-from ..storage.base import Storage, open_storage
+from ..storage import open_storage
+from ..storage.base import Storage
+from ..storage.urls import split_path
 
 __all__ = ["HFTensors", "is_hf"]
 
@@ -45,7 +46,7 @@ class HFTensors:
 
     def __init__(self, url: str | Storage):
         if isinstance(url, str) and url.endswith(".safetensors"):
-            parent, name = split_url(url) if "://" in url else split_output(url)  # a URL's name is decoded
+            parent, name = split_path(url)  # a URL's name is decoded
             self.storage = open_storage(parent)
             files = [name]
             self._index = None

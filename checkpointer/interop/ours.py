@@ -20,7 +20,7 @@ from ..engine.commit import check_directory, commit_metadata, release_lock
 from ..format.layout import FILE_ID_KEY, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import TensorShardSpec, TensorStorageMetadata, new_metadata
 from ..format.safetensors_header import build_header
-from ..storage.base import open_storage
+from ..storage import open_storage
 
 __all__ = ["write_checkpoint"]
 

@@ -1,4 +1,4 @@
-"""The storage interface, and the one place a URL scheme is dispatched to a backend.
+"""The storage interface; :func:`~checkpointer.storage.open_storage` picks the backend for a URL.
 
 A :class:`Storage` is rooted at one directory-like location (a checkpoint directory). Names
 are relative and ``/``-separated; a backend refuses a name that would leave its root. All
@@ -22,7 +22,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
-__all__ = ["Storage", "Writer", "open_storage", "ReadRequest", "FileChangedError", "check_name", "check_url", "path_arg"]
+__all__ = ["Storage", "Writer", "ReadRequest", "FileChangedError", "check_name", "check_url", "path_arg"]
 
 ReadRequest = tuple[int, memoryview]
 """``(byte offset, buffer)``: fill the whole buffer with the bytes starting at the offset."""
@@ -229,37 +229,3 @@ class Storage(ABC):
 
     def is_local(self) -> bool:
         return False
-
-
-def open_storage(url: str | Storage) -> Storage:
-    """The backend for a URL: a local path, ``file://``, ``s3://``, ``gs://``, ``http(s)://``."""
-    if isinstance(url, Storage):
-        return url
-    url = path_arg(url)  # also check_url
-    if not url.strip():
-        raise ValueError("the path is empty (write '.' for the current directory)")
-    scheme, sep, _ = url.partition("://")
-    if not sep:
-        from .local import LocalStorage
-
-        return LocalStorage(url)
-    scheme = scheme.lower()
-    if scheme == "file":
-        from .local import LocalStorage
-
-        return LocalStorage(url[len("file://") :])
-    if scheme == "s3":
-        from .s3 import S3Storage
-
-        return S3Storage(url)
-    if scheme in ("gs", "gcs"):
-        from .gcs import GCSStorage
-
-        return GCSStorage(url)
-    if scheme in ("http", "https"):
-        from .http import HTTPStorage
-
-        return HTTPStorage(url)
-    from .retry import redact  # a mistyped https:// URL may carry a password or a token
-
-    raise ValueError(f"unsupported storage URL {redact(url)!r}: use a path, file://, s3://, gs:// or http(s)://")

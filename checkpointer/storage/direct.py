@@ -34,6 +34,8 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
+from .. import settings
+
 __all__ = ["BLOCK_BYTES", "DEPTH", "MIN_FROM_SOURCE", "PIECE_BYTES", "DirectStream", "dio_alignment", "direct_io_enabled"]
 
 BLOCK_BYTES = 4 << 20
@@ -50,7 +52,7 @@ _Rest = tuple[memoryview, int]  # what a writer thread left to write: (bytes, fi
 
 def direct_io_enabled() -> bool:
     """``O_DIRECT`` exists here and ``CHECKPOINTER_DIRECT_IO`` is not ``0``."""
-    return hasattr(os, "O_DIRECT") and os.environ.get("CHECKPOINTER_DIRECT_IO", "1").strip() not in ("0", "")
+    return hasattr(os, "O_DIRECT") and settings.direct_io()
 
 
 def _load_statx():

@@ -7,7 +7,7 @@ its retries off; the data path (ranged GETs, uploads) speaks the JSON API over t
 authorized session, so bytes go straight between the socket and the caller's buffers. A file
 of several parts is uploaded as part objects in parallel and composed
 (:mod:`~checkpointer.storage.gcs_compose`), or with ``parallel_upload=False`` through one
-resumable upload. Every call is retried by :func:`call_with_retry` (``CHECKPOINTER_IO_RETRIES``).
+resumable upload (:mod:`~checkpointer.storage.gcs_upload`). Every call is retried by :func:`call_with_retry` (``CHECKPOINTER_IO_RETRIES``).
 
 A resumable upload session URI is a bearer credential: it never appears in a message, a
 log line or an exception (transport errors are re-raised with redacted text).
@@ -16,41 +16,26 @@ log line or an exception (transport errors are re-raised with redacted text).
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, urlencode
 
+from .. import settings
 from .base import ReadRequest, Storage, check_name
-from .parts import Part, PartReader, PartWriter, part_bytes
-from .retry import (
-    HTTPStatusError,
-    RangeTask,
-    RetryPolicy,
-    StreamEnded,
-    bucket_url,
-    call_with_retry,
-    certificate_refused,
-    ended_as_sent,
-    ends_before,
-    fill_range,
-    holds,
-    is_transient,
-    plan_ranges,
-    redact,
-    redact_transport_logs,
-    run_parallel,
-    transient_status,
-)
+from .gcs_compose import GCSComposeWriter
+from .gcs_upload import GCSWriter
+from .parallel import run_parallel
+from .ranges import RangeTask, StreamEnded, ended_as_sent, ends_before, fill_range, plan_ranges
+from .redact import redact, redact_transport_logs
+from .retry import RetryPolicy, call_with_retry, holds
+from .transient import HTTPStatusError, certificate_refused, is_transient, transient_status
+from .urls import bucket_url
 
-__all__ = ["GCSStorage", "GCSWriter"]
+__all__ = ["GCSStorage"]
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MiB = 1 << 20
 CHUNK_UNIT = 256 * 1024  # resumable chunks (all but the last) are multiples of this
-PARALLEL_UPLOAD_ENV = "CHECKPOINTER_GCS_PARALLEL_UPLOAD"
 
 
 def _gcs():
@@ -93,15 +78,6 @@ def _transport_errors() -> Iterator[None]:
         raise OSError(f"{type(e).__name__}: {redact(str(e))}") from None
 
 
-def _body(part: Part, start: int = 0) -> memoryview | bytes | PartReader:
-    """A request body of ``part`` from byte ``start`` on, without joining its segments."""
-    if part_bytes(part) <= start:
-        return b""  # requests sends an empty memoryview chunked; an empty body must be b""
-    if len(part) == 1:
-        return part[0][start:]
-    return PartReader(part, start)
-
-
 class GCSStorage(Storage):
     """Files under ``gs://bucket/prefix``.
 
@@ -134,8 +110,7 @@ class GCSStorage(Storage):
         self.retry = retry or RetryPolicy()
         self.timeout = timeout
         if parallel_upload is None:
-            setting = os.environ.get(PARALLEL_UPLOAD_ENV, "1").strip().lower()
-            parallel_upload = setting not in ("0", "false", "no", "off")
+            parallel_upload = settings.gcs_parallel_upload()
         self.parallel_upload = parallel_upload
         if client is None:
             import google.auth.exceptions
@@ -318,134 +293,5 @@ class GCSStorage(Storage):
 
     def open_writer(self, name: str) -> GCSWriter:
         if self.parallel_upload:
-            from .gcs_compose import GCSComposeWriter
-
             return GCSComposeWriter(self, name)
         return GCSWriter(self, name)
-
-
-class GCSWriter(PartWriter):
-    """Streams a file into a resumable upload; a file smaller than one chunk is one request.
-
-    GCS takes the chunks of a resumable upload strictly in order, so the parallelism is a
-    pipeline: one chunk uploads while the caller fills the next (at most two chunk buffers).
-    A buffer of a chunk or more is uploaded straight from the caller's memory. The object
-    appears when the last chunk, which carries the total size, lands.
-    """
-
-    def __init__(self, storage: GCSStorage, name: str, **parts: Any):
-        super().__init__(storage.join(name), storage.part_size, **(parts or {"workers": 1, "in_flight": 1}))
-        self._s = storage
-        self._name = name
-        self._key = storage._key(name)
-        self._session_url: str | None = None
-
-    @property
-    def _upload_base(self) -> str:
-        return self._s._upload_url
-
-    def _begin(self) -> None:
-        self._start_session()
-
-    def _upload(self, number: int, offset: int, part: Part, total: int | None) -> None:
-        self._send_chunk(offset, part, total)
-
-    def _start_session(self) -> None:
-        query = urlencode({"uploadType": "resumable", "name": self._key})
-        resp = self._s.call("POST resumable session", self._name, lambda _: self._s.request(
-            "POST", f"{self._upload_base}?{query}", json={"name": self._key},
-            headers={"X-Upload-Content-Type": "application/octet-stream"}))
-        with resp:
-            location = resp.headers.get("Location")
-        if not location:
-            raise OSError(f"POST resumable session {self.url}: the response has no Location")
-        self._session_url = location
-
-    def _persisted(self) -> int | None:
-        """Bytes the session holds (a status query); None once the object is complete."""
-        # gcp-storage-emulator answers this query with "Range: bytes=0-0" when it holds no
-        # bytes at all (real GCS sends no Range header), so it is only asked after a failure.
-        resp = self._s.request("PUT", self._session_url, ok=(200, 201, 308), headers={"Content-Range": "bytes */*"})
-        with resp:
-            return None if resp.status_code in (200, 201) else _range_end(resp.headers.get("Range"))
-
-    def _send_chunk(self, offset: int, part: Part, total: int | None) -> None:
-        """Send bytes ``[offset, ...)`` of the session; ``total`` (the file size) with the last chunk."""
-        end = offset + part_bytes(part)
-
-        def attempt(n: int) -> None:
-            pos = offset
-            if n:  # after a failure, ask the session what it holds and go on from there
-                held = self._persisted()
-                if held is None:
-                    if total is None:
-                        raise OSError("the upload session completed before its last chunk")
-                    return
-                if held < offset:
-                    raise OSError(f"the upload session holds {held} bytes, fewer than the {offset} already sent")
-                pos = min(held, end)
-            while total is not None or pos < end:
-                if pos < end:
-                    rng = f"bytes {pos}-{end - 1}/{'*' if total is None else total}"
-                else:
-                    rng = f"bytes */{total}"
-                resp = self._s.request("PUT", self._session_url, ok=(200, 201, 308),
-                                       data=_body(part, pos - offset), headers={"Content-Range": rng})
-                with resp:
-                    if resp.status_code in (200, 201):
-                        return
-                    held = _range_end(resp.headers.get("Range"))
-                if held <= pos:
-                    raise ConnectionError(f"the upload session took none of the bytes from {pos}")
-                pos = min(held, end)
-
-        self._s.call(f"PUT bytes {offset}-{end - 1}" + ("" if total is None else f" of {total}"), self._name, attempt)
-
-    def commit(self) -> None:
-        self._check()
-        done = False
-        try:
-            if not self.started:
-                self._one_request()
-            else:
-                self._finish_parts(last_if_empty=True)
-            self._session_url = None
-            done = True
-        finally:
-            if not done:
-                self.abort()
-        self._close()
-
-    def _one_request(self) -> None:
-        """The whole file, smaller than one chunk, in one request."""
-        data = self._parts.rest()
-        if not data:
-            # An empty file goes through a session: gcp-storage-emulator fails on an empty
-            # one-request upload (real GCS takes it).
-            self._start_session()
-            self._send_chunk(0, data, 0)
-            return
-        query = urlencode({"uploadType": "media", "name": self._key})
-        self._s.call("POST", self._name, lambda _: self._s.request(
-            "POST", f"{self._upload_base}?{query}", data=_body(data),
-            headers={"Content-Type": "application/octet-stream"}).close())
-
-    def abort(self) -> None:
-        self._close()
-        session, self._session_url = self._session_url, None
-        if session is None:
-            return
-        # Real GCS cancels a session on DELETE (answering 499); gcp-storage-emulator has no
-        # such route (501) and simply keeps the unfinished bytes out of sight. Best effort:
-        # an unfinished session is invisible and expires after a week.
-        try:
-            self._s.request("DELETE", session, ok=(200, 204, 404, 410, 499)).close()
-        except OSError as e:
-            log.debug("could not cancel the upload session of %s: %s", self.url, e)
-
-
-def _range_end(header: str | None) -> int:
-    """Bytes persisted according to a ``Range: bytes=0-N`` header (none: 0)."""
-    if not header:
-        return 0
-    return int(header.rsplit("-", 1)[1]) + 1

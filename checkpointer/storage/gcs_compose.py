@@ -26,9 +26,9 @@ import posixpath
 import uuid
 from urllib.parse import quote, urlencode
 
-from .gcs import GCSStorage, GCSWriter, _body
+from .gcs_upload import GCSWriter, Uploads, _body
+from .parallel import run_parallel
 from .parts import Part
-from .retry import run_parallel
 
 __all__ = ["GCSComposeWriter", "MAX_COMPONENTS", "MAX_COMPOSE_SOURCES"]
 
@@ -41,10 +41,10 @@ MAX_COMPONENTS = 1024
 class GCSComposeWriter(GCSWriter):
     """Streams a file into part objects uploaded in parallel, composed into the target at commit.
 
-    A file smaller than one part is one request, as with :class:`~checkpointer.storage.gcs.GCSWriter`.
+    A file smaller than one part is one request, as with :class:`~checkpointer.storage.gcs_upload.GCSWriter`.
     """
 
-    def __init__(self, storage: GCSStorage, name: str):
+    def __init__(self, storage: Uploads, name: str):
         super().__init__(storage, name, workers=storage.max_concurrency, in_flight=storage.max_concurrency,
                          max_parts=MAX_COMPONENTS, grow_every=MAX_COMPONENTS // 4)
         directory, base = posixpath.split(name)

@@ -19,22 +19,11 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from .base import ReadRequest, Storage, Writer, check_name
-from .retry import (
-    HTTPStatusError,
-    RangeTask,
-    RetryPolicy,
-    StreamEnded,
-    call_with_retry,
-    content_length,
-    ended_as_sent,
-    ends_before,
-    fill_range,
-    is_transient,
-    plan_ranges,
-    redact,
-    redact_transport_logs,
-    run_parallel,
-)
+from .parallel import run_parallel
+from .ranges import RangeTask, StreamEnded, content_length, ended_as_sent, ends_before, fill_range, plan_ranges
+from .redact import redact, redact_transport_logs
+from .retry import RetryPolicy, call_with_retry
+from .transient import HTTPStatusError, is_transient
 
 __all__ = ["HTTPStorage"]
 

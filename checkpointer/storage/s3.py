@@ -27,21 +27,13 @@ import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from .base import ReadRequest, Storage, check_name
+from .parallel import run_parallel
 from .parts import Part, PartReader, PartWriter
-from .retry import (
-    RangeTask,
-    RetryPolicy,
-    bucket_url,
-    call_with_retry,
-    ends_before,
-    fill_range,
-    holds,
-    is_transient,
-    plan_ranges,
-    redact,
-    run_parallel,
-    transient_status,
-)
+from .ranges import RangeTask, ends_before, fill_range, plan_ranges
+from .redact import redact
+from .retry import RetryPolicy, call_with_retry, holds
+from .transient import is_transient, transient_status
+from .urls import bucket_url
 
 __all__ = ["S3Storage", "S3Writer"]
 

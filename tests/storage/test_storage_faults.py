@@ -341,8 +341,8 @@ def test_gcs_parallel_upload_composes_in_two_rounds_and_leaves_no_parts(gcs_env)
 
 
 def test_gcs_parallel_upload_setting(gcs_env, monkeypatch) -> None:
-    from checkpointer.storage.gcs import GCSWriter
     from checkpointer.storage.gcs_compose import GCSComposeWriter
+    from checkpointer.storage.gcs_upload import GCSWriter
 
     url = f"gs://{GCS_BUCKET}/{unique()}"
     assert type(GCSStorage(url).open_writer("f")) is GCSComposeWriter

@@ -8,22 +8,14 @@ import time
 
 import pytest
 
+from checkpointer.settings import io_retries
+from checkpointer.storage.parallel import run_parallel
 from checkpointer.storage.parts import PartBuffer, PartReader
-from checkpointer.storage.retry import (
-    HTTPStatusError,
-    RangeTask,
-    RetryPolicy,
-    bucket_url,
-    call_with_retry,
-    content_length,
-    ended_as_sent,
-    ends_before,
-    fill_range,
-    io_retries,
-    plan_ranges,
-    redact,
-    run_parallel,
-)
+from checkpointer.storage.ranges import RangeTask, content_length, ended_as_sent, ends_before, fill_range, plan_ranges
+from checkpointer.storage.redact import redact
+from checkpointer.storage.retry import RetryPolicy, call_with_retry
+from checkpointer.storage.transient import HTTPStatusError
+from checkpointer.storage.urls import bucket_url
 
 
 def _spans(tasks: list[RangeTask]) -> list[tuple[int, int]]:

@@ -2,7 +2,8 @@
 
 Lowest first: errors, format, planning, storage, dist, sharding, engine, interop, api, cli. The package's
 ``__init__`` and ``__main__`` may import anything. ``format/``, ``planning/`` and ``storage/``
-never touch ``torch.distributed``.
+never touch ``torch.distributed``. And no two modules import each other, however indirectly
+(an import inside a function counts): :func:`test_no_import_cycles` names the cycle.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE  # found without importing 
 # STYLE.md's order, plus `interop` (format conversion: uses engine, used by cli) after engine.
 LAYERS = ["errors", "format", "planning", "storage", "dist", "sharding", "engine", "interop", "api", "cli"]
 # Leaf helpers outside the list above, placed with errors (the lowest layer): anything may
-# import them and they may import nothing of the package but errors. A new top-level module
-# fails test_no_upward_imports until it is given a place here or in LAYERS.
-LEAF_HELPERS = {"buffers", "checksums", "progress"}
+# import them and they may import nothing of the package but errors and each other. A new
+# top-level module fails test_no_upward_imports until it is given a place here or in LAYERS.
+LEAF_HELPERS = {"buffers", "checksums", "progress", "settings"}
 TOP = len(LAYERS)  # the package's __init__ / __main__
 NO_TORCH_DISTRIBUTED = {"format", "planning", "storage"}
 
@@ -218,3 +219,113 @@ def test_relative_import_resolution():
 def test_relative_import_leaving_the_package_fails():
     with pytest.raises(AssertionError, match="leaves the package"):
         imports_of(ast.parse("from ... import y\n"), "checkpointer.planning.sub", package=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# No import cycles between modules
+# ---------------------------------------------------------------------------------------------
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
+    """Module -> {module of the package it imports: the first line that does}, from
+    ``{module: (source, is_package)}``. Every import counts, also one inside a function."""
+    exists = sources.__contains__
+    graph: dict[str, dict[str, int]] = {}
+    for module, (source, package) in sources.items():
+        edges = graph[module] = {}
+        for line, name in imports_of(ast.parse(source), module, package, exists=exists):
+            if name in sources and name != module:
+                edges.setdefault(name, line)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[str]:
+    """One cycle per group of modules that import each other (strongly connected components,
+    Tarjan), each as ``a:LINE -> b:LINE -> a``; ``[]`` when there is none."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found = []
+    for group in groups:
+        members, start = set(group), min(group)
+        # The shortest way round from `start` back to itself, within the group (breadth first).
+        came_from: dict[str, str] = {}
+        todo, end = [start], None
+        while todo and end is None:
+            nxt = []
+            for v in todo:
+                for w in sorted(graph[v]):
+                    if w == start:
+                        end = v
+                        break
+                    if w in members and w not in came_from:
+                        came_from[w] = v
+                        nxt.append(w)
+                if end is not None:
+                    break
+            todo = nxt
+        path = [end]
+        while path[-1] != start:
+            path.append(came_from[path[-1]])
+        path.reverse()
+        hops = [f"{a}:{graph[a][b]}" for a, b in zip(path, path[1:] + [start])]
+        found.append(" -> ".join(hops + [start]))
+    return sorted(found)
+
+
+def test_no_import_cycles():
+    sources = {module_name(p): (p.read_text(), is_package(p)) for p in package_files()}
+    assert import_cycles(import_graph(sources)) == []
+
+
+def test_cycle_checker_reports_a_cycle_through_a_function_level_import():
+    sources = {
+        "checkpointer.format.a": ("from .b import x\n", False),
+        "checkpointer.format.b": ("import os\n\n\ndef f():\n    from .c import y\n", False),
+        "checkpointer.format.c": ("from checkpointer.format import a\n", False),
+        "checkpointer.format.d": ("from . import a, b\n", False),  # imports the cycle, is not in it
+        "checkpointer.storage": ("from .base import Storage\n", True),
+        "checkpointer.storage.base": ("def f():\n    from .local import LocalStorage\n", False),
+        "checkpointer.storage.local": ("from .base import Storage\n", False),
+    }
+    assert import_cycles(import_graph(sources)) == [
+        "checkpointer.format.a:1 -> checkpointer.format.b:5 -> checkpointer.format.c:1 -> checkpointer.format.a",
+        "checkpointer.storage.base:2 -> checkpointer.storage.local:1 -> checkpointer.storage.base",
+    ]
+
+
+def test_cycle_checker_allows_a_tree():
+    sources = {
+        "checkpointer.storage": ("from .base import Storage\nfrom .dispatch import open_storage\n", True),
+        "checkpointer.storage.base": ("import os\n", False),
+        "checkpointer.storage.dispatch": ("from .base import Storage\ndef f():\n    from .local import L\n", False),
+        "checkpointer.storage.local": ("from .base import Storage\n", False),
+    }
+    assert import_cycles(import_graph(sources)) == []

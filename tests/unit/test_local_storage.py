@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpointer.storage.base import Storage, check_name, open_storage
+from checkpointer.storage import open_storage
+from checkpointer.storage.base import Storage, check_name
 from checkpointer.storage.local import LocalStorage
 
 DATA = bytes((i * 7 + i // 256) % 256 for i in range(4096))

@@ -1,0 +1,134 @@
+"""Every ``CHECKPOINTER_*`` environment variable the package reads: one getter each.
+
+The one module that reads them (``tests/unit/test_settings.py`` checks). A getter reads its
+variable when called, not at import, so a job (or a test) that changes the environment is
+heard by the next call. :data:`SETTINGS` lists each variable with its default and meaning,
+for documentation. Stdlib only: any module of the package may import this one.
+
+Example::
+
+    from checkpointer import settings
+
+    deadline = settings.timeout_s()  # CHECKPOINTER_TIMEOUT_S, or 300.0
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+__all__ = [
+    "SETTINGS",
+    "Setting",
+    "TIMEOUT_S_ENV",
+    "IO_RETRIES_ENV",
+    "IO_THREADS_ENV",
+    "STAGING_MIB_ENV",
+    "MAX_METADATA_MIB_ENV",
+    "DIRECT_IO_ENV",
+    "CRC32C_ENV",
+    "VERIFY_REPLICAS_ENV",
+    "GCS_PARALLEL_UPLOAD_ENV",
+    "timeout_s",
+    "io_retries",
+    "io_threads",
+    "staging_mib",
+    "max_metadata_mib",
+    "direct_io",
+    "crc32c",
+    "verify_replicas",
+    "gcs_parallel_upload",
+]
+
+TIMEOUT_S_ENV = "CHECKPOINTER_TIMEOUT_S"
+IO_RETRIES_ENV = "CHECKPOINTER_IO_RETRIES"
+IO_THREADS_ENV = "CHECKPOINTER_IO_THREADS"
+STAGING_MIB_ENV = "CHECKPOINTER_STAGING_MIB"
+MAX_METADATA_MIB_ENV = "CHECKPOINTER_MAX_METADATA_MIB"
+DIRECT_IO_ENV = "CHECKPOINTER_DIRECT_IO"
+CRC32C_ENV = "CHECKPOINTER_CRC32C"
+VERIFY_REPLICAS_ENV = "CHECKPOINTER_VERIFY_REPLICAS"
+GCS_PARALLEL_UPLOAD_ENV = "CHECKPOINTER_GCS_PARALLEL_UPLOAD"
+
+
+class Setting(NamedTuple):
+    """One environment variable: what its getter returns when it is unset, and what it does."""
+
+    default: object
+    meaning: str
+
+
+SETTINGS: dict[str, Setting] = {
+    TIMEOUT_S_ENV: Setting(300.0, "seconds a collective waits for the other ranks before the phase fails"),
+    IO_RETRIES_ENV: Setting(8, "retries of a remote (S3, GCS, HTTP) request after a transient failure"),
+    IO_THREADS_ENV: Setting(4, "threads that read (or hash) one rank's files in parallel"),
+    STAGING_MIB_ENV: Setting(256.0, "MiB of host memory a save copies GPU or non-contiguous tensors through"),
+    MAX_METADATA_MIB_ENV: Setting(4096.0, "MiB of metadata.json a load accepts before refusing it"),
+    DIRECT_IO_ENV: Setting(True, "write local files with O_DIRECT where available (0 turns it off)"),
+    CRC32C_ENV: Setting("", "'google' checksums with google-crc32c even where ISA-L is available"),
+    VERIFY_REPLICAS_ENV: Setting(True, "a save checks that replicated tensors are equal on every rank (0: off)"),
+    GCS_PARALLEL_UPLOAD_ENV: Setting(True, "GCS uploads a large file as parts composed at commit (0: one upload)"),
+}
+"""Variable name -> its getter's default and its meaning (the getter is the name without
+``CHECKPOINTER_``, in lower case: ``CHECKPOINTER_IO_THREADS`` -> :func:`io_threads`)."""
+
+_OFF = ("0", "false", "no", "off")
+
+
+def _on(name: str) -> bool:
+    """A switch that is on unless set to 0, false, no or off."""
+    return os.environ.get(name, "1").strip().lower() not in _OFF
+
+
+def timeout_s() -> float:
+    """Seconds a collective waits for the other ranks: ``CHECKPOINTER_TIMEOUT_S`` (default 300)."""
+    return float(os.environ.get(TIMEOUT_S_ENV, "300"))
+
+
+def io_retries() -> int:
+    """Retries allowed after a transient failure: ``CHECKPOINTER_IO_RETRIES`` (default 8)."""
+    raw = os.environ.get(IO_RETRIES_ENV, "").strip()
+    if not raw:
+        return 8
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{IO_RETRIES_ENV}={raw!r} is not an integer; set it to 0 or more") from None
+    if value < 0:
+        raise ValueError(f"{IO_RETRIES_ENV}={value} is negative; set it to 0 or more")
+    return value
+
+
+def io_threads() -> int:
+    """Threads reading one rank's files in parallel: ``CHECKPOINTER_IO_THREADS`` (default 4)."""
+    return int(os.environ.get(IO_THREADS_ENV, "4"))
+
+
+def staging_mib() -> float:
+    """MiB of host memory for copying tensors a save cannot write in place: ``CHECKPOINTER_STAGING_MIB`` (default 256)."""
+    return float(os.environ.get(STAGING_MIB_ENV, "256"))
+
+
+def max_metadata_mib() -> float:
+    """The largest ``metadata.json`` a load reads, in MiB: ``CHECKPOINTER_MAX_METADATA_MIB`` (default 4096)."""
+    return float(os.environ.get(MAX_METADATA_MIB_ENV, "4096"))
+
+
+def direct_io() -> bool:
+    """Whether local writes may use ``O_DIRECT``: ``CHECKPOINTER_DIRECT_IO`` not ``0`` or empty (default on)."""
+    return os.environ.get(DIRECT_IO_ENV, "1").strip() not in ("0", "")
+
+
+def crc32c() -> str:
+    """The preferred CRC32C implementation: ``CHECKPOINTER_CRC32C`` (``google``; default ``""``, the fastest)."""
+    return os.environ.get(CRC32C_ENV, "")
+
+
+def verify_replicas() -> bool:
+    """Whether saves compare replicas: ``CHECKPOINTER_VERIFY_REPLICAS`` (default on; ``0`` is off)."""
+    return _on(VERIFY_REPLICAS_ENV)
+
+
+def gcs_parallel_upload() -> bool:
+    """Whether GCS uploads large files as composed parts: ``CHECKPOINTER_GCS_PARALLEL_UPLOAD`` (default on)."""
+    return _on(GCS_PARALLEL_UPLOAD_ENV)
