@@ -468,9 +468,9 @@ def _export_fn():
     except ImportError:
         pass
     try:
-        from checkpointer.engine.export import export_safetensors
+        from checkpointer.tools.export import export_safetensors
 
-        return export_safetensors, "checkpointer.engine.export.export_safetensors"
+        return export_safetensors, "checkpointer.tools.export.export_safetensors"
     except ImportError:
         return None, "Checkpointer().unshard + safetensors.torch.save_file"
 

@@ -72,7 +72,7 @@ def _worker(rank: int, cfg: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{cfg['rendezvous']}", rank=rank,
                             world_size=cfg["world"], timeout=datetime.timedelta(seconds=600))
     from checkpointer import Checkpointer
-    from checkpointer.engine import replicas
+    from checkpointer.engine import commit as replicas
 
     # The check's own work, timed where it runs (robust to a busy host, unlike the wall times):
     # hashing this rank's copies (on a thread, beside the write) and rank 0's comparison.

@@ -239,7 +239,7 @@ def preload() -> None:
     import torch.distributed.checkpoint.state_dict_saver  # noqa: F401
 
     import checkpointer  # noqa: F401
-    import checkpointer.engine.lazy  # noqa: F401
+    import checkpointer.tools.lazy  # noqa: F401
 
 
 # --------------------------------------------------------------------------- workers

@@ -13,9 +13,10 @@ from .api import (
     unshard_optim_state,
 )
 from .engine.checkpointer import Checkpointer
-from .engine.export import export_safetensors
-from .engine.lazy import lazy_load
-from .engine.reshard import get_shard_dims, reshard_tensor
+from .tools.export import export_safetensors
+from .tools.lazy import lazy_load
+from .planning.reshard import reshard_tensor
+from .sharding import get_shard_dims
 from .errors import (
     CheckpointError,
     CheckpointMismatchError,

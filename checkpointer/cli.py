@@ -200,7 +200,7 @@ def _say(args: argparse.Namespace, text: str) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .engine.summary import describe_parts
+    from .tools.summary import describe_parts
 
     parts = describe_parts(args.dir)
     if args.json:
@@ -212,7 +212,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def render_table(parts: list[tuple[str, dict[str, Any]]]) -> str:
-    """The human-readable form of :func:`~checkpointer.engine.summary.describe_parts`."""
+    """The human-readable form of :func:`~checkpointer.tools.summary.describe_parts`."""
     blocks = []
     for name, info in parts:
         head = _printable(f"{info['path']}") + (f" ({name})" if name else "")
@@ -264,7 +264,7 @@ def _files_label(files: list[str]) -> str:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .engine.locate import checkpoint_parts
-    from .engine.verify import verify_checkpoint
+    from .tools.verify import verify_checkpoint
     from .storage import open_storage
 
     problems: list[str] = []
@@ -292,7 +292,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_unshard(args: argparse.Namespace) -> int:
-    from .engine.export import export_checkpoint
+    from .tools.export import export_checkpoint
 
     files = export_checkpoint(
         args.dir,
@@ -307,7 +307,7 @@ def _cmd_unshard(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .interop.convert import convert
+    from .tools.convert import convert
 
     def note(text: str) -> None:
         print(f"{PROG}: note: {text}", file=sys.stderr, flush=True)

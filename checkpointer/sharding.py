@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import product
+from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "runs_piece",
     "with_sharding_of",
     "local_data",
+    "get_shard_dims",
 ]
 
 
@@ -301,3 +303,92 @@ def fsdp1_flat_views(model: nn.Module) -> dict[nn.Parameter, FlatShardedTensor]:
                 ranges = ()
             out[param] = FlatShardedTensor(param.data.view(-1), tuple(shape), ranges)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Which dimension of each parameter tensor parallelism splits (for lazy_load)
+# ---------------------------------------------------------------------------------------
+
+
+def get_shard_dims(model: nn.Module) -> dict[str, int]:
+    """The tensor-parallel dimension of each parameter of ``model`` that has one.
+
+    Two sources, the second winning where both speak:
+
+    - Parameters (and buffers) that are ``DTensor``s with a ``Shard(d)`` placement on a
+      tensor-parallel mesh dimension: ``d``. Under FSDP2 (``fully_shard``), FSDP's own
+      leading mesh dimensions (any ``Replicate`` of HSDP, then FSDP's shard placement) are
+      data parallel and skipped; the ``Shard`` after them is tensor parallel. FSDP's shard
+      placement is ``Shard(0)``, or ``_StridedShard(0, split_factor=tp)`` where the TP
+      placement shards dim 0 too; ``_StridedShard`` is a placement type of its own in torch,
+      not a ``Shard`` subclass. A ``_StridedShard`` after FSDP's dims is not a ``torch.chunk``
+      split, so it gives no TP dim.
+    - Modules that declare ``get_shard_dims()`` themselves, returning a mapping (or pairs)
+      of their own parameter names to dims; names are prefixed with the module's path.
+
+    Replicated parameters are omitted, as :func:`reshard_tensor` and ``lazy_load`` expect.
+
+    Args:
+        model: any ``nn.Module``.
+
+    Returns:
+        ``{state-dict key: dim}``.
+
+    Example::
+
+        parallelize_module(model, tp_mesh, {"proj": ColwiseParallel()})
+        get_shard_dims(model)     # {"proj.weight": 0, "proj.bias": 0}
+    """
+    from torch.distributed.tensor import DTensor
+
+    fsdp_module = _fsdp_module_class()
+    out: dict[str, int] = {}
+    declared: dict[str, int] = {}
+    under_fsdp: dict[str, bool] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        parent = prefix.rpartition(".")[0]
+        fsdp = (fsdp_module is not None and isinstance(module, fsdp_module)) or (
+            bool(prefix) and under_fsdp.get(parent, False)
+        )
+        under_fsdp[prefix] = fsdp
+        for name, value in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if isinstance(value, DTensor):
+                dim = _tp_dim(value.placements, skip_fsdp=fsdp)
+                if dim is not None:
+                    out[_join(prefix, name)] = dim
+        own = getattr(type(module), "get_shard_dims", None)
+        if callable(own):
+            declared.update({_join(prefix, k): int(d) for k, d in _pairs(module.get_shard_dims())})
+    out.update(declared)
+    return out
+
+
+def _pairs(value: Mapping[str, int] | Iterable[tuple[str, int]]) -> Iterable[tuple[str, int]]:
+    return value.items() if isinstance(value, Mapping) else value
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    return FSDPModule
+
+
+def _tp_dim(placements: Sequence[Any], *, skip_fsdp: bool) -> int | None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    i = 0
+    if skip_fsdp:
+        while i < len(placements) and isinstance(placements[i], Replicate):
+            i += 1  # HSDP's replicate dims
+        # FSDP's shard dim: Shard, or _StridedShard over TP (its own type: not an instance of Shard).
+        if i < len(placements) and isinstance(placements[i], (Shard, _StridedShard)):
+            i += 1
+    dims = [p.dim for p in placements[i:] if type(p) is Shard]
+    return dims[-1] if dims else None

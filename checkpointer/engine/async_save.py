@@ -27,7 +27,7 @@ from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
-from . import replicas
+from .commit import Copies, start_hashing
 from .commit import refuse_existing_everywhere, release_locks, take_locks
 from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, reuse_cached_plans, write_and_commit
 
@@ -120,12 +120,12 @@ class AsyncSaver:
                 result.set_exception(error)
                 return result
             staged: list[list[tuple[str, LocalTensor]]] = []
-            copies: list[replicas.Copies] = []
+            copies: list[Copies] = []
 
             def stage() -> None:
                 nonlocal staged, copies
                 # Replicas are hashed now, from the state being staged: training changes it next.
-                hashing = [replicas.start_hashing(p.copies, p.described) for p in planned]
+                hashing = [start_hashing(p.copies, p.described) for p in planned]
                 try:
                     for index in [i for i in self._arenas if i >= len(planned)]:
                         self._arenas.pop(index).release()
@@ -145,7 +145,7 @@ class AsyncSaver:
         self,
         planned: list[PlannedSave],
         staged: list[list[tuple[str, LocalTensor]]],
-        copies: list[replicas.Copies],
+        copies: list[Copies],
         staging_error: BaseException | None,
         locked: bool,
         save_overwrite: bool,

@@ -15,7 +15,7 @@ from .load import load_state_dict, read_metadata
 from .async_save import AsyncSaver, wait_for_writes_into
 from .save import SavePlanCache, save_state_dict
 from .two_stage import LoadStats, load_two_stage
-from .unshard import unshard_state_dict
+from .load import unshard_state_dict
 
 __all__ = ["Checkpointer"]
 

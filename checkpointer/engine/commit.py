@@ -15,6 +15,16 @@ Which rank calls what, in order (after Orbax's ``path/atomicity.py``):
    files, writes ``metadata.json`` atomically (the commit point) and releases the lock.
 5. On any failure rank 0 :func:`release_lock` s (a lock another save took over is left alone);
    a directory without ``metadata.json`` is an incomplete checkpoint to every reader.
+
+Replicas agree before the commit (step 4): a piece several ranks hold (a plain tensor every
+rank saves, DDP's parameters, a ``Replicate`` placement, each shard under HSDP) is written once,
+by one of them. Each other holder hashes its copy (:func:`start_hashing`; CRC32C per
+:data:`~checkpointer.checksums.CHUNK_BYTES`, as the writer computes them while writing): a
+synchronous save on a thread while the rank writes its file, an async save before the call
+returns, while the state is the one it staged. The checksums reach rank 0 in the commit's
+gather of every rank's status (no collective of their own), and :func:`check_copies` refuses
+the commit with :class:`~checkpointer.errors.ReplicaMismatchError`, naming the tensors and
+ranks, where a copy differs. ``CHECKPOINTER_VERIFY_REPLICAS=0`` turns the check off.
 """
 
 from __future__ import annotations
@@ -24,22 +34,18 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
 
-from .. import dist
+from .. import dist, settings
+from ..checksums import CHUNK_BYTES
+from ..errors import ReplicaMismatchError
 from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename
 from ..format.metadata import StorageMetadata
+from ..sharding import LocalTensor
 from ..storage.base import Storage
+from .rankfile import hash_pieces, io_threads
 
-__all__ = [
-    "claim_parts",
-    "refuse_existing",
-    "refuse_existing_everywhere",
-    "check_directory",
-    "take_locks",
-    "commit_metadata",
-    "release_lock",
-    "release_locks",
-]
 
 
 def claim_parts(model: Storage, optim: Storage, save_overwrite: bool) -> None:
@@ -177,3 +183,95 @@ def release_lock(storage: Storage, lock: bytes | None) -> None:
             storage.delete(LOCK_FILENAME)
     except OSError:
         pass  # the checkpoint stands; a leftover lock only makes the next save here ask for save_overwrite
+
+
+# ---------------------------------------------------------------------------------------
+# Replicas agree before a commit
+# ---------------------------------------------------------------------------------------
+
+
+
+VERIFY_ENV = settings.VERIFY_REPLICAS_ENV
+_SHOWN = 5  # tensors described in the error; the rest are counted
+_INLINE_BYTES = 4 << 20  # copies smaller than this in all are hashed by the caller (well under 1 ms)
+
+Copies = list[list[Any]]
+"""This rank's copies as its commit status carries them: ``[key, writer, crcs]`` each."""
+
+
+def enabled() -> bool:
+    """Whether saves compare replicas (default on; ``CHECKPOINTER_VERIFY_REPLICAS=0`` is off)."""
+    return settings.verify_replicas()
+
+
+def start_hashing(copies: Mapping[str, int], described: Mapping[str, LocalTensor]) -> Future[Copies]:
+    """Hash this rank's ``copies`` (key -> the rank writing that piece) on a thread (the hashing
+    releases the GIL), the chunks of large ones on up to ``CHECKPOINTER_IO_THREADS`` threads; the
+    future's result goes into the commit's status. Nothing to hash, or the check turned off: an
+    empty result at once."""
+    if not copies or not enabled():
+        done: Future[Copies] = Future()
+        done.set_result([])
+        return done
+    keys = sorted(copies)
+    tensors = [described[key].data for key in keys]
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    threads = max(1, min(io_threads(), os.cpu_count() or 1, nbytes // (4 * CHUNK_BYTES)))
+
+    def run() -> Copies:
+        return [[key, copies[key], crcs] for key, crcs in zip(keys, hash_pieces(tensors, threads=threads))]
+
+    if nbytes < _INLINE_BYTES:
+        done = Future()
+        done.set_result(run())  # a few small tensors (an optimizer's steps): sooner than a thread starts
+        return done
+    pool = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replica-hash")
+    try:
+        return pool.submit(run)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
+
+
+def check_copies(statuses: Sequence[Mapping[str, Any]]) -> None:
+    """Rank 0, before committing: raise :class:`ReplicaMismatchError` if a copy in any rank's
+    status (``copies``) differs from the checksums its writer reported (``crcs``)."""
+    differing: set[tuple[str, int]] = set()
+    for status in statuses:
+        for key, writer, crcs in status.get("copies", ()):
+            if crcs != statuses[writer]["crcs"].get(key):
+                differing.add((key, writer))
+    if not differing:
+        return
+    # Every holder of each differing piece, grouped by what it holds; the writer's group first.
+    groups: dict[tuple[str, int], dict[tuple[int, ...], list[int]]] = {
+        (key, writer): {tuple(statuses[writer]["crcs"].get(key) or ()): [writer]} for key, writer in differing
+    }
+    for rank, status in enumerate(statuses):
+        for key, writer, crcs in status.get("copies", ()):
+            if (key, writer) in differing:
+                groups[key, writer].setdefault(tuple(crcs), []).append(rank)
+    shown = sorted(differing)[:_SHOWN]
+    details = "; ".join(_describe(key, writer, groups[key, writer]) for key, writer in shown)
+    more = f"; and {len(differing) - len(shown)} more" if len(differing) > len(shown) else ""
+    raise ReplicaMismatchError(
+        f"replicas disagree, so this save is not committed: {details}{more}. A copy was corrupted in "
+        "memory, or a value that differs per rank was saved under one key (give each rank's value a key "
+        f"of its own). {VERIFY_ENV}=0 turns this check off."
+    )
+
+
+def _describe(key: str, writer: int, groups: dict[tuple[int, ...], list[int]]) -> str:
+    values = list(groups.items())  # the writer's group first (inserted first)
+    who = [_ranks(sorted(ranks)) for _, ranks in values]
+    who[0] += f" (rank {writer}'s copy was written)"
+    a, b = values[0][0], values[1][0]
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return (
+        f"tensor {key!r} differs between {' / '.join(who)}, first in the {CHUNK_BYTES >> 20} MiB chunk "
+        f"at byte {first * CHUNK_BYTES} of the piece"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

@@ -13,7 +13,7 @@ The recipe:
    planned together.
 4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename), with a new id in its
    header, checksumming each piece as it goes; meanwhile it hashes its copies of pieces that
-   another rank writes (:mod:`~checkpointer.engine.replicas`).
+   another rank writes (:mod:`~checkpointer.engine.commit`).
 5. Rank 0 gathers every rank's outcome and checksums, and refuses to commit
    (:class:`~checkpointer.errors.ReplicaMismatchError`) if a copy differs from the written
    piece; otherwise it removes stale rank files and writes ``metadata.json`` (listing every
@@ -40,7 +40,7 @@ from ..format.safetensors_header import RESERVED_KEY
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
-from . import replicas
+from .commit import Copies, check_copies, start_hashing
 from .commit import check_directory, commit_metadata, release_lock
 from .rankfile import write_rank_file
 
@@ -322,7 +322,7 @@ def write_and_commit(
     planned: PlannedSave,
     *,
     pieces: list[tuple[str, LocalTensor]] | None = None,
-    copies: replicas.Copies | None = None,
+    copies: Copies | None = None,
     group: Any = None,
 ) -> list[str]:
     """Steps 4-5: write this rank's file (from ``pieces``, default the live tensors), then commit.
@@ -341,7 +341,7 @@ def write_and_commit(
     def write() -> None:
         nonlocal crcs, file_id, hashing
         if copies is None:
-            hashing = replicas.start_hashing(planned.copies, planned.described)
+            hashing = start_hashing(planned.copies, planned.described)
         if rank != 0:
             storage.prepare()
         local = planned.local_pieces() if pieces is None else pieces
@@ -364,7 +364,7 @@ def write_and_commit(
         if all(s["ok"] for s in statuses):
 
             def commit() -> None:
-                replicas.check_copies(statuses)
+                check_copies(statuses)
                 crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
                 committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
                 committed = committed.with_file_ids({rank_filename(r): s["id"] for r, s in enumerate(statuses) if s["id"]})

@@ -140,7 +140,7 @@ def slow_convert(rank: int, world_size: int, src: str, dst: str, to: str, second
     import importlib
     import time
 
-    module = importlib.import_module("checkpointer.interop.convert")  # the package's `convert` is the function
+    module = importlib.import_module("checkpointer.tools.convert")  # the package's `convert` is the function
 
     real = module._convert_alone
 
@@ -170,7 +170,7 @@ def export_one_file_slowly(rank: int, world_size: int, dir: str, out: str, timeo
     from unittest import mock
 
     from checkpointer import export_safetensors
-    from checkpointer.engine import export
+    from checkpointer.tools import export
 
     real = export._write_tensor
 

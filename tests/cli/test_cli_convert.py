@@ -14,7 +14,7 @@ from cli_helpers import assert_same_tensors, cli, without
 from safetensors.torch import load_file
 
 from checkpointer import Checkpointer, CorruptCheckpointError
-from checkpointer.interop.dcp import read_dcp_metadata
+from checkpointer.tools.dcp import read_dcp_metadata
 
 TIED = ["head.weight"]
 
@@ -169,10 +169,10 @@ def test_only_the_dcp_reader_unpickles(monkeypatch, tmp_path):
             if re.search(r"FileSystemReader\(.*\)\.read_metadata\(", line):
                 dcp_reads.append(f"{path.relative_to(root)}: {line.strip()}")
     assert loads == []
-    assert dcp_reads == ["interop/dcp.py: return FileSystemReader(path).read_metadata()"]
+    assert dcp_reads == ["tools/dcp.py: return FileSystemReader(path).read_metadata()"]
 
     from checkpointer.errors import CheckpointError
-    from checkpointer.interop import dcp as dcp_module
+    from checkpointer.tools import dcp as dcp_module
 
     def refuse(path):
         raise AssertionError("unpickled without allow_pickle")

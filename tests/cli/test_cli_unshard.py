@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import checkpointer
 from checkpointer import export_safetensors, unshard_model_state
-from checkpointer.engine import export as export_module
+from checkpointer.tools import export as export_module
 
 TIED = ["head.weight"]
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from checkpointer.checksums import CHUNK_BYTES, chunk_crcs
 from checkpointer.engine.headers import HeaderCache
-from checkpointer.engine.verify import verify_checkpoint
+from checkpointer.tools.verify import verify_checkpoint
 from checkpointer.format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from checkpointer.storage.local import LocalStorage
 

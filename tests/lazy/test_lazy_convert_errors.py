@@ -278,7 +278,7 @@ def test_nested_torch_file_is_flattened(tmp_path):
 
 
 def test_hf_source_shard_missing_names_the_index(tmp_path):
-    from checkpointer.interop.hf import HFTensors
+    from checkpointer.tools.hf import HFTensors
 
     write_hf_index(str(tmp_path / "hf"), hf_state())
     os.remove(tmp_path / "hf" / "model-00002-of-00003.safetensors")
@@ -296,7 +296,7 @@ class _DroppedConnection(CountingStorage):
 
 def test_hf_source_io_failure_is_an_os_error_not_corruption(tmp_path):
     """A network failure says nothing about the file: it must not be called a damaged checkpoint."""
-    from checkpointer.interop.hf import HFTensors
+    from checkpointer.tools.hf import HFTensors
 
     save_file(hf_state(), str(tmp_path / "model.safetensors"))
     src = HFTensors(_DroppedConnection(str(tmp_path)))

@@ -250,7 +250,7 @@ def test_trailing_dim_slice_over_http_is_few_requests(http_root):
 
 
 def test_gathered_reads_merges_near_ranges(tmp_path):
-    from checkpointer.engine.lazy_sources import GatheredReads
+    from checkpointer.tools.lazy_sources import GatheredReads
 
     data = os.urandom(1 << 16)
     (tmp_path / "f").write_bytes(data)
@@ -286,7 +286,7 @@ def test_hf_source_over_http_a_file_whose_name_is_percent_encoded(http_root):
     """``checkpointer convert``'s Hugging Face source takes a file URL the same way."""
     from urllib.parse import quote
 
-    from checkpointer.interop.hf import HFTensors
+    from checkpointer.tools.hf import HFTensors
 
     root, server = http_root
     w = torch.randn(4, 6)
@@ -334,7 +334,7 @@ def test_safetensors_dtype_we_cannot_read_is_named(tmp_path):
 
 def test_convert_of_a_dtype_our_format_cannot_hold_writes_nothing(tmp_path):
     from checkpointer import CheckpointError
-    from checkpointer.interop.convert import convert
+    from checkpointer.tools.convert import convert
 
     q = torch.arange(6, dtype=torch.int32).to(torch.uint32)
     save_file({"w": torch.ones(2), "q": q}, str(tmp_path / "model.safetensors"))

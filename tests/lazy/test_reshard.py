@@ -14,7 +14,7 @@ import torch.nn as nn
 from lazy_helpers import expected_slice
 
 from checkpointer import get_shard_dims, reshard_tensor
-from checkpointer.engine.reshard import tp_bounds
+from checkpointer.planning.reshard import tp_bounds
 
 
 def splits_of(full: torch.Tensor, tp: int, dp: int, dim: int | None) -> list[list[torch.Tensor]]:
@@ -223,7 +223,7 @@ def test_tp_dim_skips_fsdps_strided_shard():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from checkpointer.engine.reshard import _tp_dim
+    from checkpointer.sharding import _tp_dim
 
     assert not isinstance(_StridedShard(0, split_factor=2), Shard)
     strided = _StridedShard(0, split_factor=2)

@@ -52,7 +52,7 @@ def _lay_out(full: dict[str, torch.Tensor], layout: str, rank: int, world_size: 
     from torch.distributed.tensor import DTensor, Shard
 
     from checkpointer import FlatShardedTensor
-    from checkpointer.engine.reshard import tp_bounds
+    from checkpointer.planning.reshard import tp_bounds
 
     out: dict = {}
     for key, t in full.items():

@@ -17,10 +17,10 @@ from rel_helpers import assert_rule, lazy_all, run_loaders
 from safetensors.torch import save_file
 
 import checkpointer
-from checkpointer.engine.export import INDEX_NAME
-from checkpointer.engine.lazy_sources import MAX_NESTING, read_hf_index
+from checkpointer.tools.export import INDEX_NAME
+from checkpointer.tools.lazy_sources import MAX_NESTING, read_hf_index
 from checkpointer.engine.load import read_metadata
-from checkpointer.interop.hf import HFTensors
+from checkpointer.tools.hf import HFTensors
 from checkpointer.storage.local import LocalStorage
 
 

@@ -1,6 +1,6 @@
 """The package's layers: a module imports only from its own layer or lower ones.
 
-Lowest first: errors, format, planning, storage, dist, sharding, engine, interop, api, cli. The package's
+Lowest first: errors, format, planning, storage, dist, sharding, engine, tools, api, cli. The package's
 ``__init__`` and ``__main__`` may import anything. ``format/``, ``planning/`` and ``storage/``
 never touch ``torch.distributed``. And no two modules import each other, however indirectly
 (an import inside a function counts): :func:`test_no_import_cycles` names the cycle.
@@ -15,8 +15,9 @@ import pytest
 
 PACKAGE = "checkpointer"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE  # found without importing it
-# STYLE.md's order, plus `interop` (format conversion: uses engine, used by cli) after engine.
-LAYERS = ["errors", "format", "planning", "storage", "dist", "sharding", "engine", "interop", "api", "cli"]
+# STYLE.md's order: `tools` (offline tools and format conversion: export, verify, lazy_load, convert;
+# uses the engine, used by api and cli) after engine.
+LAYERS = ["errors", "format", "planning", "storage", "dist", "sharding", "engine", "tools", "api", "cli"]
 # Leaf helpers outside the list above, placed with errors (the lowest layer): anything may
 # import them and they may import nothing of the package but errors and each other. A new
 # top-level module fails test_no_upward_imports until it is given a place here or in LAYERS.
@@ -161,7 +162,7 @@ def check_fake(rel: str, source: str) -> list[str]:
         ("storage/__init__.py", "from ..sharding import piece_of\n"),
         ("dist.py", "from .sharding import x\n"),
         ("engine/save.py", "from ..api import y\n"),
-        ("engine/load.py", "from ..interop.hf import HFTensors\n"),
+        ("engine/load.py", "from ..tools.hf import HFTensors\n"),
         ("api.py", "from .cli import main\n"),
         ("planning/x.py", "import torch.distributed as dist\n"),
         ("format/x.py", "from torch.distributed import all_gather\n"),
@@ -185,7 +186,7 @@ def test_checker_catches(rel, source):
         ("storage/__init__.py", "from .base import Storage\n"),
         ("dist.py", "import torch.distributed as dist\nfrom .errors import RankFailedError\n"),
         ("engine/save.py", "from ..dist import barrier\nfrom ..sharding import x\nfrom . import load\n"),
-        ("cli.py", "from .api import y\nfrom .engine.unshard import z\n"),
+        ("cli.py", "from .api import y\nfrom .engine.load import z\n"),
         ("__init__.py", "from .cli import main\nfrom .api import *\n"),
         ("__main__.py", "from checkpointer.cli import main\n"),
         ("format/x.py", "from ..buffers import memoryview_of\n"),

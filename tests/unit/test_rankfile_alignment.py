@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from checkpointer.buffers import memoryview_of
 from checkpointer.checksums import chunk_crcs
-from checkpointer.engine.file_order import order_for_alignment
+from checkpointer.engine.rankfile import order_for_alignment
 from checkpointer.engine.rankfile import write_rank_file
 from checkpointer.format.dtypes import code_from_dtype
 from checkpointer.storage import direct, local

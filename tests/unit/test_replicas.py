@@ -11,7 +11,7 @@ import torch
 
 from checkpointer import CheckpointError, ReplicaMismatchError
 from checkpointer.checksums import CHUNK_BYTES
-from checkpointer.engine import replicas
+from checkpointer.engine import commit as replicas
 from checkpointer.engine.rankfile import hash_pieces, write_rank_file
 from checkpointer.planning.plan import Piece, PieceDesc, build_save_plan
 from checkpointer.sharding import describe

@@ -12,7 +12,7 @@ import torch
 from checkpointer import Checkpointer, CorruptCheckpointError
 from checkpointer.engine.load import read_metadata
 from checkpointer.engine.reader import CheckpointReader
-from checkpointer.engine.unshard import read_full_onto
+from checkpointer.engine.load import read_full_onto
 from checkpointer.storage.local import LocalStorage
 
 

@@ -34,9 +34,9 @@ from ..planning.overlap import Range
 from ..planning.plan import spec_ranges, stored_cover_exactly
 from ..storage import open_storage
 from ..storage.base import Storage
-from .load import read_metadata
-from .headers import HeaderCache
-from .rankfile import io_threads
+from ..engine.load import read_metadata
+from ..engine.headers import HeaderCache
+from ..engine.rankfile import io_threads
 
 __all__ = ["verify_checkpoint"]
 

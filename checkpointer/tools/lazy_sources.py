@@ -1,4 +1,4 @@
-"""The checkpoint formats :func:`~checkpointer.engine.lazy.lazy_load` reads, one tensor at a time.
+"""The checkpoint formats :func:`~checkpointer.tools.lazy.lazy_load` reads, one tensor at a time.
 
 Each format gives a sequence of :class:`LazyTensor`: a key, a shape, a dtype and a
 ``read(box)`` that returns a fresh tensor holding just that box of the full tensor
@@ -27,9 +27,9 @@ from ..format.metadata import StorageMetadata, reject_duplicate_keys
 from ..planning.plan import Piece, whole, whole_file_plan
 from ..storage.base import ReadRequest, Storage, Writer
 from ..storage.local import LocalStorage
-from .headers import HeaderCache, check_files_hold, read_small_file
-from .reader import CheckpointReader
-from .reads import ReadJob, execute_reads
+from ..engine.headers import HeaderCache, check_files_hold, read_small_file
+from ..engine.reader import CheckpointReader
+from ..engine.reads import ReadJob, execute_reads
 
 __all__ = [
     "Box",

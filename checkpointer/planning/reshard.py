@@ -1,24 +1,22 @@
 """fairseq2-style resharding: pure tensor functions, no ``torch.distributed`` calls.
 
 :func:`reshard_tensor` turns the splits of one parameter saved under a ``(tp_size, dp_size)``
-configuration into the piece one rank of another configuration needs. :func:`get_shard_dims`
+configuration into the piece one rank of another configuration needs. :func:`~checkpointer.sharding.get_shard_dims`
 says along which dimension each parameter of a model is tensor-parallel. :func:`tp_bounds`
 is the one definition of "the piece of TP rank ``r`` of ``n``" that both this module and
-:func:`~checkpointer.engine.lazy.lazy_load` use: ``torch.chunk``'s, with empty pieces for
+:func:`~checkpointer.tools.lazy.lazy_load` use: ``torch.chunk``'s, with empty pieces for
 the ranks ``torch.chunk`` runs out before (as ``DTensor``'s ``Shard`` does).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 
-__all__ = ["reshard_tensor", "get_shard_dims", "tp_bounds"]
+__all__ = ["reshard_tensor", "tp_bounds"]
 
 
 def tp_bounds(size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -179,87 +177,3 @@ def _check_rest(key: str, ref: Tensor, t: Tensor, free: tuple[int, ...]) -> None
             f"{key}: splits {list(ref.shape)} {ref.dtype} and {list(t.shape)} {t.dtype} do not line up "
             f"(they may differ only along dims {list(free)})"
         )
-
-
-def get_shard_dims(model: nn.Module) -> dict[str, int]:
-    """The tensor-parallel dimension of each parameter of ``model`` that has one.
-
-    Two sources, the second winning where both speak:
-
-    - Parameters (and buffers) that are ``DTensor``s with a ``Shard(d)`` placement on a
-      tensor-parallel mesh dimension: ``d``. Under FSDP2 (``fully_shard``), FSDP's own
-      leading mesh dimensions (any ``Replicate`` of HSDP, then FSDP's shard placement) are
-      data parallel and skipped; the ``Shard`` after them is tensor parallel. FSDP's shard
-      placement is ``Shard(0)``, or ``_StridedShard(0, split_factor=tp)`` where the TP
-      placement shards dim 0 too; ``_StridedShard`` is a placement type of its own in torch,
-      not a ``Shard`` subclass. A ``_StridedShard`` after FSDP's dims is not a ``torch.chunk``
-      split, so it gives no TP dim.
-    - Modules that declare ``get_shard_dims()`` themselves, returning a mapping (or pairs)
-      of their own parameter names to dims; names are prefixed with the module's path.
-
-    Replicated parameters are omitted, as :func:`reshard_tensor` and ``lazy_load`` expect.
-
-    Args:
-        model: any ``nn.Module``.
-
-    Returns:
-        ``{state-dict key: dim}``.
-
-    Example::
-
-        parallelize_module(model, tp_mesh, {"proj": ColwiseParallel()})
-        get_shard_dims(model)     # {"proj.weight": 0, "proj.bias": 0}
-    """
-    from torch.distributed.tensor import DTensor
-
-    fsdp_module = _fsdp_module_class()
-    out: dict[str, int] = {}
-    declared: dict[str, int] = {}
-    under_fsdp: dict[str, bool] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        parent = prefix.rpartition(".")[0]
-        fsdp = (fsdp_module is not None and isinstance(module, fsdp_module)) or (
-            bool(prefix) and under_fsdp.get(parent, False)
-        )
-        under_fsdp[prefix] = fsdp
-        for name, value in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            if isinstance(value, DTensor):
-                dim = _tp_dim(value.placements, skip_fsdp=fsdp)
-                if dim is not None:
-                    out[_join(prefix, name)] = dim
-        own = getattr(type(module), "get_shard_dims", None)
-        if callable(own):
-            declared.update({_join(prefix, k): int(d) for k, d in _pairs(module.get_shard_dims())})
-    out.update(declared)
-    return out
-
-
-def _pairs(value: Mapping[str, int] | Iterable[tuple[str, int]]) -> Iterable[tuple[str, int]]:
-    return value.items() if isinstance(value, Mapping) else value
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _fsdp_module_class() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return None
-    return FSDPModule
-
-
-def _tp_dim(placements: Sequence[Any], *, skip_fsdp: bool) -> int | None:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    i = 0
-    if skip_fsdp:
-        while i < len(placements) and isinstance(placements[i], Replicate):
-            i += 1  # HSDP's replicate dims
-        # FSDP's shard dim: Shard, or _StridedShard over TP (its own type: not an instance of Shard).
-        if i < len(placements) and isinstance(placements[i], (Shard, _StridedShard)):
-            i += 1
-    dims = [p.dim for p in placements[i:] if type(p) is Shard]
-    return dims[-1] if dims else None

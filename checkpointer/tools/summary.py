@@ -8,8 +8,8 @@ from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
 from ..storage import open_storage
 from ..storage.base import Storage
-from .load import read_metadata
-from .locate import checkpoint_parts
+from ..engine.load import read_metadata
+from ..engine.locate import checkpoint_parts
 
 __all__ = ["describe_metadata", "describe_parts"]
 

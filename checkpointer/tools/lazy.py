@@ -41,9 +41,9 @@ from .lazy_sources import (
     safetensors_tensors,
     torch_file_tensors,
 )
-from .load import read_metadata
-from .locate import run_directory_hint, unfinished_save_message
-from .reshard import tp_bounds
+from ..engine.load import read_metadata
+from ..engine.locate import run_directory_hint, unfinished_save_message
+from ..planning.reshard import tp_bounds
 
 __all__ = ["lazy_load", "StateDictConverter"]
 

@@ -41,11 +41,11 @@ from ..planning.plan import TensorLoadPlan, build_load_plan
 from ..storage import open_storage
 from ..storage.base import Storage, Writer, path_arg
 from ..storage.urls import split_path
-from .load import read_metadata
-from .locate import model_checkpoint
-from .headers import check_files_hold
-from .reader import CheckpointReader
-from .reads import ReadJob, check_chunk, execute_reads, verify_reads
+from ..engine.load import read_metadata
+from ..engine.locate import model_checkpoint
+from ..engine.headers import check_files_hold
+from ..engine.reader import CheckpointReader
+from ..engine.reads import ReadJob, check_chunk, execute_reads, verify_reads
 
 __all__ = [
     "export_safetensors",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..buffers import memoryview_of
-from ..engine.export import INDEX_NAME
-from ..engine.lazy_sources import read_hf_index
+from .export import INDEX_NAME
+from .lazy_sources import read_hf_index
 from ..engine.headers import HeaderCache
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
