@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for _p in (REPO, REPO / "tests" / "remote", REPO / "tests" / "storage"):
+for _p in (REPO, REPO / "tests" / "support"):  # remote_proxy, storage_servers
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 

@@ -12,17 +12,9 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 
 import pytest
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-for _p in (_ROOT, os.path.join(_HERE, "dist")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from harness import DistributedTestFailure, PoolManager  # noqa: E402
+from harness import DistributedTestFailure, PoolManager  # tests/support, on pythonpath (pyproject.toml)
 
 
 PRESTART_MIN_TESTS = 6

@@ -5,18 +5,11 @@ World size 3 runs on the session's pool of gloo processes (``run_distributed``, 
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 
+import cli_workers
 import pytest
 import torch
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-
-import cli_workers  # noqa: E402
 
 
 @dataclass(frozen=True)

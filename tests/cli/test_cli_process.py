@@ -103,6 +103,13 @@ def test_not_a_terminal_no_bar_and_one_line_errors(ckpts, tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_module_entry_point_lists_every_command():
+    result = cli_process("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("inspect", "verify", "unshard", "convert"):
+        assert command in result.stdout
+
+
 def test_usage_errors_exit_2(capsys):
     from cli_helpers import cli
 

@@ -217,9 +217,6 @@ def test_hf_cache_symlinks_into_blobs(tmp_path):
 
 @pytest.fixture
 def http_root(tmp_path, monkeypatch):
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "storage"))
     from storage_servers import RangeFileServer
 
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):

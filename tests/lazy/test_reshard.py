@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lazy_helpers, in run_distributed's workers too
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
 """Fixtures of the reliability and security tests (issue 6).
 
-``run_distributed`` comes from ``tests/conftest.py`` (the harness of ``tests/dist``, one set of
-pools for every suite); this directory and ``tests/dist`` are put on ``sys.path`` for
-``rel_helpers``, ``hostile`` and ``dist_helpers``.
+``run_distributed`` comes from ``tests/conftest.py`` (the harness of ``tests/support``, one set
+of pools for every suite); ``rel_helpers``, ``hostile`` and ``dist_helpers`` are in
+``tests/support``.
 
 ``template`` is a real checkpoint saved once per session by 3 ranks (FSDP2 model and AdamW
 optimizer, plus flat-sharded and replicated tensors) of a forked gloo group; ``ckpt`` is a
@@ -11,19 +11,10 @@ private copy of it at ``<tmp>/run/step10`` for a test to damage.
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 
 import pytest
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TESTS = os.path.dirname(_HERE)
-for _p in (os.path.dirname(_TESTS), os.path.join(_TESTS, "dist"), _HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import rel_helpers  # noqa: E402
+import rel_helpers
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

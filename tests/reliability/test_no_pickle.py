@@ -15,21 +15,17 @@ import contextlib
 import io
 import os
 import pickle
-import sys
 from dataclasses import dataclass, field
 from unittest import mock
 
 import pytest
 
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # harness workers import this file
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rel_helpers
+import torch
 
-import rel_helpers  # noqa: E402
-import torch  # noqa: E402
-
-import checkpointer  # noqa: E402
-from checkpointer import Checkpointer  # noqa: E402
-from checkpointer.format import builtins_pickle  # noqa: E402
+import checkpointer
+from checkpointer import Checkpointer
+from checkpointer.format import builtins_pickle
 
 
 class Unpickling(BaseException):

@@ -1,7 +1,7 @@
 """No hangs: an error on any rank during a save or a load makes every other rank raise, within
 a bounded time, with the failing rank and its error in the message. World size 3.
 
-A rank that raises runs on the session's harness pool (``tests/dist/harness.py``), which
+A rank that raises runs on the session's harness pool (``tests/support/harness.py``), which
 survives it. A rank that dies (``os._exit`` mid-write or mid-read) runs in a gloo group of
 forked processes of its own (``rel_helpers.run_group``), so no pool has to be restarted.
 ``CHECKPOINTER_TIMEOUT_S`` is 20 s in the workers.
@@ -13,21 +13,16 @@ import contextlib
 import errno
 import os
 import re
-import sys
 from unittest import mock
 
 import pytest
 
-# The harness's workers import this module by file: make its helpers importable there too.
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rel_helpers
+import torch
+from dist_helpers import catch
 
-import rel_helpers  # noqa: E402
-import torch  # noqa: E402
-from dist_helpers import catch  # noqa: E402
-
-import checkpointer  # noqa: E402
-from checkpointer import Checkpointer  # noqa: E402
+import checkpointer
+from checkpointer import Checkpointer
 
 TIMEOUT_S = 20.0  # CHECKPOINTER_TIMEOUT_S in the workers
 ALIVE_S = 10.0  # a failing rank that is alive must be reported well before the timeout
@@ -60,16 +55,6 @@ def _die_mid_read(self, name, requests):
     os._exit(17)
 
 
-def _zeros_local(rank: int, world_size: int) -> dict:
-    from dist_helpers import zeros_like_layout
-
-    state = rel_helpers.flat_local(rank, world_size)
-    w = state.pop("flat.w")
-    out = zeros_like_layout(state)
-    out["flat.w"] = type(w)(local=torch.zeros_like(w.local), shape=w.shape, flattened_offsets=w.flattened_offsets)
-    return out
-
-
 # --------------------------------------------------------------------------------------
 # Tasks, run on every rank
 # --------------------------------------------------------------------------------------
@@ -93,7 +78,7 @@ def _save_task(rank, world_size, path, failing, how):
 
 def _load_task(rank, world_size, path, failing, how, strategy):
     with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": str(TIMEOUT_S)}):
-        state = _zeros_local(rank, world_size)
+        state = rel_helpers.zeros_local(rank, world_size)
         if rank != failing:
             return catch(Checkpointer().load, path, state, strategy=strategy)
         if how == "raise":

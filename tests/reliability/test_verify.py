@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 
 import pytest
 
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # harness workers import this file
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rel_helpers
+import torch
+from hostile import edit_metadata
 
-import rel_helpers  # noqa: E402
-import torch  # noqa: E402
-from hostile import edit_metadata  # noqa: E402
-
-import checkpointer  # noqa: E402
-from checkpointer import Checkpointer, CorruptCheckpointError, FlatShardedTensor  # noqa: E402
+import checkpointer
+from checkpointer import Checkpointer, CorruptCheckpointError, FlatShardedTensor
 
 
 def flip(path: str, key: str, element: int) -> None:
@@ -168,9 +164,7 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
 def _load_verify_task(rank, world_size, path, strategy):
     from dist_helpers import catch
 
-    from test_rank_failures import _zeros_local
-
-    return catch(Checkpointer().load, path, _zeros_local(rank, world_size), strategy=strategy, verify=True)
+    return catch(Checkpointer().load, path, rel_helpers.zeros_local(rank, world_size), strategy=strategy, verify=True)
 
 
 @pytest.mark.parametrize("strategy", ["default", "two_stage"])

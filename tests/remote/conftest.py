@@ -1,10 +1,9 @@
 """Fixtures of the end-to-end remote-storage tests: the engine against S3 and GCS emulators.
 
-Reused, not copied: the loopback helpers of ``tests/storage`` (``storage_servers``: free ports,
-the fault proxy, the Range-capable file server; ``conftest.py``: ``loopback_env``,
-``file_server`` and the emulators ``moto_endpoint`` and ``gcs_endpoint``, loaded under another
-module name and re-exported here), and ``run_distributed`` of ``tests/conftest.py`` (the
-``tests/dist`` worker pools).
+Reused, not copied: the loopback helpers of ``tests/support`` (``storage_servers``: free ports,
+the fault proxy, the Range-capable file server; ``storage_fixtures``: ``loopback_env``,
+``file_server`` and the emulators ``moto_endpoint`` and ``gcs_endpoint``, imported here as this
+folder's fixtures), and ``run_distributed`` of ``tests/conftest.py`` (the harness's worker pools).
 
 Workers get the endpoints as arguments (an ``env`` dict, see :func:`remote_workers.remote_env`),
 never from the pool's inherited environment.
@@ -12,42 +11,15 @@ never from the pool's inherited environment.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import pytest
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TESTS = os.path.dirname(_HERE)
-for _p in (os.path.dirname(_TESTS), os.path.join(_TESTS, "dist"), os.path.join(_TESTS, "storage"), _HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from remote_proxy import CountingProxy  # noqa: E402
-from storage_servers import GCS_BUCKET, S3_BUCKET  # noqa: E402
-
-import remote_workers  # noqa: E402
-
-
-def _load_storage_fixtures() -> Any:
-    path = os.path.join(_TESTS, "storage", "conftest.py")
-    spec = importlib.util.spec_from_file_location("tests_storage_fixtures", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_storage = _load_storage_fixtures()
-loopback_env = _storage.loopback_env
-file_server = _storage.file_server
-moto_endpoint = _storage.moto_endpoint
-gcs_endpoint = _storage.gcs_endpoint
+import remote_workers
+from remote_proxy import CountingProxy
+from storage_fixtures import file_server, gcs_endpoint, loopback_env, moto_endpoint  # noqa: F401  (fixtures)
+from storage_servers import GCS_BUCKET, S3_BUCKET
 
 
 @pytest.fixture

@@ -11,8 +11,6 @@ from __future__ import annotations
 import ast
 import re
 import inspect
-import subprocess
-import sys
 import tomllib
 from concurrent.futures import Future
 from pathlib import Path
@@ -226,17 +224,12 @@ def test_cli_parses_the_contract_examples():
     assert (args.src, args.dst, args.to) == ("S", "T", "hf")
 
 
-def test_console_script_and_module_entry_point():
+def test_console_script_declared():
+    """The console script as packaged (``python -m checkpointer`` runs in tests/cli/test_cli_process.py)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["name"] == "checkpointer"
     assert project["scripts"] == {"checkpointer": "checkpointer.cli:main"}
     assert project["requires-python"] == ">=3.11"
-    result = subprocess.run(
-        [sys.executable, "-m", "checkpointer", "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    for command in ("inspect", "verify", "unshard", "convert"):
-        assert command in result.stdout
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The README's examples against the API: its first two commands are ``make demo`` and ``make
 test``; every ``checkpointer.NAME(...)`` in its Python blocks is exported and called with
 arguments its signature takes; every ``checkpointer ...`` command line parses (usage checks
-included); the targets it names are in the Makefile."""
+included); the targets it names are in the Makefile; its settings table names exactly the
+``CHECKPOINTER_*`` environment variables the package's source mentions; its links resolve."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from checkpointer.cli import _check_usage, build_parser
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, re.MULTILINE | re.DOTALL)
+# A setting's name as the source spells it, wherever it appears (os.environ.get("..."), a constant,
+# a getter's table, a docstring): the scan does not depend on where the settings are read.
+SETTING_NAME = re.compile(r"\bCHECKPOINTER_[A-Z0-9_]*[A-Z0-9]\b")
 
 
 def python_calls() -> list[tuple[str, ast.Call]]:
@@ -93,3 +97,42 @@ def test_command_line_examples_parse(argv):
 
 def test_there_are_examples_of_every_command():
     assert {argv[0] for argv in command_lines()} == {"inspect", "verify", "unshard", "convert"}
+
+
+def settings_the_package_reads() -> dict[str, list[str]]:
+    """Every ``CHECKPOINTER_*`` name in ``checkpointer/**/*.py`` -> the files that mention it."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((REPO / "checkpointer").rglob("*.py")):
+        for name in set(SETTING_NAME.findall(path.read_text(encoding="utf-8"))):
+            found.setdefault(name, []).append(str(path.relative_to(REPO)))
+    return found
+
+
+def settings_table() -> list[list[str]]:
+    """The rows of the table under ``## Settings``: [name, default, meaning]."""
+    section = README.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    return [[row[0].strip("`"), *row[1:]] for row in rows]
+
+
+def test_the_settings_table_names_every_setting_the_package_reads():
+    read = settings_the_package_reads()
+    assert len(read) >= 8, sorted(read)  # the scan still finds them
+    listed = [row[0] for row in settings_table()]
+    assert len(listed) == len(set(listed)), f"listed twice: {sorted(n for n in listed if listed.count(n) > 1)}"
+    missing = {name: read[name] for name in sorted(set(read) - set(listed))}
+    unread = sorted(set(listed) - set(read))
+    assert not missing, f"the README's settings table lacks {missing} (name: the files that read it)"
+    assert not unread, f"the README's settings table lists {unread}, which nothing in checkpointer/ reads"
+
+
+def test_every_setting_has_a_default_and_a_meaning():
+    for name, default, meaning in settings_table():
+        assert default and len(meaning) > 10, name
+
+
+def test_the_readme_links_resolve():
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
+        if not target.startswith(("http://", "https://")):
+            assert (REPO / target).exists(), f"README links to {target}, which does not exist"

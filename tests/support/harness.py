@@ -13,7 +13,10 @@ stacks (faulthandler, ``SIGUSR1``) into its log, and the failure message shows t
 
 This file is also the workers' entry point: ``python harness.py --rank R ...``. That path
 imports only the standard library until the task arrives, and sets the thread counts
-before torch is imported.
+before torch is imported. Workers get the repository root and ``tests/support`` (this file's
+folder) on ``PYTHONPATH``, so a task's module imports the helpers by bare name
+(``from dist_helpers import ...``) as it does under pytest; a test module itself is imported
+by its file.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from typing import Any, Callable
 
 __all__ = ["PoolManager", "WorkerPool", "DistributedTestFailure"]
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TESTS_DIST_DIR = os.path.dirname(os.path.abspath(__file__))
+SUPPORT_DIR = os.path.dirname(os.path.abspath(__file__))  # tests/support: the helper modules
+REPO_ROOT = os.path.dirname(os.path.dirname(SUPPORT_DIR))
 
 START_TIMEOUT_S = 180.0
 HEALTH_TIMEOUT_S = 20.0
@@ -121,7 +124,7 @@ class WorkerPool:
             PYTHONUNBUFFERED="1",
             PYTHONFAULTHANDLER="1",
             PYTHONPATH=os.pathsep.join(
-                [REPO_ROOT, TESTS_DIST_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+                [REPO_ROOT, SUPPORT_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
             ),
         )
         for rank in range(self.world_size):
@@ -448,8 +451,7 @@ def _worker_main(argv: list[str]) -> int:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    conn = Connection(a.fd)
-    sys.path[:0] = [REPO_ROOT, TESTS_DIST_DIR]
+    conn = Connection(a.fd)  # REPO_ROOT and SUPPORT_DIR come first on PYTHONPATH (see launch)
 
     import datetime
 

@@ -1,4 +1,4 @@
-"""A loopback proxy that counts what it sends back: :class:`FaultProxy` of ``tests/storage``
+"""A loopback proxy that counts what it sends back: :class:`FaultProxy` of ``storage_servers``
 (faults included), recording each exchange's status, start and end times and bytes.
 
 Used by the remote tests (bytes fetched per rank, the order of uploads) and by
@@ -7,17 +7,11 @@ Used by the remote tests (bytes fetched per rank, the order of uploads) and by
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-_STORAGE_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "storage")
-if _STORAGE_TESTS not in sys.path:
-    sys.path.insert(0, _STORAGE_TESTS)
-
-from storage_servers import FaultProxy  # noqa: E402
+from storage_servers import FaultProxy
 
 __all__ = ["CountingProxy", "Exchange"]
 

@@ -100,6 +100,19 @@ def flat_local(rank: int, world_size: int) -> dict[str, Any]:
     return state
 
 
+def zeros_local(rank: int, world_size: int) -> dict[str, Any]:
+    """:func:`flat_local`'s layout, zero-filled: what a load into that state dict must fill."""
+    from dist_helpers import zeros_like_layout
+
+    from checkpointer import FlatShardedTensor
+
+    state = flat_local(rank, world_size)
+    w = state.pop("flat.w")
+    out = zeros_like_layout(state)
+    out["flat.w"] = FlatShardedTensor(local=torch.zeros_like(w.local), shape=w.shape, flattened_offsets=w.flattened_offsets)
+    return out
+
+
 def save_template(rank: int, world_size: int, root: str) -> dict[str, dict[str, torch.Tensor]]:
     """Every rank: save an FSDP2 model + AdamW to ``root`` and a flat state dict to ``root/flat``."""
     from dist_helpers import build_model, build_optim, model_full_state, train

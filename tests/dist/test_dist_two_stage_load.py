@@ -3,11 +3,6 @@ replicated byte read from storage once across the ranks, and printable per-phase
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lazy_helpers, in run_distributed's workers too
-
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
 """Models and the functions the command-line tests run on every rank of a gloo process pool.
 
-The pool (``tests/dist/harness.py``) calls ``fn(rank, world_size, *args)``; everything here is
+The pool (``tests/support/harness.py``) calls ``fn(rank, world_size, *args)``; everything here is
 module level so that the workers can import it.
 """
 

@@ -1,4 +1,4 @@
-"""What the ranks run in the remote-storage tests (inside the ``tests/dist`` worker pools).
+"""What the ranks run in the remote-storage tests (inside the harness's worker pools).
 
 Every function takes ``env``: the settings that point this process at a store (endpoint,
 test credentials, no proxies), one dict for every rank or a list with one dict per rank
@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from typing import Any, Iterator, Sequence
 
 import torch
 
-_STORAGE_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "storage")
-if _STORAGE_TESTS not in sys.path:
-    sys.path.insert(0, _STORAGE_TESTS)
 from dist_helpers import (
     assert_local_same,
     assert_same,
