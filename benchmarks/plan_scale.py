@@ -142,7 +142,7 @@ def decoded_on_rank0(payloads: list[bytes], own_structure) -> list:
 
 def wanted_for(directory: str, params, world: int, rank: int, metadata) -> dict[str, list]:
     """The ranges each key's destination on ``rank`` of ``world`` holds (what plan_local_loads asks for)."""
-    from checkpointer.planning.plan import piece_ranges
+    from checkpointer.planning.pieces import piece_ranges
 
     out = {}
     pieces = rank_pieces(params, world, rank)
@@ -176,7 +176,8 @@ def peak_rss_mib() -> float:
 def run_case(world: int, directory: str, target: int, samples: int, profile: bool, layers: int, repeat: int = 1,
              planning_only: bool = False) -> dict:
     from checkpointer.format.metadata import parse_metadata
-    from checkpointer.planning.plan import build_load_plan, build_save_plan
+    from checkpointer.planning.plan import build_save_plan
+    from checkpointer.planning.load_plan import build_load_plan
 
     params = llama70b_params(layers)
     full_keys = len(columns_for(directory, llama70b_params(LAYERS), 1)[0].structure.keys)
@@ -292,7 +293,8 @@ def run_case(world: int, directory: str, target: int, samples: int, profile: boo
 def _planning_only(out, directory, params, world, target, payloads, own, clocked, repeat) -> dict:
     """The save plan, then one rank's load plans on the metadata it made (as a rank's parse
     would give them: what the planner derives from a layout is forgotten before each rank)."""
-    from checkpointer.planning.plan import build_load_plan, build_save_plan
+    from checkpointer.planning.plan import build_save_plan
+    from checkpointer.planning.load_plan import build_load_plan
 
     best = None
     for _ in range(repeat):

@@ -22,7 +22,7 @@ from .engine.async_save import wait_for_writes_into
 from .engine.checkpointer import Checkpointer
 from .engine.load import load_state_dicts
 from .engine.locate import newest_checkpoint
-from .engine.headers import HeaderCache, check_files_hold
+from .engine.checks import HeaderCache, check_files_hold
 from .engine.commit import claim_parts
 from .engine.reader import CheckpointReader
 from .errors import CheckpointMismatchError, CorruptCheckpointError

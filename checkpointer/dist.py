@@ -28,9 +28,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import errors, settings
+from . import settings
 from .buffers import memoryview_of
-from .errors import RankError, RankFailedError
+from .errors import RankError, RankFailedError, remote_error
 
 __all__ = [
     "is_distributed",
@@ -40,7 +40,6 @@ __all__ = [
     "all_gather_bytes",
     "broadcast_bytes",
     "gather_bytes",
-    "scatter_bytes",
     "all_reduce_min",
     "all_equal",
     "agree",
@@ -246,27 +245,6 @@ def gather_bytes(payload: bytes, dst: int = 0, group: Any = None) -> list[bytes]
     return [_bytes(t[:n]) for t, n in zip(out, sizes)]
 
 
-def scatter_bytes(payloads: Sequence[bytes] | None, src: int = 0) -> bytes:
-    """Rank ``r`` gets ``payloads[r]`` from ``src``."""
-    if not is_distributed():
-        assert payloads is not None
-        return payloads[0]
-    arrival = _Arrival()
-    n = torch.zeros(1, dtype=torch.int64, device=_device())
-    if get_rank() == src:
-        assert payloads is not None
-        n[0] = max(len(p) for p in payloads)
-    _wait(dist.broadcast(n, src, async_op=True), "scatter", arrival)
-    width = int(n.item())
-    size = torch.zeros(1, dtype=torch.int64, device=_device())
-    ins = [torch.tensor([len(p)], dtype=torch.int64, device=_device()) for p in payloads] if get_rank() == src else None  # type: ignore[union-attr]
-    _wait(dist.scatter(size, ins, src=src, async_op=True), "scatter", arrival)
-    buf = torch.empty(width, dtype=torch.uint8, device=_device())
-    data = [_to_tensor(p, width) for p in payloads] if get_rank() == src else None  # type: ignore[union-attr]
-    _wait(dist.scatter(buf, data, src=src, async_op=True), "scatter", arrival)
-    return _bytes(buf[: int(size.item())])
-
-
 def all_reduce_min(value: int, group: Any = None) -> int:
     if not is_distributed():
         return value
@@ -288,15 +266,6 @@ def all_equal(value: int) -> bool:
 
 def barrier() -> None:
     agree(None, "barrier")
-
-
-_KNOWN = {
-    name: getattr(errors, name)
-    for name in (
-        "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "CheckpointMismatchError",
-        "ReplicaMismatchError",
-    )
-}
 
 
 def agree(error: BaseException | None, what: str, *, no_dist: bool = False, group: Any = None) -> None:
@@ -358,26 +327,6 @@ def _settle(error: BaseException | None, what: str, group: Any = None) -> None:
 def error_payload(error: BaseException) -> bytes:
     """This rank's error as the bytes :func:`remote_error` reads (for exchanges of their own)."""
     return RankError.of(get_rank(), error).to_json()
-
-
-def remote_error(failures: Sequence[RankError], what: str) -> BaseException:
-    """The error a rank raises for other ranks' failures: the first's class where the library
-    knows it (or :class:`RankFailedError`), its message and traceback, and every failure."""
-    first = failures[0]
-    message = f"{what} failed on rank {first.rank}: {first.type}: {first.message}"
-    others = [f.rank for f in failures[1:]]
-    if others:
-        message += f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
-    if first.traceback:
-        message += f"\n\nrank {first.rank}'s traceback:\n{first.traceback.rstrip()}"
-    by_rank = {f.rank: f for f in failures}
-    if first.file_exists:
-        error: BaseException = FileExistsError(message)
-    else:
-        cls = _KNOWN.get(first.type, RankFailedError)
-        error = cls(message, by_rank) if cls is RankFailedError else cls(message)
-    error.failures = by_rank  # type: ignore[attr-defined]
-    return error
 
 
 def agree_after(work: Callable[[], Any], what: str, *, no_dist: bool = False) -> Any:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import traceback as _traceback
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 __all__ = [
     "RankError",
+    "remote_error",
     "CheckpointError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
@@ -72,3 +74,32 @@ class RankFailedError(CheckpointError):
 
 class ReplicaMismatchError(CheckpointError):
     """Ranks holding copies of one tensor hold different bytes: the save is refused, nothing committed."""
+
+
+_KNOWN: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls
+    for cls in (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, CheckpointMismatchError,
+                ReplicaMismatchError)
+}
+
+
+def remote_error(failures: Sequence[RankError], what: str) -> BaseException:
+    """The error a rank raises for other ranks' failures: the first's class where the library
+    knows it (or :class:`RankFailedError`), its message and traceback, and every failure."""
+    first = failures[0]
+    message = f"{what} failed on rank {first.rank}: {first.type}: {first.message}"
+    others = [f.rank for f in failures[1:]]
+    if others:
+        message += f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
+    if first.traceback:
+        message += f"\n\nrank {first.rank}'s traceback:\n{first.traceback.rstrip()}"
+    by_rank = {f.rank: f for f in failures}
+    if first.file_exists:
+        error: BaseException = FileExistsError(message)
+    else:
+        cls = _KNOWN.get(first.type, RankFailedError)
+        error = cls(message, by_rank) if cls is RankFailedError else cls(message)
+    error.failures = by_rank  # type: ignore[attr-defined]
+    return error
+
+

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .format.dtypes import code_from_dtype
 from .planning.overlap import Range, merge_adjacent
-from .planning.plan import Piece
+from .planning.pieces import Piece
 
 try:  # torch's own type, not a Shard subclass: ``isinstance(_StridedShard(0, split_factor=2), Shard)`` is False
     from torch.distributed.tensor.placement_types import _StridedShard

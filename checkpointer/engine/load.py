@@ -23,11 +23,11 @@ from ..errors import CheckpointError, CheckpointMismatchError, CorruptCheckpoint
 from ..format.dtypes import dtype_from_code
 from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, parse_metadata
-from ..planning.plan import TensorLoadPlan, build_load_plan
+from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .locate import missing_metadata_message
-from .headers import HeaderCache
+from .checks import HeaderCache
 from .reader import CheckpointReader
 from .reads import ReadJob, execute_reads, execute_reads_from
 from .save import describe_state_dict

@@ -17,9 +17,11 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..planning.overlap import SourceIndex
-from ..planning.plan import Piece, TensorLoadPlan, build_load_plan, spec_ranges, stored_cover_exactly, whole
+from ..planning.pieces import Piece
+from ..planning.load_plan import TensorLoadPlan, build_load_plan, stored_cover_exactly
+from ..planning.pieces import spec_ranges, whole
 from ..storage.base import Storage
-from .headers import HeaderCache, check_files_hold, read_small_file
+from .checks import HeaderCache, check_files_hold, read_small_file
 from .reads import ReadJob, execute_reads
 
 __all__ = ["CheckpointReader"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from itertools import product
 from typing import Sequence
 
@@ -13,13 +12,12 @@ import numpy as np
 import torch
 
 from ..buffers import memoryview_of
-from ..checksums import crc32c, crc32c_extend
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..planning.boxes import span_boxes
-from ..planning.plan import ReadItem, TensorLoadPlan
+from ..planning.load_plan import ReadItem, TensorLoadPlan
 from ..storage.base import ReadRequest, Storage
-from .headers import HeaderCache, piece_start, read_with
+from .checks import HashedRun, HeaderCache, check_chunk, piece_start, read_hashed, read_with, verified_requests, verify_tasks
 from .rankfile import io_threads
 
 __all__ = [
@@ -39,7 +37,6 @@ STRIDED_BLOCK = 8 << 20
 """Bytes of a stored piece read at once for a strided copy (a tensor-parallel box)."""
 _FEW_RUNS = 64
 _RUN_BYTES = 256 << 10
-_HASH_BLOCK = 1 << 20  # hashed right after it is read, from the CPU cache
 
 
 @dataclass(frozen=True)
@@ -144,11 +141,11 @@ def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_byte
     fused = bool(verify_chunk_bytes) and storage.is_local()
     per_file: dict[str, list[ReadRequest]] = {}
     checks: list[tuple] = []
-    runs: list[_HashedRun] = []
+    runs: list[HashedRun] = []
     for job in jobs:
         dest = memoryview_of(job.dest)
         if fused and job.checksums_per_file:
-            requests, job_checks, job_runs = _verified_requests(storage, job, dest, headers, verify_chunk_bytes)
+            requests, job_checks, job_runs = verified_requests(storage, job, dest, headers, verify_chunk_bytes)
             checks += job_checks
             runs += job_runs
         else:
@@ -169,7 +166,7 @@ def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_byte
         if chunk:
             tasks.append((_read, storage, name, chunk))
     runs.sort(key=lambda run: (run.file, run.start))  # in file order, as the plain reads: the disk reads ahead
-    hashed = [(_read_hashed, storage, r.file, r.key, r.start, r.view, verify_chunk_bytes, r.expected) for r in runs]
+    hashed = [(read_hashed, storage, r.file, r.key, r.start, r.view, verify_chunk_bytes, r.expected) for r in runs]
     return checks + hashed + tasks
 
 
@@ -299,96 +296,6 @@ def _split_request(req: ReadRequest) -> list[ReadRequest]:
     return [(start + i, buf[i : i + _SPLIT_BYTES]) for i in range(0, len(buf), _SPLIT_BYTES)]
 
 
-@dataclass
-class _HashedRun:
-    """Whole checksum chunks next to each other in one file and one destination: one read."""
-
-    file: str
-    key: str
-    start: int  # file offset of the first chunk
-    dest_lo: int
-    dest_hi: int
-    expected: list[tuple[int, int]]  # (chunk number, CRC32C) of each chunk in turn
-    dest: memoryview
-
-    @property
-    def view(self) -> memoryview:
-        return self.dest[self.dest_lo : self.dest_hi]
-
-
-def _verified_requests(
-    storage: Storage, job: ReadJob, dest: memoryview, headers: HeaderCache, chunk: int
-) -> tuple[dict[str, list[ReadRequest]], list[tuple], list[_HashedRun]]:
-    """Split a job's reads at checksum chunks: ``(plain reads, checks from storage, hashed runs)``.
-
-    Chunks the read covers whole are read and hashed in runs; the covered part of a chunk it
-    touches only in part is a plain read, and that chunk is checked from storage once."""
-    plan = job.plan
-    size = itemsize(plan.dtype)
-    plain: dict[str, list[ReadRequest]] = {}
-    tasks: list[tuple] = []
-    runs: list[_HashedRun] = []
-    rechecked: set[tuple[str, int]] = set()
-    for item in plan.items:
-        if item.sizes:
-            continue  # checked as its staging blocks are read
-        numel = job.numel_per_file[item.file]
-        start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
-        a, b = item.src_offset * size, (item.src_offset + item.numel) * size
-        d = item.dst_offset * size - a  # dest index of piece byte 0
-        crcs = job.checksums_per_file.get(item.file) if job.checksums_per_file else None
-        if crcs is None:
-            plain.setdefault(item.file, []).append((start + a, dest[d + a : d + b]))
-            continue
-        piece_bytes = numel * size
-        for c in range(a // chunk, -(-b // chunk)):
-            lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
-            where = (item.file, plan.key, c)
-            if c >= len(crcs):
-                raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {plan.key!r} has too few checksums")
-            if a <= lo and hi <= b:
-                run = runs[-1] if runs else None
-                if (
-                    run is not None
-                    and run.file == item.file
-                    and run.dest_hi == d + lo
-                    and run.start + (run.dest_hi - run.dest_lo) == start + lo
-                    and run.dest_hi - run.dest_lo < _SPLIT_BYTES
-                ):
-                    run.dest_hi = d + hi  # the previous run of whole chunks goes on: one read for both
-                    run.expected.append((c, crcs[c]))
-                else:
-                    runs.append(_HashedRun(item.file, plan.key, start + lo, d + lo, d + hi, [(c, crcs[c])], dest))
-                continue
-            seg_lo, seg_hi = max(lo, a), min(hi, b)
-            plain.setdefault(item.file, []).append((start + seg_lo, dest[d + seg_lo : d + seg_hi]))
-            if (item.file, c) not in rechecked:
-                rechecked.add((item.file, c))
-                tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
-    return plain, tasks, runs
-
-
-def _read_hashed(
-    storage: Storage, name: str, key: str, start: int, view: memoryview, chunk: int, expected: list[tuple[int, int]]
-) -> None:
-    """Whole checksum chunks read in blocks small enough to stay in the CPU cache, each block
-    hashed right after it is read, while it is still there."""
-    for i, (c, crc) in enumerate(expected):
-        lo, hi = i * chunk, min((i + 1) * chunk, len(view))
-        running = _RunningCrc()
-        read_with(storage, name, partial(storage.read_blocks, name, start + lo, view[lo:hi], _HASH_BLOCK, running.extend))
-        if running.value != crc:
-            raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
-
-
-class _RunningCrc:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def extend(self, part: memoryview) -> None:
-        self.value = crc32c_extend(self.value, part)
-
-
 def verify_reads(
     storage: Storage,
     jobs: Sequence[ReadJob],
@@ -401,7 +308,7 @@ def verify_reads(
     """Check the checksums of every chunk the jobs' reads touched (after the reads filled them).
     A strided item's chunks are read again from storage (``strided=False``: they were checked
     as they were read)."""
-    _run(num_threads, _verify_tasks(storage, jobs, headers, chunk_bytes, strided))
+    _run(num_threads, verify_tasks(storage, jobs, headers, chunk_bytes, strided))
 
 
 def _run(num_threads: int | None, tasks: list[tuple]) -> None:
@@ -413,49 +320,6 @@ def _run(num_threads: int | None, tasks: list[tuple]) -> None:
     with ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-io") as pool:
         for future in [pool.submit(fn, *args) for fn, *args in tasks]:
             future.result()
-
-
-def _verify_tasks(
-    storage: Storage, jobs: Sequence[ReadJob], headers: HeaderCache, chunk: int, strided: bool = True
-) -> list[tuple]:
-    """Checks for every checksummed chunk the reads touched: hashed from the destination when
-    one read covered it whole, re-read from storage otherwise (only at piece boundaries)."""
-    tasks: list[tuple] = []
-    reread: set[tuple[str, str, int]] = set()
-    for job in jobs:
-        size = itemsize(job.plan.dtype)
-        dest = memoryview_of(job.dest)
-        for item in job.plan.items:
-            crcs = (job.checksums_per_file or {}).get(item.file)
-            if crcs is None or (item.sizes and not strided):
-                continue
-            piece_bytes = job.numel_per_file[item.file] * size
-            a, b = item.src_offset * size, item.src_end * size
-            d = item.dst_offset * size
-            for c in range(a // chunk, -(-b // chunk)):
-                lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
-                where = (item.file, job.plan.key, c)
-                if c >= len(crcs):
-                    raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {job.plan.key!r} has too few checksums")
-                if a <= lo and hi <= b and not item.sizes:
-                    tasks.append((check_chunk, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
-                elif where not in reread:
-                    reread.add(where)
-                    start = piece_start(headers, item.file, job.plan.key, job.plan.dtype, job.numel_per_file[item.file])
-                    tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
-    return tasks
-
-
-def check_chunk(storage: Storage, where: tuple[str, str, int], view: memoryview, expected: int) -> None:
-    """Raise if the CRC32C of ``view`` is not ``expected``; ``where`` is (file, key, chunk index)."""
-    if crc32c(view) != expected:
-        name, key, c = where
-        raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
-
-
-def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
-    data = read_with(storage, where[0], lambda: storage.read(where[0], start, end))
-    check_chunk(storage, where, memoryview(data), expected)
 
 
 def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:

@@ -30,11 +30,11 @@ from ..buffers import memoryview_of
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
-from ..planning.plan import ReadItem
+from ..planning.load_plan import ReadItem
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
 from .load import LocalLoad, copy_into, plan_local_loads
-from .headers import HeaderCache, piece_start
+from .checks import HeaderCache, piece_start
 from .reader import CheckpointReader
 from .reads import ReadJob, read_file_ranges, scatter_span, verify_reads
 

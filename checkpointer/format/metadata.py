@@ -21,7 +21,8 @@ from .dtypes import DTYPE_CODES
 from .json_members import object_members, skip_whitespace
 from .layout import FORMAT_VERSION, check_filename
 from .shard_spec import TensorShardSpec
-from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, SpecParser, box_run_count, gc_paused
+from .spec_parser import SpecParser
+from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, box_run_count, gc_paused
 
 __all__ = [
     "TensorShardSpec",

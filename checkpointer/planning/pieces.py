@@ -19,8 +19,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..format.metadata import TensorShardSpec
+from ..format.specs import Layout
+from .boxes import Tile, box_tile, range_tiles
+from .overlap import box_ranges
 
-__all__ = ["Range", "Piece", "PieceDesc", "Structure", "RankPieces", "BOX"]
+__all__ = [
+    "Range", "Piece", "PieceDesc", "Structure", "RankPieces", "BOX", "piece_ranges", "spec_ranges", "whole",
+    "piece_tiles", "layout_tiles", "spec_tiles",
+]
 
 Range = tuple[int, int]
 
@@ -182,3 +188,49 @@ class RankPieces:
             PieceDesc(key, shape, dtype, sharded, Piece.from_numbers(kind, self.values[slice(*s.span(i))].tolist()))
             for i, (key, shape, dtype, sharded, kind) in enumerate(zip(s.keys, s.shapes, s.dtypes, s.sharded, s.kinds))
         ]
+
+
+def piece_ranges(piece: Piece, shape: Sequence[int]) -> list[Range]:
+    if piece.flat is not None:
+        return list(piece.flat)
+    assert piece.local_shape is not None and piece.global_offset is not None
+    return box_ranges(shape, piece.local_shape, piece.global_offset)
+
+
+def spec_ranges(spec: TensorShardSpec, shape: Sequence[int]) -> list[Range]:
+    if spec.flattened_offsets is not None:
+        return [tuple(r) for r in spec.flattened_offsets]  # type: ignore[misc]
+    assert spec.local_shape is not None and spec.global_offset is not None
+    return box_ranges(shape, spec.local_shape, spec.global_offset)
+
+
+def whole(shape: Sequence[int]) -> Piece:
+    """The whole tensor as a piece to load: one box (one flattened range for a scalar)."""
+    if not shape:
+        return Piece.whole(shape)
+    return Piece(local_shape=tuple(shape), global_offset=(0,) * len(shape))
+
+
+def piece_tiles(piece: Piece, shape: Sequence[int]) -> list[Tile]:
+    """A piece as tiles: a box is one; each flattened range at most ``2 * ndim - 1``."""
+    if piece.flat is None:
+        assert piece.local_shape is not None and piece.global_offset is not None
+        return [box_tile(piece.local_shape, piece.global_offset)]
+    out: list[Tile] = []
+    offset = 0
+    for start, end in piece.flat:
+        out += range_tiles(shape, start, end, offset)
+        offset += end - start
+    return out
+
+
+def layout_tiles(layout: Layout, i: int) -> list[Tile]:
+    flat, local_shape, global_offset = layout.form(i)
+    return piece_tiles(Piece(flat, local_shape, global_offset), layout.shape)
+
+
+def spec_tiles(spec: TensorShardSpec, shape: Sequence[int]) -> list[Tile]:
+    flat = None if spec.flattened_offsets is None else tuple(map(tuple, spec.flattened_offsets))
+    ls = None if spec.local_shape is None else tuple(spec.local_shape)
+    go = None if spec.global_offset is None else tuple(spec.global_offset)
+    return piece_tiles(Piece(flat, ls, go), shape)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@
 rank's list of pieces to write: a piece held by several ranks (a replicated tensor, a
 ``Replicate`` placement) is written once, by the holder with the fewest bytes so far; the
 other holders' copies (:meth:`SavePlan.copies_for`) are compared with it before a commit.
-``build_load_plan`` turns one tensor's metadata and the piece a rank wants into reads.
+(The load side, from metadata to reads, is :mod:`~checkpointer.planning.load_plan`.)
 Rank and world size are arguments; nothing here looks them up.
 """
 
@@ -18,33 +18,15 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import rank_filename
-from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata, new_metadata
-from ..format.specs import Layout, ShardSpecs, box_run_count, gc_paused, shared_layout
-from .boxes import BoxCopy, Tile, TileIndex, box_tile, range_tiles
-from .overlap import Range, SourceIndex, box_ranges, layout_ranges, merge_adjacent
-from .pieces import BOX, Piece, PieceDesc, RankPieces, Structure
+from ..format.metadata import StorageMetadata, TensorStorageMetadata, new_metadata
+from ..format.specs import Layout, ShardSpecs, gc_paused, shared_layout
+from .boxes import TileIndex
+from .overlap import merge_adjacent
+from .pieces import BOX, Piece, PieceDesc, RankPieces, Structure, piece_ranges, piece_tiles
 
-__all__ = [
-    "Piece",
-    "PieceDesc",
-    "RankPieces",
-    "Structure",
-    "SavePlan",
-    "ReadItem",
-    "TensorLoadPlan",
-    "build_save_plan",
-    "build_load_plan",
-    "piece_ranges",
-    "piece_tiles",
-    "whole",
-    "whole_file_plan",
-    "stored_cover_exactly",
-    "layout_tiles",
-    "spec_ranges",
-]
+__all__ = ["Piece", "PieceDesc", "RankPieces", "Structure", "SavePlan", "build_save_plan"]
 
 
 @dataclass(frozen=True)
@@ -100,20 +82,6 @@ class SavePlan:
                 meta = self.metadata.tensors[key]
                 out[rank] += meta.shard_spec_per_file[name].local_numel * itemsize(meta.dtype)
         return out
-
-
-def piece_ranges(piece: Piece, shape: Sequence[int]) -> list[Range]:
-    if piece.flat is not None:
-        return list(piece.flat)
-    assert piece.local_shape is not None and piece.global_offset is not None
-    return box_ranges(shape, piece.local_shape, piece.global_offset)
-
-
-def spec_ranges(spec: TensorShardSpec, shape: Sequence[int]) -> list[Range]:
-    if spec.flattened_offsets is not None:
-        return [tuple(r) for r in spec.flattened_offsets]  # type: ignore[misc]
-    assert spec.local_shape is not None and spec.global_offset is not None
-    return box_ranges(shape, spec.local_shape, spec.global_offset)
 
 
 _KEY = attrgetter("key")
@@ -449,165 +417,3 @@ def _check_tiling(key: str, shape: Sequence[int], pieces: Sequence[Piece]) -> No
         pos = end
     if pos != numel:
         raise ValueError(f"the pieces of tensor {key!r} held by the ranks leave elements [{pos}, {numel}) out")
-
-
-@dataclass(frozen=True, slots=True)
-class ReadItem:
-    """Copy ``numel`` elements from ``file``'s piece of the tensor, at ``src_offset`` elements
-    into that piece, to ``dst_offset`` elements into the destination piece.
-
-    With ``sizes``, the elements are a strided box on each side: ``sizes`` with ``src_strides``
-    in the stored piece and ``dst_strides`` in the destination (a tensor-parallel piece read
-    from pieces cut along another dimension). Without, they are one contiguous run on both."""
-
-    file: str
-    src_offset: int
-    dst_offset: int
-    numel: int
-    sizes: tuple[int, ...] = ()
-    src_strides: tuple[int, ...] = ()
-    dst_strides: tuple[int, ...] = ()
-
-    @property
-    def src_end(self) -> int:
-        """One past the last element of the stored piece this item reads."""
-        if not self.sizes:
-            return self.src_offset + self.numel
-        return self.src_offset + 1 + sum((n - 1) * s for n, s in zip(self.sizes, self.src_strides))
-
-
-@dataclass(frozen=True)
-class TensorLoadPlan:
-    key: str
-    dtype: str
-    items: tuple[ReadItem, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(item.numel for item in self.items)
-
-    @property
-    def files(self) -> list[str]:
-        """The files read, in order of first read."""
-        return list(dict.fromkeys(item.file for item in self.items))
-
-
-def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Range] | Piece) -> TensorLoadPlan:
-    """The reads that fill a destination piece of tensor ``key``: ``wanted`` flattened ranges
-    stored back to back, or a :class:`Piece` (a box stays a box: its reads are strided boxes,
-    a few per stored piece it meets, however many rows it has).
-
-    Raises :class:`CorruptCheckpointError` when some wanted element is in no file.
-    """
-    piece = wanted if isinstance(wanted, Piece) else Piece(flat=tuple(map(tuple, wanted)))  # type: ignore[arg-type]
-    specs = meta.shard_spec_per_file
-    if isinstance(specs, ShardSpecs):
-        layout: Layout | None = specs.layout
-        files: Sequence[str] = specs.layout.names
-        all_flat = specs.layout.local_shape is None
-    else:
-        layout, files = None, list(specs)
-        all_flat = all(specs[f].flattened_offsets is not None for f in files)
-    if piece.flat is None and all_flat and box_run_count(piece.local_shape, piece.global_offset, meta.shape) <= 1:
-        piece = Piece(flat=tuple(piece_ranges(piece, meta.shape)))  # one run: the flattened ranges' own path
-    if not (piece.flat is not None and all_flat):
-        tiles = _tile_index(meta, layout, files)
-        if tiles.ok:
-            copies = tiles.copies(piece_tiles(piece, meta.shape))
-            items = tuple(map(_read_item, [files[c.source] for c in copies], copies))
-            return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: _gaps(meta, layout, files))
-    index = _source_index(meta, layout, files)
-    overlaps = index.overlaps(piece_ranges(piece, meta.shape))
-    items = tuple(ReadItem(files[o.source], o.src_offset, o.dst_offset, o.numel) for o in overlaps)
-    return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: index.gaps(meta.numel))
-
-
-def whole(shape: Sequence[int]) -> Piece:
-    """The whole tensor as a piece to load: one box (one flattened range for a scalar)."""
-    if not shape:
-        return Piece.whole(shape)
-    return Piece(local_shape=tuple(shape), global_offset=(0,) * len(shape))
-
-
-def whole_file_plan(key: str, dtype: str, shape: Sequence[int], file: str, piece: Piece) -> TensorLoadPlan:
-    """The reads of ``piece`` from ``file``, which holds the whole tensor (a safetensors file of
-    full tensors, as Hugging Face writes): at most ``2 * ndim - 1`` items, however many rows."""
-    index = TileIndex(shape, [piece_tiles(whole(shape), shape)])
-    copies = index.copies(piece_tiles(piece, shape))
-    return TensorLoadPlan(key, dtype, tuple(_read_item(file, c) for c in copies))
-
-
-def piece_tiles(piece: Piece, shape: Sequence[int]) -> list[Tile]:
-    """A piece as tiles: a box is one; each flattened range at most ``2 * ndim - 1``."""
-    if piece.flat is None:
-        assert piece.local_shape is not None and piece.global_offset is not None
-        return [box_tile(piece.local_shape, piece.global_offset)]
-    out: list[Tile] = []
-    offset = 0
-    for start, end in piece.flat:
-        out += range_tiles(shape, start, end, offset)
-        offset += end - start
-    return out
-
-
-def layout_tiles(layout: Layout, i: int) -> list[Tile]:
-    flat, local_shape, global_offset = layout.form(i)
-    return piece_tiles(Piece(flat, local_shape, global_offset), layout.shape)
-
-
-def _tile_index(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> TileIndex:
-    """The stored pieces as tiles, indexed once per distinct layout."""
-    if layout is None:
-        specs = meta.shard_spec_per_file
-        return TileIndex(meta.shape, [_spec_tiles(specs[f], meta.shape) for f in files])
-    index = layout.memo.get("tile_index")
-    if index is None:
-        index = layout.memo["tile_index"] = TileIndex(layout.shape, [layout_tiles(layout, i) for i in range(len(files))])
-    return index
-
-
-def _source_index(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> SourceIndex:
-    """The stored pieces as flattened ranges, indexed once per distinct layout."""
-    if layout is None:
-        specs = meta.shard_spec_per_file
-        return SourceIndex([spec_ranges(specs[f], meta.shape) for f in files])
-    index = layout.memo.get("source_index")
-    if index is None:
-        index = layout.memo["source_index"] = SourceIndex([layout_ranges(layout, i) for i in range(len(files))])
-    return index
-
-
-def _spec_tiles(spec: TensorShardSpec, shape: Sequence[int]) -> list[Tile]:
-    flat = None if spec.flattened_offsets is None else tuple(map(tuple, spec.flattened_offsets))
-    ls = None if spec.local_shape is None else tuple(spec.local_shape)
-    go = None if spec.global_offset is None else tuple(spec.global_offset)
-    return piece_tiles(Piece(flat, ls, go), shape)  # type: ignore[arg-type]
-
-
-def stored_cover_exactly(meta: TensorStorageMetadata, *, replicas: bool = True) -> bool:
-    """Whether the stored pieces are proven, as boxes, to hold every element (once, but for
-    whole replicas where ``replicas``). ``False``: not proven; check with flattened ranges,
-    which also say where."""
-    specs = meta.shard_spec_per_file
-    layout = specs.layout if isinstance(specs, ShardSpecs) else None
-    index = _tile_index(meta, layout, list(specs))
-    return index.ok and index.covered == meta.numel and (replicas or not index.replicas)
-
-
-def _read_item(file: str, copy: BoxCopy) -> ReadItem:
-    if copy.contiguous:
-        return ReadItem(file, copy.src_offset, copy.dst_offset, copy.numel)
-    return ReadItem(file, copy.src_offset, copy.dst_offset, copy.numel, copy.sizes, copy.src_strides, copy.dst_strides)
-
-
-def _gaps(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> list[Range]:
-    return _source_index(meta, layout, files).gaps(meta.numel)
-
-
-def _checked(key: str, meta: TensorStorageMetadata, plan: TensorLoadPlan, want: int, gaps) -> TensorLoadPlan:
-    if plan.numel != want:
-        raise CorruptCheckpointError(
-            f"tensor {key!r}: {want - plan.numel} of the {want} elements to load are in no file "
-            f"(missing ranges start {gaps()[:3]})"
-        )
-    return plan

@@ -37,13 +37,13 @@ from ..buffers import memoryview_of
 from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, itemsize
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
-from ..planning.plan import TensorLoadPlan, build_load_plan
+from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..storage import open_storage
 from ..storage.base import Storage, Writer, path_arg
 from ..storage.urls import split_path
 from ..engine.load import read_metadata
 from ..engine.locate import model_checkpoint
-from ..engine.headers import check_files_hold
+from ..engine.checks import check_files_hold
 from ..engine.reader import CheckpointReader
 from ..engine.reads import ReadJob, check_chunk, execute_reads, verify_reads
 

@@ -12,7 +12,7 @@ import torch
 from ..buffers import memoryview_of
 from .export import INDEX_NAME
 from .lazy_sources import read_hf_index
-from ..engine.headers import HeaderCache
+from ..engine.checks import HeaderCache
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import is_rank_filename

@@ -24,10 +24,12 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import check_filename
 from ..format.metadata import StorageMetadata, reject_duplicate_keys
-from ..planning.plan import Piece, whole, whole_file_plan
+from ..planning.pieces import Piece
+from ..planning.load_plan import whole_file_plan
+from ..planning.pieces import whole
 from ..storage.base import ReadRequest, Storage, Writer
 from ..storage.local import LocalStorage
-from ..engine.headers import HeaderCache, check_files_hold, read_small_file
+from ..engine.checks import HeaderCache, check_files_hold, read_small_file
 from ..engine.reader import CheckpointReader
 from ..engine.reads import ReadJob, execute_reads
 

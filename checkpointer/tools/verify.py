@@ -31,11 +31,12 @@ from ..format.layout import METADATA_FILENAME, is_rank_filename
 from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from ..format.safetensors_header import SafetensorsHeader
 from ..planning.overlap import Range
-from ..planning.plan import spec_ranges, stored_cover_exactly
+from ..planning.load_plan import stored_cover_exactly
+from ..planning.pieces import spec_ranges
 from ..storage import open_storage
 from ..storage.base import Storage
 from ..engine.load import read_metadata
-from ..engine.headers import HeaderCache
+from ..engine.checks import HeaderCache
 from ..engine.rankfile import io_threads
 
 __all__ = ["verify_checkpoint"]

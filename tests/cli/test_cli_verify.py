@@ -12,7 +12,7 @@ from cli_helpers import cli
 from safetensors.torch import save_file
 
 from checkpointer.checksums import CHUNK_BYTES, chunk_crcs
-from checkpointer.engine.headers import HeaderCache
+from checkpointer.engine.checks import HeaderCache
 from checkpointer.tools.verify import verify_checkpoint
 from checkpointer.format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from checkpointer.storage.local import LocalStorage

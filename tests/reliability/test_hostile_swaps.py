@@ -24,7 +24,7 @@ from rel_helpers import assert_rule, run_loaders
 
 import checkpointer
 from checkpointer import CheckpointError
-from checkpointer.engine import headers as rankfile_headers
+from checkpointer.engine import checks as rankfile_headers
 
 RANK_FILE = "rank_1.safetensors"
 

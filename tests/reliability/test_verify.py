@@ -117,7 +117,8 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
     """Chunks of 4 KiB, runs of at most three chunks, tensors asked for in an order unlike the
     file's (the runs are read in file order): every value is exact, every chunk is hashed once,
     and a flipped bit is caught, naming its chunk."""
-    from checkpointer.engine import reads as rankfile
+    from checkpointer.engine import checks as rankfile
+    from checkpointer.engine import reads
 
     sizes = {"a": 300_000, "b": 5_000, "c": 70_001}
     saved = {k: torch.arange(n, dtype=torch.float32) * 0.5 for k, n in sizes.items()}
@@ -125,6 +126,7 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
     Checkpointer().save(path, saved)
     rechunk(path, 4096)
     monkeypatch.setattr(rankfile, "_SPLIT_BYTES", 3 * 4096)
+    monkeypatch.setattr(reads, "_SPLIT_BYTES", 3 * 4096)
     monkeypatch.setattr(rankfile, "_HASH_BLOCK", 1024)  # a chunk read and hashed as 4 blocks
     hashed, blocks = [], []  # one entry per chunk checked (its bytes if hashed whole); bytes of each block
     real_crc32c, real_extend = rankfile.crc32c, rankfile.crc32c_extend
@@ -142,13 +144,13 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
     monkeypatch.setattr(rankfile, "crc32c", counting_crc32c)
     monkeypatch.setattr(rankfile, "crc32c_extend", counting_extend)
     read_order = []
-    real_run = rankfile._run
+    real_run = reads._run
 
     def recording_run(num_threads, tasks):
-        read_order.extend((t[2], t[4]) for t in tasks if t[0] is rankfile._read_hashed)
+        read_order.extend((t[2], t[4]) for t in tasks if t[0] is rankfile.read_hashed)
         return real_run(num_threads, tasks)
 
-    monkeypatch.setattr(rankfile, "_run", recording_run)
+    monkeypatch.setattr(reads, "_run", recording_run)
     target = {k: torch.zeros(sizes[k]) for k in ("c", "a", "b")}
     Checkpointer().load(path, target, verify=True)
     assert len(read_order) > 3 and read_order == sorted(read_order)

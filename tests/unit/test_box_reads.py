@@ -36,7 +36,9 @@ from checkpointer.planning.boxes import (
     row_major_strides,
     span_boxes,
 )
-from checkpointer.planning.plan import Piece, PieceDesc, build_load_plan, build_save_plan, whole
+from checkpointer.planning.plan import Piece, PieceDesc, build_save_plan
+from checkpointer.planning.load_plan import build_load_plan
+from checkpointer.planning.pieces import whole
 from checkpointer.sharding import LocalTensor, dtensor_index_runs, runs_piece
 from checkpointer.storage.local import LocalStorage
 

@@ -437,7 +437,8 @@ _DOC_PATHS = list(_paths(valid_doc()))[1:] + [("aliases",), ("tensors", "new")]
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(_DOC_PATHS), _JSON), min_size=1, max_size=3))
 def test_fuzzed_metadata_is_parsed_or_corrupt(mutations):
-    from checkpointer.planning.plan import build_load_plan, spec_ranges
+    from checkpointer.planning.load_plan import build_load_plan
+    from checkpointer.planning.pieces import spec_ranges
 
     doc = valid_doc()
     for path, value in mutations:

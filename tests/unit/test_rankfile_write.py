@@ -14,7 +14,7 @@ from checkpointer.buffers import memoryview_of
 from checkpointer.checksums import CHUNK_BYTES, chunk_crcs
 from checkpointer.engine import rankfile
 from checkpointer.engine import reads as reads_module
-from checkpointer.engine.headers import HeaderCache
+from checkpointer.engine.checks import HeaderCache
 from checkpointer.engine.rankfile import write_rank_file
 from checkpointer.format.dtypes import code_from_dtype
 from checkpointer.sharding import describe

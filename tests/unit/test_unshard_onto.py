@@ -72,7 +72,7 @@ def test_a_shape_the_files_do_not_hold_is_refused_before_allocating(saved, monke
 def test_headers_are_checked_before_a_box_is_expanded(saved, monkeypatch):
     """A box of 2**20 rows that the file does not hold is refused before its ranges (one per row)
     are listed: the old order built a million ranges, and for 2**24 rows took 50 s and 5 GiB."""
-    import checkpointer.planning.plan as plan
+    import checkpointer.planning.pieces as plan  # where pieces are expanded into ranges
 
     path, _ = saved
     rows = 1 << 20

@@ -1,22 +1,32 @@
-"""The safetensors headers of a checkpoint's rank files, and the checks made against them
-before anything is allocated or read."""
+"""What a load checks against a checkpoint's rank files: their safetensors headers (read once, before
+anything is allocated), the pieces they hold, and the CRC32C checksums of the bytes read."""
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Mapping, TypeVar
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
+from ..buffers import memoryview_of
+from ..checksums import crc32c, crc32c_extend
 from ..errors import CorruptCheckpointError
+from ..format.dtypes import itemsize
 from ..format.layout import FILE_ID_KEY, METADATA_FILENAME
 from ..format.metadata import TensorStorageMetadata
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, header_length, parse_header
-from ..storage.base import FileChangedError, Storage
+from ..storage.base import FileChangedError, ReadRequest, Storage
 
-__all__ = ["HeaderCache", "piece_start", "check_files_hold", "read_small_file", "read_with"]
+__all__ = [
+    "HeaderCache", "piece_start", "check_files_hold", "read_small_file", "read_with", "check_chunk", "HashedRun",
+    "verified_requests", "read_hashed", "verify_tasks",
+]
 
 T = TypeVar("T")
 
 _SPECULATIVE_HEADER = 1 << 16
+_HASH_BLOCK = 1 << 20  # hashed right after it is read, from the CPU cache
+_SPLIT_BYTES = 32 << 20  # a run of whole chunks read and hashed by one thread
 
 
 class HeaderCache:
@@ -154,3 +164,136 @@ def read_with(storage: Storage, name: str, read: Callable[[], T], what: str = f"
             raise
         message = f"{where}: {ex.strerror or ex}"
         raise (OSError(ex.errno, message) if ex.errno else OSError(message)) from ex
+
+
+@dataclass
+class HashedRun:
+    """Whole checksum chunks next to each other in one file and one destination: one read."""
+
+    file: str
+    key: str
+    start: int  # file offset of the first chunk
+    dest_lo: int
+    dest_hi: int
+    expected: list[tuple[int, int]]  # (chunk number, CRC32C) of each chunk in turn
+    dest: memoryview
+
+    @property
+    def view(self) -> memoryview:
+        return self.dest[self.dest_lo : self.dest_hi]
+
+
+def verified_requests(
+    storage: Storage, job: Any, dest: memoryview, headers: HeaderCache, chunk: int
+) -> tuple[dict[str, list[ReadRequest]], list[tuple], list[HashedRun]]:
+    """Split a job's reads at checksum chunks: ``(plain reads, checks from storage, hashed runs)``.
+
+    Chunks the read covers whole are read and hashed in runs; the covered part of a chunk it
+    touches only in part is a plain read, and that chunk is checked from storage once."""
+    plan = job.plan
+    size = itemsize(plan.dtype)
+    plain: dict[str, list[ReadRequest]] = {}
+    tasks: list[tuple] = []
+    runs: list[HashedRun] = []
+    rechecked: set[tuple[str, int]] = set()
+    for item in plan.items:
+        if item.sizes:
+            continue  # checked as its staging blocks are read
+        numel = job.numel_per_file[item.file]
+        start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
+        a, b = item.src_offset * size, (item.src_offset + item.numel) * size
+        d = item.dst_offset * size - a  # dest index of piece byte 0
+        crcs = job.checksums_per_file.get(item.file) if job.checksums_per_file else None
+        if crcs is None:
+            plain.setdefault(item.file, []).append((start + a, dest[d + a : d + b]))
+            continue
+        piece_bytes = numel * size
+        for c in range(a // chunk, -(-b // chunk)):
+            lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
+            where = (item.file, plan.key, c)
+            if c >= len(crcs):
+                raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {plan.key!r} has too few checksums")
+            if a <= lo and hi <= b:
+                run = runs[-1] if runs else None
+                if (
+                    run is not None
+                    and run.file == item.file
+                    and run.dest_hi == d + lo
+                    and run.start + (run.dest_hi - run.dest_lo) == start + lo
+                    and run.dest_hi - run.dest_lo < _SPLIT_BYTES
+                ):
+                    run.dest_hi = d + hi  # the previous run of whole chunks goes on: one read for both
+                    run.expected.append((c, crcs[c]))
+                else:
+                    runs.append(HashedRun(item.file, plan.key, start + lo, d + lo, d + hi, [(c, crcs[c])], dest))
+                continue
+            seg_lo, seg_hi = max(lo, a), min(hi, b)
+            plain.setdefault(item.file, []).append((start + seg_lo, dest[d + seg_lo : d + seg_hi]))
+            if (item.file, c) not in rechecked:
+                rechecked.add((item.file, c))
+                tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
+    return plain, tasks, runs
+
+
+def read_hashed(
+    storage: Storage, name: str, key: str, start: int, view: memoryview, chunk: int, expected: list[tuple[int, int]]
+) -> None:
+    """Whole checksum chunks read in blocks small enough to stay in the CPU cache, each block
+    hashed right after it is read, while it is still there."""
+    for i, (c, crc) in enumerate(expected):
+        lo, hi = i * chunk, min((i + 1) * chunk, len(view))
+        running = _RunningCrc()
+        read_with(storage, name, partial(storage.read_blocks, name, start + lo, view[lo:hi], _HASH_BLOCK, running.extend))
+        if running.value != crc:
+            raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
+
+
+class _RunningCrc:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def extend(self, part: memoryview) -> None:
+        self.value = crc32c_extend(self.value, part)
+
+
+def verify_tasks(
+    storage: Storage, jobs: Sequence[Any], headers: HeaderCache, chunk: int, strided: bool = True
+) -> list[tuple]:
+    """Checks for every checksummed chunk the reads touched: hashed from the destination when
+    one read covered it whole, re-read from storage otherwise (only at piece boundaries)."""
+    tasks: list[tuple] = []
+    reread: set[tuple[str, str, int]] = set()
+    for job in jobs:
+        size = itemsize(job.plan.dtype)
+        dest = memoryview_of(job.dest)
+        for item in job.plan.items:
+            crcs = (job.checksums_per_file or {}).get(item.file)
+            if crcs is None or (item.sizes and not strided):
+                continue
+            piece_bytes = job.numel_per_file[item.file] * size
+            a, b = item.src_offset * size, item.src_end * size
+            d = item.dst_offset * size
+            for c in range(a // chunk, -(-b // chunk)):
+                lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
+                where = (item.file, job.plan.key, c)
+                if c >= len(crcs):
+                    raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {job.plan.key!r} has too few checksums")
+                if a <= lo and hi <= b and not item.sizes:
+                    tasks.append((check_chunk, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
+                elif where not in reread:
+                    reread.add(where)
+                    start = piece_start(headers, item.file, job.plan.key, job.plan.dtype, job.numel_per_file[item.file])
+                    tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
+    return tasks
+
+
+def check_chunk(storage: Storage, where: tuple[str, str, int], view: memoryview, expected: int) -> None:
+    """Raise if the CRC32C of ``view`` is not ``expected``; ``where`` is (file, key, chunk index)."""
+    if crc32c(view) != expected:
+        name, key, c = where
+        raise CorruptCheckpointError(f"{storage.join(name)}: checksum mismatch in tensor {key!r}, chunk {c}")
+
+
+def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
+    data = read_with(storage, where[0], lambda: storage.read(where[0], start, end))
+    check_chunk(storage, where, memoryview(data), expected)

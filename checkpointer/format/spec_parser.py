@@ -1,0 +1,230 @@
+"""Validation of the ``shard_spec_per_file`` objects of a ``metadata.json``, a column at a time.
+
+Validation is strict (JSON integers are integers, not booleans, floats or strings) and rejects
+exactly what the pydantic models reject, and more; anything the bulk checks cannot vouch for is
+checked again one spec at a time, which names the file. Equal layouts come out shared
+(:func:`~checkpointer.format.specs.shared_layout`).
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+from operator import add, itemgetter, le
+from typing import Any, Sequence
+
+from .layout import check_filename
+from .specs import FIELDS, MAX_RUNS_PER_TENSOR, Layout, ShardSpecs, box_run_count, shared_layout
+
+__all__ = ["SpecParser"]
+
+_FLAT = itemgetter("flattened_offsets")
+_LOCAL_SHAPE = itemgetter("local_shape")
+_GLOBAL_OFFSET = itemgetter("global_offset")
+_CHECKSUMS = itemgetter("checksums")
+_NONE = type(None)
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _all_ints(values: Sequence[Any]) -> bool:
+    return not values or set(map(type, values)) == {int}
+
+
+class SpecParser:
+    """Validates the ``shard_spec_per_file`` objects of one ``metadata.json``.
+
+    Keeps, across the document's tensors, the file names already checked, equal layouts
+    (shared), and the count of object members and of ``:`` inside strings seen (for the
+    duplicate-key check of :func:`~checkpointer.format.metadata.parse_metadata`).
+    """
+
+    def __init__(self) -> None:
+        self._good_names: set[str] = set()
+        self._layouts: dict[tuple, list[Layout]] = {}
+        self.members = 0
+        self.colons = 0
+
+    def parse(self, shape: tuple[int, ...], raw: Any) -> ShardSpecs:
+        """``raw``: the parsed JSON value. Raises ``ValueError`` naming the file at fault."""
+        if type(raw) is not dict:
+            raise ValueError(f"shard_spec_per_file must be an object, not {_kind(raw)}")
+        names = list(raw)
+        if not self._good_names.issuperset(names):
+            for name in names:
+                check_filename(name)
+                self._good_names.add(name)
+        values = list(raw.values())
+        self.members += len(names)
+        columns = self._bulk(shape, values) if values else ([], None, None, None)
+        if columns is None:
+            flat, ls, go, checksums, extras = self._one_by_one(shape, names, values)
+        else:
+            flat, ls, go, checksums = columns
+            extras = None
+        return ShardSpecs(self._layout(shape, names, flat, ls, go), checksums, extras)
+
+    def _layout(self, shape, names, flat, ls, go) -> Layout:
+        return shared_layout(self._layouts, shape, names, flat, ls, go)
+
+    def _bulk(self, shape: tuple[int, ...], values: list[Any]):
+        """The common forms, checked a column at a time: every spec is all boxes or all flattened
+        ranges, with the OLMo fields (and ``checksums``). ``None`` when anything else is there.
+
+        Anything of the wrong kind fails a lookup (``TypeError``) or the type checks; the one-by-one
+        check then says what."""
+        n = len(values)
+        try:
+            sizes = set(map(len, values))
+            flat = list(map(_FLAT, values))
+            ls = list(map(_LOCAL_SHAPE, values))
+            go = list(map(_GLOBAL_OFFSET, values))
+            if sizes == {3}:
+                checksums = None
+            elif sizes == {4}:
+                checksums = list(map(_CHECKSUMS, values))
+            else:
+                return None
+            if checksums is not None:
+                kinds = set(map(type, checksums))
+                if not kinds <= {list, _NONE} or not _all_ints(list(chain.from_iterable(filter(None, checksums)))):
+                    return None
+                if kinds == {_NONE}:
+                    checksums = None
+            if flat.count(None) == n:
+                if not self._boxes_fit(shape, ls, go):
+                    return None
+                columns = None, ls, go, checksums
+            elif ls.count(None) == n and go.count(None) == n:
+                if not self._ranges_fit(math.prod(shape), flat):
+                    return None
+                columns = flat, None, None, checksums
+            else:
+                return None
+        except (KeyError, TypeError):
+            return None
+        self.members += n * next(iter(sizes))
+        return columns
+
+    def count(self, value: Any) -> None:
+        """Add the members of the objects in a JSON value, and the ``:`` in its strings."""
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            kind = type(v)
+            if kind is dict:
+                self.members += len(v)
+                for k, x in v.items():
+                    self.colons += k.count(":")
+                    stack.append(x)
+            elif kind is list:
+                stack.extend(v)
+            elif kind is str:
+                self.colons += v.count(":")
+
+    @staticmethod
+    def _boxes_fit(shape: tuple[int, ...], ls: Sequence[Any], go: Sequence[Any]) -> bool:
+        ndim, n = len(shape), len(ls)
+        if ndim == 0 or set(map(len, ls)) != {ndim} or set(map(len, go)) != {ndim}:
+            return False
+        sizes_all, offsets_all = list(chain.from_iterable(ls)), list(chain.from_iterable(go))
+        if not _all_ints(sizes_all) or not _all_ints(offsets_all) or min(sizes_all) < 0 or min(offsets_all) < 0:
+            return False
+        all_full = True
+        for d in range(ndim):
+            sizes, offsets = sizes_all[d::ndim], offsets_all[d::ndim]
+            if max(map(add, sizes, offsets)) > shape[d]:
+                return False
+            if d and (sizes.count(shape[d]) != n or offsets.count(0) != n):
+                all_full = False
+        if all_full:  # every box is one run (or empty)
+            runs = n
+        else:
+            runs = sum(box_run_count(s, o, shape) for s, o in zip(ls, go))
+        return runs <= MAX_RUNS_PER_TENSOR
+
+    @staticmethod
+    def _ranges_fit(numel: int, flat: Sequence[Any]) -> bool:
+        if set(map(type, flat)) != {list}:
+            return False
+        pairs = list(chain.from_iterable(flat))
+        if len(pairs) > MAX_RUNS_PER_TENSOR:
+            return False
+        if not pairs:
+            return True
+        if set(map(type, pairs)) != {list} or set(map(len, pairs)) != {2}:
+            return False
+        starts, ends = zip(*pairs)
+        if not _all_ints(starts) or not _all_ints(ends):
+            return False
+        return min(starts) >= 0 and max(ends) <= numel and all(map(le, starts, ends))
+
+    def _one_by_one(self, shape: tuple[int, ...], names: list[str], values: list[Any]):
+        """Every spec on its own: any mix of forms and unknown fields; the error names the file."""
+        numel, ndim = math.prod(shape), len(shape)
+        flat: list[Any] = []
+        ls: list[Any] = []
+        go: list[Any] = []
+        checksums: list[Any] = []
+        extras: dict[int, dict] = {}
+        runs = 0
+        for i, (name, spec) in enumerate(zip(names, values)):
+            try:
+                if type(spec) is not dict:
+                    raise ValueError(f"must be an object, not {_kind(spec)}")
+                f = spec.get("flattened_offsets")
+                s = spec.get("local_shape")
+                o = spec.get("global_offset")
+                c = spec.get("checksums")
+                extra = {k: v for k, v in spec.items() if k not in FIELDS}
+                self.members += len(spec) - len(extra)
+                if extra:
+                    self.count(extra)
+                    extras[i] = extra
+                for field, value in (("local_shape", s), ("global_offset", o)):
+                    if value is not None and (type(value) is not list or not all(map(_is_int, value))):
+                        raise ValueError(f"{field} must be a list of integers or null")
+                if c is not None and (type(c) is not list or not all(map(_is_int, c))):
+                    raise ValueError("checksums must be a list of integers or null")
+                if f is not None:
+                    if type(f) is not list:
+                        raise ValueError("flattened_offsets must be a list of [start, end] pairs or null")
+                    for pair in f:
+                        if type(pair) is not list or len(pair) != 2 or not all(map(_is_int, pair)):
+                            raise ValueError("flattened_offsets must be a list of [start, end] pairs of integers")
+                        if not 0 <= pair[0] <= pair[1]:
+                            raise ValueError(f"bad flattened range [{pair[0]}, {pair[1]})")
+                        if pair[1] > numel:
+                            raise ValueError(f"flattened offsets past the tensor's {numel} elements")
+                    runs += len(f)
+                elif s is not None and o is not None:
+                    if len(s) != len(o):
+                        raise ValueError("local_shape and global_offset differ in length")
+                    if min(s, default=0) < 0 or min(o, default=0) < 0:
+                        raise ValueError("negative local_shape or global_offset")
+                    if len(s) != ndim:
+                        raise ValueError(f"local_shape {s} does not match shape {list(shape)}")
+                    if any(off + size > full for size, off, full in zip(s, o, shape)):
+                        raise ValueError(f"box {s} at {o} leaves {list(shape)}")
+                    runs += box_run_count(s, o, shape)
+                else:
+                    raise ValueError("a shard spec needs flattened_offsets, or local_shape and global_offset")
+                if runs > MAX_RUNS_PER_TENSOR:
+                    raise ValueError(f"the pieces split into more than {MAX_RUNS_PER_TENSOR} runs")
+            except ValueError as ex:
+                raise ValueError(f"shard_spec_per_file[{name!r}]: {ex}") from None
+            flat.append(f)
+            ls.append(s)
+            go.append(o)
+            checksums.append(c)
+        def column(values: list[Any]) -> tuple[Any, ...] | None:
+            return tuple(values) if values.count(None) != len(values) else None
+
+        return column(flat), column(ls), column(go), column(checksums), extras or None
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", _NONE: "null"}.get(type(value), type(value).__name__)  # fmt: skip

@@ -1,0 +1,153 @@
+"""Load plans: which bytes of which rank file land where in a destination piece.
+
+:func:`build_load_plan` turns one tensor's metadata and the piece a rank wants into reads. A box
+stays a box: the stored pieces are indexed as tiles once per distinct layout
+(:class:`~checkpointer.planning.boxes.TileIndex`) and each read is a strided box on both sides,
+a few per stored piece it meets, however many rows it has. Flattened ranges read from
+flattened ranges keep their own 1-D path (:class:`~checkpointer.planning.overlap.SourceIndex`),
+which also serves any layout the tile index cannot prove disjoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import CorruptCheckpointError
+from ..format.metadata import TensorStorageMetadata
+from ..format.specs import Layout, ShardSpecs, box_run_count
+from .boxes import BoxCopy, TileIndex
+from .overlap import Range, SourceIndex, layout_ranges
+from .pieces import Piece, layout_tiles, piece_ranges, piece_tiles, spec_ranges, spec_tiles, whole
+
+__all__ = ["ReadItem", "TensorLoadPlan", "build_load_plan", "whole_file_plan", "stored_cover_exactly"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadItem:
+    """Copy ``numel`` elements from ``file``'s piece of the tensor, at ``src_offset`` elements
+    into that piece, to ``dst_offset`` elements into the destination piece.
+
+    With ``sizes``, the elements are a strided box on each side: ``sizes`` with ``src_strides``
+    in the stored piece and ``dst_strides`` in the destination (a tensor-parallel piece read
+    from pieces cut along another dimension). Without, they are one contiguous run on both."""
+
+    file: str
+    src_offset: int
+    dst_offset: int
+    numel: int
+    sizes: tuple[int, ...] = ()
+    src_strides: tuple[int, ...] = ()
+    dst_strides: tuple[int, ...] = ()
+
+    @property
+    def src_end(self) -> int:
+        """One past the last element of the stored piece this item reads."""
+        if not self.sizes:
+            return self.src_offset + self.numel
+        return self.src_offset + 1 + sum((n - 1) * s for n, s in zip(self.sizes, self.src_strides))
+
+
+@dataclass(frozen=True)
+class TensorLoadPlan:
+    key: str
+    dtype: str
+    items: tuple[ReadItem, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(item.numel for item in self.items)
+
+    @property
+    def files(self) -> list[str]:
+        """The files read, in order of first read."""
+        return list(dict.fromkeys(item.file for item in self.items))
+
+
+def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Range] | Piece) -> TensorLoadPlan:
+    """The reads that fill a destination piece of tensor ``key``: ``wanted`` flattened ranges
+    stored back to back, or a :class:`Piece` (a box stays a box: its reads are strided boxes,
+    a few per stored piece it meets, however many rows it has).
+
+    Raises :class:`CorruptCheckpointError` when some wanted element is in no file.
+    """
+    piece = wanted if isinstance(wanted, Piece) else Piece(flat=tuple(map(tuple, wanted)))  # type: ignore[arg-type]
+    specs = meta.shard_spec_per_file
+    if isinstance(specs, ShardSpecs):
+        layout: Layout | None = specs.layout
+        files: Sequence[str] = specs.layout.names
+        all_flat = specs.layout.local_shape is None
+    else:
+        layout, files = None, list(specs)
+        all_flat = all(specs[f].flattened_offsets is not None for f in files)
+    if piece.flat is None and all_flat and box_run_count(piece.local_shape, piece.global_offset, meta.shape) <= 1:
+        piece = Piece(flat=tuple(piece_ranges(piece, meta.shape)))  # one run: the flattened ranges' own path
+    if not (piece.flat is not None and all_flat):
+        tiles = _tile_index(meta, layout, files)
+        if tiles.ok:
+            copies = tiles.copies(piece_tiles(piece, meta.shape))
+            items = tuple(map(_read_item, [files[c.source] for c in copies], copies))
+            return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: _gaps(meta, layout, files))
+    index = _source_index(meta, layout, files)
+    overlaps = index.overlaps(piece_ranges(piece, meta.shape))
+    items = tuple(ReadItem(files[o.source], o.src_offset, o.dst_offset, o.numel) for o in overlaps)
+    return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: index.gaps(meta.numel))
+
+
+def whole_file_plan(key: str, dtype: str, shape: Sequence[int], file: str, piece: Piece) -> TensorLoadPlan:
+    """The reads of ``piece`` from ``file``, which holds the whole tensor (a safetensors file of
+    full tensors, as Hugging Face writes): at most ``2 * ndim - 1`` items, however many rows."""
+    index = TileIndex(shape, [piece_tiles(whole(shape), shape)])
+    copies = index.copies(piece_tiles(piece, shape))
+    return TensorLoadPlan(key, dtype, tuple(_read_item(file, c) for c in copies))
+
+
+def _tile_index(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> TileIndex:
+    """The stored pieces as tiles, indexed once per distinct layout."""
+    if layout is None:
+        specs = meta.shard_spec_per_file
+        return TileIndex(meta.shape, [spec_tiles(specs[f], meta.shape) for f in files])
+    index = layout.memo.get("tile_index")
+    if index is None:
+        index = layout.memo["tile_index"] = TileIndex(layout.shape, [layout_tiles(layout, i) for i in range(len(files))])
+    return index
+
+
+def _source_index(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> SourceIndex:
+    """The stored pieces as flattened ranges, indexed once per distinct layout."""
+    if layout is None:
+        specs = meta.shard_spec_per_file
+        return SourceIndex([spec_ranges(specs[f], meta.shape) for f in files])
+    index = layout.memo.get("source_index")
+    if index is None:
+        index = layout.memo["source_index"] = SourceIndex([layout_ranges(layout, i) for i in range(len(files))])
+    return index
+
+
+def stored_cover_exactly(meta: TensorStorageMetadata, *, replicas: bool = True) -> bool:
+    """Whether the stored pieces are proven, as boxes, to hold every element (once, but for
+    whole replicas where ``replicas``). ``False``: not proven; check with flattened ranges,
+    which also say where."""
+    specs = meta.shard_spec_per_file
+    layout = specs.layout if isinstance(specs, ShardSpecs) else None
+    index = _tile_index(meta, layout, list(specs))
+    return index.ok and index.covered == meta.numel and (replicas or not index.replicas)
+
+
+def _read_item(file: str, copy: BoxCopy) -> ReadItem:
+    if copy.contiguous:
+        return ReadItem(file, copy.src_offset, copy.dst_offset, copy.numel)
+    return ReadItem(file, copy.src_offset, copy.dst_offset, copy.numel, copy.sizes, copy.src_strides, copy.dst_strides)
+
+
+def _gaps(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> list[Range]:
+    return _source_index(meta, layout, files).gaps(meta.numel)
+
+
+def _checked(key: str, meta: TensorStorageMetadata, plan: TensorLoadPlan, want: int, gaps) -> TensorLoadPlan:
+    if plan.numel != want:
+        raise CorruptCheckpointError(
+            f"tensor {key!r}: {want - plan.numel} of the {want} elements to load are in no file "
+            f"(missing ranges start {gaps()[:3]})"
+        )
+    return plan
