@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 import torch
 
@@ -11,7 +11,7 @@ from ..format.metadata import StorageMetadata
 from ..storage import open_storage
 from ..storage.base import Storage
 from .. import dist
-from .load import load_state_dict, read_metadata
+from .load import load_state_dict, load_state_dicts, read_metadata, read_metadatas
 from .async_save import AsyncSaver, wait_for_writes_into
 from .save import SavePlanCache, save_state_dict
 from .two_stage import LoadStats, load_two_stage
@@ -19,7 +19,8 @@ from .load import unshard_state_dict
 
 __all__ = ["Checkpointer"]
 
-STRATEGIES = ("default", "two_stage")
+Strategy = Literal["default", "two_stage"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
 class Checkpointer:
@@ -111,7 +112,7 @@ class Checkpointer:
         *,
         no_dist: bool = False,
         metadata: StorageMetadata | None = None,
-        strategy: str = "default",
+        strategy: Strategy = "default",
         verify: bool = False,
     ) -> None:
         """Fill the tensors of ``state_dict`` in place from the checkpoint in ``dir`` (after an
@@ -195,3 +196,36 @@ def _first(future: Future[list[Any]]) -> Future[Any]:
 
     future.add_done_callback(done)
     return out
+
+
+def load_parts(
+    storages: Sequence[Storage],
+    state_dicts: Callable[[list[StorageMetadata]], Sequence[Mapping[str, Any]]],
+    *,
+    finish: Callable[[], None] | None = None,
+    strategy: Strategy = "default",
+    verify: bool = False,
+) -> None:
+    """Load several checkpoints (a model's and its optimizer's) in place as one load, whatever the
+    strategy: ``state_dicts(metadatas)`` gives the state dict to fill from each (the one plan
+    function), ``finish()`` runs once every tensor is filled (the one finish function).
+
+    ``"default"``: one metadata broadcast, one pool of reads, nothing written before every rank
+    has planned every part. ``"two_stage"``: every rank plans every part, then each part is
+    read once per piece and broadcast (:func:`~checkpointer.engine.two_stage.load_two_stage`).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown load strategy {strategy!r}; expected one of {STRATEGIES}")
+    for storage in storages:
+        wait_for_writes_into(storage.url)
+    if strategy == "default" or not dist.is_distributed():
+        load_state_dicts(storages, state_dicts, finish=finish, verify=verify)
+        return
+    metadatas = read_metadatas(storages)
+    with dist.phase("load"), torch.no_grad():
+        planned = list(state_dicts(metadatas))
+    for storage, metadata, state_dict in zip(storages, metadatas, planned, strict=True):
+        load_two_stage(storage, state_dict, metadata, verify=verify)
+    if finish is not None:
+        with dist.phase("load"):
+            finish()

@@ -206,7 +206,7 @@ def test_header_disagreement_is_found_before_a_box_is_expanded(tmp_path, monkeyp
     """A box of 2**20 rows (a range per row) that the file does not hold: one line for the
     disagreement, and its ranges never listed (the old order built them all, then reported
     every gap between them: for 2**24 rows 30 s and 5 GiB)."""
-    import checkpointer.planning.plan as plan
+    import checkpointer.planning.pieces as plan  # where pieces are expanded into ranges
 
     dir = handmade(tmp_path, {"rank_0.safetensors": (0, 10)}, checksums=False)
     rows = 1 << 20

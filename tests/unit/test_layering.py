@@ -1,6 +1,7 @@
 """The package's layers: a module imports only from its own layer or lower ones.
 
-Lowest first: errors, format, planning, storage, dist, sharding, engine, tools, api, cli. The package's
+Lowest first: errors, format, planning, storage, dist, sharding, engine, tools, models (model and optimizer
+helpers), api, cli. The package's
 ``__init__`` and ``__main__`` may import anything. ``format/``, ``planning/`` and ``storage/``
 never touch ``torch.distributed``. And no two modules import each other, however indirectly
 (an import inside a function counts): :func:`test_no_import_cycles` names the cycle.
@@ -17,7 +18,7 @@ PACKAGE = "checkpointer"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE  # found without importing it
 # STYLE.md's order: `tools` (offline tools and format conversion: export, verify, lazy_load, convert;
 # uses the engine, used by api and cli) after engine.
-LAYERS = ["errors", "format", "planning", "storage", "dist", "sharding", "engine", "tools", "api", "cli"]
+LAYERS = ["errors", "format", "planning", "storage", "dist", "sharding", "engine", "tools", "models", "api", "cli"]
 # Leaf helpers outside the list above, placed with errors (the lowest layer): anything may
 # import them and they may import nothing of the package but errors and each other. A new
 # top-level module fails test_no_upward_imports until it is given a place here or in LAYERS.

@@ -1,0 +1,230 @@
+"""The optimizer's state in OLMo-core 0.1.0's layout, both ways, keyed by parameter *name* so it
+survives any change of topology: ``num_param_groups``, ``param_group{i}`` (builtins pickle with
+``_param_names``), ``state_keys``, and ``state.{param}.__{key}`` tensors sharded like their
+parameter. Optimizer state is never created by stepping the optimizer: a save writes the state
+that exists, and a load allocates whatever state the checkpoint has.
+
+A model and its optimizer load as one (:func:`load_model_and_optim`): the engine's load takes
+the two state dicts from one plan function and calls one finish function, whatever the strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..buffers import memoryview_of
+from ..engine.checks import HeaderCache, check_files_hold
+from ..engine.checkpointer import load_parts
+from ..engine.reader import CheckpointReader
+from ..errors import CheckpointMismatchError, CorruptCheckpointError
+from ..format.builtins_pickle import decode_builtins, encode_builtins
+from ..format.dtypes import dtype_from_code
+from ..format.metadata import StorageMetadata, TensorStorageMetadata
+from ..sharding import describe, local_data, with_sharding_of
+from ..storage.base import Storage
+from .names import param_names
+
+__all__ = ["flatten_optim_state", "load_model_and_optim", "unflatten_optim", "malformed"]
+
+
+def flatten_optim_state(model: nn.Module, optim: torch.optim.Optimizer, model_state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's state in OLMo-core's flat, name-keyed layout (no copies of state tensors)."""
+    names = param_names(model)
+    flat: dict[str, Any] = {"num_param_groups": torch.tensor(len(optim.param_groups))}
+    state_keys: set[str] = set()
+    for i, group in enumerate(optim.param_groups):
+        saved: dict[str, Any] = {}
+        for k, v in group.items():
+            if k == "params":
+                continue
+            saved[k] = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+        params = group["params"]
+        missing = [p for p in params if id(p) not in names]
+        if missing:
+            raise CheckpointMismatchError(f"param group {i} holds {len(missing)} tensors that are not parameters of the model")
+        offset = sum(len(g["params"]) for g in optim.param_groups[:i])
+        saved["params"] = list(range(offset, offset + len(params)))
+        saved["_param_names"] = [names[id(p)] for p in params]
+        try:
+            flat[f"param_group{i}"] = _bytes_tensor(encode_builtins(saved, where=f"param group {i}"))
+        except ValueError as ex:
+            raise CheckpointMismatchError(f"cannot save optimizer: {ex}") from ex
+        for p in params:
+            name = names[id(p)]
+            for key, value in optim.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise CheckpointMismatchError(
+                        f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, not a tensor"
+                    )
+                state_keys.add(key)
+                flat[f"state.{name}.__{key}"] = _shard_like_param(value, model_state.get(name, p))
+    flat["state_keys"] = _bytes_tensor(encode_builtins(sorted(state_keys), where="state_keys"))
+    return flat
+
+
+def _shard_like_param(value: torch.Tensor, param: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value
+    param_local = local_data(param)
+    if value.dim() > 0 and tuple(value.shape) == tuple(param_local.shape) and describe(param).is_sharded:
+        return with_sharding_of(value, param)
+    return value
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def load_model_and_optim(
+    storages: Sequence[Storage], model: nn.Module, optim: torch.optim.Optimizer | None, model_state: dict[str, Any],
+    *, strategy: str = "default",
+) -> None:
+    """A model's checkpoint (``storages[0]``) and its optimizer's (``storages[1]``, when ``optim``
+    is given) as one engine load: no tensor of either is written before every rank has planned
+    both, and the optimizer takes its state once every tensor is filled."""
+    torch_state: dict[str, Any] = {}
+    optim_dir = storages[1].url if optim is not None else ""
+
+    def state_dicts(metadatas: list[StorageMetadata]) -> list[dict[str, Any]]:
+        if optim is None:
+            return [model_state]
+        with malformed(optim_dir):
+            to_fill, torch_state["optim"] = _plan_optim_load(storages[1], metadatas[1], model, optim, model_state)
+        return [model_state, to_fill]
+
+    def finish() -> None:
+        if optim is not None:
+            with malformed(optim_dir):
+                optim.load_state_dict(torch_state["optim"])
+
+    parts = storages[:2] if optim is not None else storages[:1]
+    load_parts(parts, state_dicts, finish=finish, strategy=strategy)
+
+
+@contextlib.contextmanager
+def malformed(where: str) -> Iterator[None]:
+    """Optimizer records that decode but do not have the expected form are corrupt checkpoints."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as ex:
+        raise CorruptCheckpointError(f"{where}: malformed optimizer checkpoint ({type(ex).__name__}: {ex})") from ex
+
+
+def _plan_optim_load(
+    storage: Storage,
+    metadata: StorageMetadata,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state tensors to fill in place, and the state dict to hand the optimizer afterwards."""
+    dir = storage.url
+    for key in ("num_param_groups", "state_keys"):
+        if key not in metadata.tensors:
+            raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
+    reader = CheckpointReader(storage, metadata)
+    small = reader.full_tensors([k for k in metadata.tensors if not k.startswith("state.")])
+    num_groups = int(small["num_param_groups"].item())
+    if num_groups != len(optim.param_groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint has {num_groups} optimizer param groups, the optimizer has {len(optim.param_groups)}"
+        )
+    state_keys = decode_builtins(_tensor_bytes(small["state_keys"]), where=f"{dir}: state_keys")
+    names = param_names(model)
+    groups: list[dict[str, Any]] = []
+    to_fill: dict[str, Any] = {}
+    state_of: dict[int, dict[str, torch.Tensor]] = {}
+    aliases = metadata.aliases or {}
+    shared: dict[str, torch.Tensor] = {}  # saved key -> the state tensor that holds it (one per saved tensor)
+    index = 0
+    for i, group in enumerate(optim.param_groups):
+        key = f"param_group{i}"
+        if key not in small:
+            raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
+        saved = decode_builtins(_tensor_bytes(small[key]), where=f"{dir}: {key}")
+        if not isinstance(saved, dict):
+            raise CorruptCheckpointError(f"{dir}: {key} is not a dict")
+        saved_names = saved.pop("_param_names", None)
+        current = [names.get(id(p)) for p in group["params"]]
+        if not isinstance(saved_names, list) or sorted(map(str, saved_names)) != sorted(map(str, current)):
+            raise CheckpointMismatchError(
+                f"optimizer param group {i}: the checkpoint holds {saved_names}, the optimizer holds {current}"
+            )
+        saved["params"] = list(range(index, index + len(current)))
+        for k, v in saved.items():
+            now = group.get(k)
+            if isinstance(now, torch.Tensor) and now.numel() == 1 and type(v) in (int, float):
+                saved[k] = torch.full_like(now, v)  # saved as a number: a tensor hyperparameter stays one
+        groups.append(saved)
+        for param, name in zip(group["params"], current):
+            value = model_state.get(name, param)
+            existing = optim.state.get(param, {})
+            param_state = {}
+            for state_key in state_keys:
+                flat_key = f"state.{name}.__{state_key}"
+                # A state tensor shared by several parameters was saved once, the other keys as aliases of it.
+                saved_key = aliases.get(flat_key, flat_key)
+                meta = metadata.tensors.get(saved_key)
+                if meta is None:
+                    continue
+                dest = shared.get(saved_key)
+                if dest is None or not _fits(dest, meta, value):
+                    dest = existing.get(state_key)
+                    if not _fits(dest, meta, value):
+                        dest = _allocate_state(flat_key, meta, value, reader.headers)
+                    shared.setdefault(saved_key, dest)
+                param_state[state_key] = dest
+                to_fill[flat_key] = _shard_like_param(dest, value)
+            if param_state:
+                state_of[index] = param_state
+            index += 1
+    return to_fill, {"state": state_of, "param_groups": groups}
+
+
+def _fits(dest: Any, meta: TensorStorageMetadata, param: Any) -> bool:
+    """An existing state tensor can be filled in place (global shape, or the param's local shape)."""
+    if not isinstance(dest, torch.Tensor) or dest.dtype != dtype_from_code(meta.dtype):
+        return False
+    if tuple(dest.shape) == tuple(meta.shape):
+        return True
+    return tuple(meta.shape) == tuple(param.shape) and tuple(dest.shape) == tuple(local_data(param).shape)
+
+
+def _allocate_state(key: str, meta: TensorStorageMetadata, param: Any, headers: HeaderCache) -> torch.Tensor:
+    """A state tensor for the checkpoint's values: sharded like ``param`` when it has its shape
+    (the model justifies that size), else of the checkpoint's shape once the files are seen to hold it.
+    A 0-dim state is like a 0-dim param only where it was saved sharded, as a DTensor (``step`` never is)."""
+    dtype = dtype_from_code(meta.dtype)
+    if tuple(meta.shape) == tuple(param.shape) and (meta.shape or meta.is_sharded):
+        like = param if isinstance(param, torch.Tensor) else local_data(param)
+        return torch.empty_like(like.detach(), dtype=dtype)
+    check_files_hold(headers, key, meta)
+    return torch.empty(meta.shape, dtype=dtype)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    if t.dtype != torch.uint8:
+        raise CorruptCheckpointError(f"expected a uint8 tensor of pickled builtins, got {t.dtype}")
+    return memoryview_of(t.contiguous().cpu()).tobytes()
+
+
+def unflatten_optim(flat: dict[str, torch.Tensor], where: str) -> dict[str, Any]:
+    state_keys = decode_builtins(_tensor_bytes(flat["state_keys"]), where=f"{where}: state_keys")
+    groups, state = [], {}
+    for i in range(int(flat["num_param_groups"].item())):
+        group = decode_builtins(_tensor_bytes(flat[f"param_group{i}"]), where=f"{where}: param_group{i}")
+        if not isinstance(group, dict) or not isinstance(group.get("_param_names", []), list):
+            raise CorruptCheckpointError(f"{where}: param_group{i} is not a param group dict with a _param_names list")
+        names = group.pop("_param_names", [])
+        for name, pid in zip(names, group["params"]):
+            entry = {k: flat[f"state.{name}.__{k}"] for k in state_keys if f"state.{name}.__{k}" in flat}
+            if entry:
+                state[pid] = entry
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
