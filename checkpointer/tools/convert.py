@@ -14,7 +14,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from .. import dist
-from .export import CheckpointTensors, export_checkpoint, parse_dtype, plan_export, run_export, select_tensors
+from .checkpoint_tensors import CheckpointTensors
+from .export import export_checkpoint, parse_dtype, plan_export, run_export, select_tensors
 from ..engine.load import read_metadata
 from ..engine.locate import checkpoint_parts, model_checkpoint
 from ..errors import CheckpointError, IncompleteCheckpointError

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import checkpointer
 from checkpointer import export_safetensors, unshard_model_state
+from checkpointer.tools import checkpoint_tensors
 from checkpointer.tools import export as export_module
 
 TIED = ["head.weight"]
@@ -106,7 +107,7 @@ def test_unshard_errors(ckpts, capsys, tmp_path):
 def test_export_streams_one_tensor_at_a_time(ckpts, tmp_path, monkeypatch):
     alive: list[weakref.ref] = []
     most = [0]
-    fetch = export_module.CheckpointTensors.fetch
+    fetch = checkpoint_tensors.CheckpointTensors.fetch
 
     def tracking_fetch(self, key):
         live = sum(1 for r in alive if r() is not None)
@@ -115,7 +116,7 @@ def test_export_streams_one_tensor_at_a_time(ckpts, tmp_path, monkeypatch):
         alive.append(weakref.ref(t))
         return t
 
-    monkeypatch.setattr(export_module.CheckpointTensors, "fetch", tracking_fetch)
+    monkeypatch.setattr(checkpoint_tensors.CheckpointTensors, "fetch", tracking_fetch)
     export_safetensors(ckpts.ws3, str(tmp_path / "out"), max_shard_size="100B", dtype="bf16")
     assert len(alive) == 6
     assert most[0] == 0  # each tensor was released before the next one was read
@@ -191,7 +192,7 @@ def _flip_byte_of(path: str, key: str, at: float) -> None:
 @pytest.mark.parametrize("ws", [1, 3])
 def test_export_in_many_blocks_per_tensor_equals_the_checkpoint(ckpts, tmp_path, monkeypatch, ws, block):
     """Tensors streamed in several blocks each (the tests' tensors fit in one 4 MiB block)."""
-    monkeypatch.setattr(export_module, "_STREAM_BLOCK", block)
+    monkeypatch.setattr(checkpoint_tensors, "_STREAM_BLOCK", block)
     out = str(tmp_path / "model.safetensors")
     export_safetensors(top_dir(ckpts, ws), out)
     assert_same_tensors(load_file(out), without(ckpts.ws1_full if ws == 1 else ckpts.ws3_full, TIED))
@@ -203,7 +204,7 @@ def test_export_catches_a_flipped_bit_while_streaming(ckpts, tmp_path, monkeypat
     import shutil
 
     if block is not None:
-        monkeypatch.setattr(export_module, "_STREAM_BLOCK", block)
+        monkeypatch.setattr(checkpoint_tensors, "_STREAM_BLOCK", block)
 
     src = str(tmp_path / "ckpt")
     shutil.copytree(ckpts.ws3, src)
