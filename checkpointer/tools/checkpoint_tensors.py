@@ -20,20 +20,6 @@ from ..engine.checks import check_files_hold
 from ..engine.reader import CheckpointReader
 from ..engine.reads import ReadJob, check_chunk, execute_reads, verify_reads
 
-__all__ = [
-    "export_safetensors",
-    "run_export",
-    "ExportTensor",
-    "OutputShard",
-    "ExportPlan",
-    "CheckpointTensors",
-    "plan_export",
-    "select_tensors",
-    "parse_size",
-    "parse_dtype",
-    "INDEX_NAME",
-]
-
 __all__ = ["CheckpointTensors", "Staging"]
 
 _STREAM_BLOCK = 4 << 20

@@ -46,7 +46,6 @@ __all__ = [
     "ExportTensor",
     "OutputShard",
     "ExportPlan",
-    "CheckpointTensors",
     "plan_export",
     "select_tensors",
     "parse_size",
