@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "checkpointer"
 ALLOWED = {
     "dist.py": 3,  # attempt, agree_after's worker thread, _in_thread's future
     "engine/async_save.py": 1,  # the background writer: its error goes to the save's future
-    "tools/export.py": 1,  # the export's reader thread: its error goes to the consumer
+    "tools/checkpoint_tensors.py": 1,  # the export's reader thread: its error goes to the consumer
     "tools/dcp.py": 1,  # DCP's own CheckpointException derives from BaseException
 }
 
