@@ -9,7 +9,7 @@ and nothing is allocated before the files are known to hold what ``metadata.json
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -21,10 +21,17 @@ from ..planning.pieces import Piece
 from ..planning.load_plan import TensorLoadPlan, build_load_plan, stored_cover_exactly
 from ..planning.pieces import spec_ranges, whole
 from ..storage.base import Storage
-from .checks import HeaderCache, check_files_hold, read_small_file
+from .checks import HeaderCache, check_files_hold
 from .reads import ReadJob, execute_reads
 
 __all__ = ["CheckpointReader"]
+
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""Memory for a whole tensor of a shape and dtype (a new tensor, or a reused buffer)."""
+
+
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 class CheckpointReader:
@@ -68,33 +75,30 @@ class CheckpointReader:
         """A new tensor holding ``piece`` of ``key`` (a box keeps its shape; flattened ranges are 1-D)."""
         saved, meta = self.meta(key)
         check_files_hold(self.headers, saved, meta)  # before allocating what metadata.json claims
-        shape = piece.local_shape if piece.flat is None else (piece.numel,)
+        shape = piece.local_shape if piece.flat is None else (piece.numel,) if meta.shape else ()
         dest = torch.empty(shape, dtype=dtype_from_code(meta.dtype))  # type: ignore[arg-type]
         if dest.numel():
             self.read([self.job(build_load_plan(saved, meta, piece), dest.view(-1))], verify=verify)
         return dest
 
-    def full(self, key: str, *, verify: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole tensor ``key`` (into ``out`` when given: a reused buffer of its shape)."""
-        return self.full_tensors([key], verify=verify, out={key: out} if out is not None else None)[key]
+    def full(self, key: str, *, verify: bool = False, allocate: Allocate = new_tensor) -> torch.Tensor:
+        """The whole tensor ``key``, in memory from ``allocate(shape, dtype)`` (a reused buffer, say)."""
+        return self.full_tensors([key], verify=verify, allocate=allocate)[key]
 
     def full_tensors(
-        self, keys: Sequence[str], *, verify: bool = False, out: dict[str, torch.Tensor] | None = None
+        self, keys: Sequence[str], *, verify: bool = False, allocate: Allocate = new_tensor
     ) -> dict[str, torch.Tensor]:
         """Whole tensors of ``keys``, read by this process alone (no collectives), in one pool.
 
-        Every piece is checked against its file's header before anything is allocated, so a
-        hostile ``metadata.json`` cannot make this allocate more than the files hold.
+        Every piece is checked against its file's header before ``allocate(shape, dtype)`` is
+        called, so a hostile ``metadata.json`` cannot make this allocate more than the files hold.
         """
         result: dict[str, torch.Tensor] = {}
         jobs = []
         for key in keys:
             saved, meta = self.meta(key)
             self.check_whole(saved, meta)
-            dest = (out or {}).get(key)
-            if dest is None:
-                dest = torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype))
-            result[key] = dest
+            dest = result[key] = allocate(tuple(meta.shape), dtype_from_code(meta.dtype))
             if meta.numel:
                 jobs.append(self.job(build_load_plan(saved, meta, whole(meta.shape)), dest.view(-1)))
         with torch.no_grad():
@@ -114,10 +118,6 @@ class CheckpointReader:
         index = SourceIndex([spec_ranges(s, meta.shape) for s in meta.shard_spec_per_file.values()])
         if index.covered() != meta.numel:
             raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
-
-    def small_file(self, name: str, *, limit: int, what: str) -> bytes:
-        """A small file of the checkpoint read whole (never past its size as stat'ed)."""
-        return read_small_file(self.storage, name, limit=limit, what=what)
 
     def _chunk(self, verify: bool) -> int | None:
         return self.metadata.checksum_chunk_bytes if verify else None

@@ -17,7 +17,7 @@ from ..format.metadata import StorageMetadata
 from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..storage.base import Storage
 from ..engine.checks import check_files_hold
-from ..engine.reader import CheckpointReader
+from ..engine.reader import CheckpointReader, new_tensor
 from ..engine.reads import ReadJob, check_chunk, execute_reads, verify_reads
 
 __all__ = ["CheckpointTensors", "Staging"]
@@ -69,10 +69,8 @@ class CheckpointTensors:
         return [(key, tuple(meta.shape), meta.dtype) for key, meta in self.metadata.tensors.items()]
 
     def fetch(self, key: str) -> torch.Tensor:
-        saved, meta = self.reader.meta(key)
-        self.reader.check_whole(saved, meta)  # before the buffer of meta.shape is taken
-        out = self._staging.take(meta.shape, dtype_from_code(meta.dtype)) if self._staging else None
-        return self.reader.full(saved, verify=self.verify, out=out)
+        allocate = self._staging.take if self._staging else new_tensor
+        return self.reader.full(key, verify=self.verify, allocate=allocate)
 
     def fetch_streaming(self, key: str) -> tuple[torch.Tensor, Iterator[int]]:
         """Like :meth:`fetch`, reading in blocks on a thread: returns the tensor at once and an

@@ -29,7 +29,7 @@ from ..planning.load_plan import whole_file_plan
 from ..planning.pieces import whole
 from ..storage.base import ReadRequest, Storage, Writer
 from ..storage.local import LocalStorage
-from ..engine.checks import HeaderCache, check_files_hold, read_small_file
+from ..engine.checks import HeaderCache, read_small_file
 from ..engine.reader import CheckpointReader
 from ..engine.reads import ReadJob, execute_reads
 
@@ -66,6 +66,14 @@ class LazyTensor:
     read: Callable[[Box | None], torch.Tensor]
 
 
+def box_piece(shape: Sequence[int], box: Box | None) -> Piece:
+    """``box`` of a tensor of ``shape`` as a piece to read (all of it for ``None``)."""
+    if box is None:
+        return whole(shape)
+    local, offset = box
+    return Piece(local_shape=tuple(local), global_offset=tuple(offset))
+
+
 def read_box(
     shape: Sequence[int], dtype: torch.dtype, box: Box | None, read_piece: Callable[[Piece, torch.Tensor], None]
 ) -> torch.Tensor:
@@ -73,11 +81,8 @@ def read_box(
 
     ``read_piece(piece, flat)`` fills ``flat`` with the elements of ``piece`` in its row-major
     order: a box stays a box, read as a few strided copies however many rows it has."""
-    if box is None:
-        dest, piece = torch.empty(tuple(shape), dtype=dtype), whole(shape)
-    else:
-        local, offset = box
-        dest, piece = torch.empty(tuple(local), dtype=dtype), Piece(local_shape=tuple(local), global_offset=tuple(offset))
+    piece = box_piece(shape, box)
+    dest = torch.empty(tuple(shape) if box is None else tuple(box[0]), dtype=dtype)
     if dest.numel():
         read_piece(piece, dest.view(-1))
     return dest
@@ -96,12 +101,8 @@ def checkpoint_tensors(storage: Storage, metadata: StorageMetadata) -> Iterator[
         aliases.setdefault(target, []).append(alias)
     for key, meta in metadata.tensors.items():
 
-        def read_piece(piece: Piece, flat: torch.Tensor, key: str = key) -> None:
-            reader.read([reader.job(reader.plan(key, piece), flat)])
-
-        def read(box: Box | None, key: str = key, meta: Any = meta, read_piece: Any = read_piece) -> torch.Tensor:
-            check_files_hold(reader.headers, key, meta)  # before read_box allocates what metadata.json claims
-            return read_box(meta.shape, dtype_from_code(meta.dtype), box, read_piece)
+        def read(box: Box | None, key: str = key, shape: tuple[int, ...] = tuple(meta.shape)) -> torch.Tensor:
+            return reader.piece(key, box_piece(shape, box))  # the files' headers checked before allocating
 
         for name in [key, *aliases.get(key, [])]:
             yield LazyTensor(name, tuple(meta.shape), dtype_from_code(meta.dtype), read)

@@ -17,6 +17,7 @@ from dist_helpers import (
     mesh,
     optim_full_state,
     reference_tensors,
+    saved_once,
     to_layout,
     zeros_like_layout,
 )
@@ -44,16 +45,7 @@ def _load_flat(rank, world_size, ckpt, layout):
 
 @pytest.fixture(scope="module")
 def saved_flat(run_distributed, tmp_path_factory):
-    cache = {}
-
-    def get(layout):
-        if layout not in cache:
-            ckpt = str(tmp_path_factory.mktemp(f"tp-{layout.replace('@', '-')}"))
-            run_distributed(_save_flat, LAYOUTS[layout][0], ckpt, layout)
-            cache[layout] = ckpt
-        return cache[layout]
-
-    return get
+    return saved_once(run_distributed, tmp_path_factory, _save_flat, lambda layout: LAYOUTS[layout][0], "tp")
 
 
 @pytest.mark.parametrize("load_layout", LOAD_LAYOUTS)

@@ -22,6 +22,21 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 _MESHES: dict[tuple, Any] = {}
 
 
+def saved_once(run_distributed, tmp_path_factory, save, world_size_of, prefix: str):
+    """``get(layout)``: the directory of a checkpoint ``save`` wrote in ``layout`` at
+    ``world_size_of(layout)`` ranks, written once per module (for a module-scoped fixture)."""
+    cache: dict[str, str] = {}
+
+    def get(layout: str) -> str:
+        if layout not in cache:
+            ckpt = str(tmp_path_factory.mktemp(f"{prefix}-{layout.replace('@', '-')}"))
+            run_distributed(save, world_size_of(layout), ckpt, layout)
+            cache[layout] = ckpt
+        return cache[layout]
+
+    return get
+
+
 def mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
     """A CPU device mesh over all ranks, built once per process per shape (and dim names)."""
     from torch.distributed.device_mesh import init_device_mesh
