@@ -13,6 +13,7 @@ from .api import (
     unshard_optim_state,
 )
 from .engine.checkpointer import Checkpointer
+from .models.load_result import LoadResult
 from .tools.export import export_safetensors
 from .tools.lazy import lazy_load
 from .planning.reshard import reshard_tensor
@@ -35,6 +36,7 @@ __all__ = [
     "unshard_model_state",
     "unshard_optim_state",
     "latest_checkpoint",
+    "LoadResult",
     "export_safetensors",
     "Checkpointer",
     "lazy_load",

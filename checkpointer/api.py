@@ -18,6 +18,7 @@ import torch.nn as nn
 from .engine.checkpointer import Checkpointer, Strategy
 from .engine.commit import claim_parts
 from .engine.locate import newest_checkpoint
+from .models.load_result import LoadResult
 from .models.names import model_state_dict
 from .models.optim_layout import flatten_optim_state, load_model_and_optim, malformed, unflatten_optim
 from .storage import open_storage
@@ -30,6 +31,7 @@ __all__ = [
     "unshard_model_state",
     "unshard_optim_state",
     "latest_checkpoint",
+    "LoadResult",
     "model_state_dict",
     "flatten_optim_state",
 ]
@@ -125,7 +127,7 @@ def load_model_and_optim_state(
     *,
     validate: bool = True,
     strategy: Strategy = "default",
-) -> None:
+) -> LoadResult:
     """Load ``dir/model`` (and ``dir/optim``) in place, whatever topology saved them.
 
     Tensors already allocated in the model and optimizer are filled one at a time; missing
@@ -158,6 +160,7 @@ def load_model_and_optim_state(
     dir = path_arg(dir).rstrip("/")
     storages = [_part(dir, "model")] + ([_part(dir, "optim")] if optim is not None else [])
     load_model_and_optim(storages, model, optim, model_state_dict(model), strategy=strategy)
+    return LoadResult()
 
 
 def _part(dir: str, name: str) -> Storage:

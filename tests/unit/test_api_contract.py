@@ -48,6 +48,9 @@ METHODS = {
 
 METADATA_CLASSES = {"StorageMetadata", "TensorStorageMetadata", "TensorShardSpec"}
 
+# API.md, "Training state, partial loads and retention".
+TRAINING_CLASSES = {"LoadResult"}
+
 # API.md, "Errors": class -> its base.
 ERRORS = {
     "CheckpointError": Exception,
@@ -98,7 +101,7 @@ def test_contract_parser_reads_api_md_notation():
 
 
 def test_exports_exactly_the_contract():
-    named = set(FUNCTIONS) | {"Checkpointer"} | METADATA_CLASSES | set(ERRORS)
+    named = set(FUNCTIONS) | {"Checkpointer"} | METADATA_CLASSES | TRAINING_CLASSES | set(ERRORS)
     assert set(checkpointer.__all__) == named | EXTRAS
     assert len(checkpointer.__all__) == len(set(checkpointer.__all__)), "a name is listed twice in __all__"
     for name in checkpointer.__all__:
