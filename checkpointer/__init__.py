@@ -14,6 +14,7 @@ from .api import (
 )
 from .engine.checkpointer import Checkpointer
 from .models.load_result import LoadResult
+from .models.train_state import PerRank, RNGState
 from .tools.export import export_safetensors
 from .tools.lazy import lazy_load
 from .planning.reshard import reshard_tensor
@@ -37,6 +38,8 @@ __all__ = [
     "unshard_optim_state",
     "latest_checkpoint",
     "LoadResult",
+    "PerRank",
+    "RNGState",
     "export_safetensors",
     "Checkpointer",
     "lazy_load",

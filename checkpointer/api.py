@@ -20,6 +20,7 @@ from .engine.commit import claim_parts
 from .engine.locate import newest_checkpoint
 from .models.load_result import LoadResult
 from .models.names import model_state_dict
+from .models.train_state import TRAIN_PART, PerRank, RNGState, load_train_state, train_state_dict
 from .models.optim_layout import flatten_optim_state, load_model_and_optim, malformed, unflatten_optim
 from .storage import open_storage
 from .storage.base import Storage, path_arg
@@ -32,6 +33,8 @@ __all__ = [
     "unshard_optim_state",
     "latest_checkpoint",
     "LoadResult",
+    "PerRank",
+    "RNGState",
     "model_state_dict",
     "flatten_optim_state",
 ]
@@ -43,9 +46,15 @@ _DEFAULT = Checkpointer()
 
 @torch.no_grad()
 def save_model_and_optim_state(
-    dir: str, model: nn.Module, optim: torch.optim.Optimizer, *, save_overwrite: bool = False
+    dir: str,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    train_state: dict[str, Any] | None = None,
+    save_overwrite: bool = False,
 ) -> list[str]:
-    """Save the model to ``dir/model`` and the optimizer to ``dir/optim``; returns this rank's files.
+    """Save the model to ``dir/model``, the optimizer to ``dir/optim`` and ``train_state`` to
+    ``dir/train``, committed as one; returns this rank's files.
 
     Works for plain modules, DDP, FSDP2, DTensor tensor parallelism and FSDP1 with
     ``use_orig_params=True``. The optimizer is not stepped: parameters and step counts are
@@ -56,6 +65,12 @@ def save_model_and_optim_state(
             (a ``str``: ``pathlib.Path("s3://b/k")`` is ``s3:/b/k``, which is refused).
         model: the model, sharded any way.
         optim: its optimizer; the state it has is saved, keyed by parameter name.
+        train_state: the run's own state by key: objects with ``state_dict()``/``load_state_dict()``
+            (LR schedulers, ``GradScaler``, a ``StatefulDataLoader``, :class:`RNGState`), plain
+            values (None, bool, int, float, str, lists/tuples/dicts of them), tensors, or
+            ``PerRank(v)`` around any of these. Without ``PerRank`` a value is the job's: every
+            rank must pass the same (compared; a difference is a ``CheckpointMismatchError``
+            naming the key). Stored without pickle (JSON and safetensors).
         save_overwrite: replace a checkpoint already saved in ``dir``.
 
     Returns:
@@ -75,15 +90,25 @@ def save_model_and_optim_state(
     dir = path_arg(dir).rstrip("/")
     model_state = model_state_dict(model)
     optim_state = flatten_optim_state(model, optim, model_state)
+    train = train_state_dict(train_state) if train_state is not None else None
     _DEFAULT.wait()
-    claim_parts(open_storage(f"{dir}/model"), open_storage(f"{dir}/optim"), save_overwrite)
-    _, model_files = _DEFAULT.save(f"{dir}/model", model_state, save_overwrite=save_overwrite)
-    _, optim_files = _DEFAULT.save(f"{dir}/optim", optim_state, save_overwrite=save_overwrite)
-    return model_files + optim_files
+    claim_parts(open_storage(f"{dir}/model"), open_storage(f"{dir}/optim"), save_overwrite,
+                train=open_storage(f"{dir}/{TRAIN_PART}"), keep_train=train is not None)
+    files: list[str] = []
+    if train is not None:  # before optim/, whose commit is the checkpoint's
+        files += _DEFAULT.save(f"{dir}/{TRAIN_PART}", train, save_overwrite=save_overwrite)[1]
+    files += _DEFAULT.save(f"{dir}/model", model_state, save_overwrite=save_overwrite)[1]
+    files += _DEFAULT.save(f"{dir}/optim", optim_state, save_overwrite=save_overwrite)[1]
+    return files
 
 
 def async_save_model_and_optim_state(
-    dir: str, model: nn.Module, optim: torch.optim.Optimizer, *, save_overwrite: bool = False
+    dir: str,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    train_state: dict[str, Any] | None = None,
+    save_overwrite: bool = False,
 ) -> Future[list[str]]:
     """Like :func:`save_model_and_optim_state`, but returns once the state is staged in host memory.
 
@@ -92,7 +117,8 @@ def async_save_model_and_optim_state(
     The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
 
     Args:
-        dir, model, optim, save_overwrite: as for :func:`save_model_and_optim_state`.
+        dir, model, optim, train_state, save_overwrite: as for :func:`save_model_and_optim_state`;
+            ``train_state`` is taken (``state_dict()``, tensors copied) before this returns.
 
     Returns:
         A ``concurrent.futures.Future`` of this rank's files; ``FileExistsError`` (no
@@ -102,12 +128,17 @@ def async_save_model_and_optim_state(
     with torch.no_grad():
         model_state = model_state_dict(model)
         optim_state = flatten_optim_state(model, optim, model_state)
+        train = train_state_dict(train_state) if train_state is not None else None
         _DEFAULT.wait()
         files: Future[list[str]] = Future()
-        # The async saver locks both parts (retiring old ones) before writing either.
-        both = _DEFAULT.async_save_many(
-            [(f"{dir}/model", model_state), (f"{dir}/optim", optim_state)], save_overwrite=save_overwrite
-        )
+        targets = [(f"{dir}/model", model_state), (f"{dir}/optim", optim_state)]
+        if train is not None:  # committed first: optim/'s commit is the checkpoint's
+            targets.insert(0, (f"{dir}/{TRAIN_PART}", train))
+        elif save_overwrite:
+            claim_parts(open_storage(f"{dir}/model"), open_storage(f"{dir}/optim"), True,
+                        train=open_storage(f"{dir}/{TRAIN_PART}"), keep_train=False)
+        # The async saver locks every part (retiring old ones) before writing any.
+        both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite)
 
     def done(f: Future) -> None:
         if f.exception() is not None:
@@ -125,10 +156,11 @@ def load_model_and_optim_state(
     model: nn.Module,
     optim: torch.optim.Optimizer | None = None,
     *,
+    train_state: dict[str, Any] | None = None,
     validate: bool = True,
     strategy: Strategy = "default",
 ) -> LoadResult:
-    """Load ``dir/model`` (and ``dir/optim``) in place, whatever topology saved them.
+    """Load ``dir/model`` (and ``dir/optim``, and the training state) in place, whatever topology saved them.
 
     Tensors already allocated in the model and optimizer are filled one at a time; missing
     optimizer state is allocated. Every rank calls it together.
@@ -138,6 +170,13 @@ def load_model_and_optim_state(
             :func:`latest_checkpoint` returns (check it for None first).
         model: the model to fill, sharded any way.
         optim: its optimizer, or None to load the model only.
+        train_state: objects to fill from ``dir/train``, by the keys they were saved under
+            (``load_state_dict`` is called on each; other values need not be passed). Every
+            saved value is in the result's ``train_state`` either way. A key the checkpoint
+            lacks is a ``CheckpointMismatchError``. ``PerRank`` values at another world size:
+            rank r gets rank r's; a rank the saving job did not have gets none (its keys are in
+            ``missing_keys`` as ``train_state.{key}``, a warning names them, its objects are left
+            as they are).
         validate: every element of every tensor is proven loaded: each rank's read plan must
             cover all its local elements, and every read must return all its bytes. Kept for
             OLMo-core compatibility; the proof is always on.
@@ -160,7 +199,9 @@ def load_model_and_optim_state(
     dir = path_arg(dir).rstrip("/")
     storages = [_part(dir, "model")] + ([_part(dir, "optim")] if optim is not None else [])
     load_model_and_optim(storages, model, optim, model_state_dict(model), strategy=strategy)
-    return LoadResult()
+    result = LoadResult()
+    result.train_state = load_train_state(_part(dir, TRAIN_PART), train_state, result.missing_keys)
+    return result
 
 
 def _part(dir: str, name: str) -> Storage:

@@ -48,21 +48,36 @@ from .rankfile import hash_pieces, io_threads
 
 
 
-def claim_parts(model: Storage, optim: Storage, save_overwrite: bool) -> None:
-    """Every rank, before either part of a model + optimizer save is planned. Without
-    ``save_overwrite``, every rank raises ``FileExistsError`` when ``model/`` or ``optim/`` holds
-    a checkpoint, so a refused save writes neither. With it, rank 0 first makes the old
-    ``optim/`` incomplete: the optimizer is committed last, so a save that dies between the
-    parts leaves the directory incomplete, never the new model beside the old optimizer state."""
+def claim_parts(
+    model: Storage, optim: Storage, save_overwrite: bool, *, train: Storage | None = None, keep_train: bool = False
+) -> None:
+    """Every rank, before any part of a model + optimizer save is planned. Without
+    ``save_overwrite``, every rank raises ``FileExistsError`` when ``model/``, ``optim/`` or
+    ``train/`` holds a checkpoint, so a refused save writes none. With it, rank 0 first makes the
+    old ``optim/`` incomplete: the optimizer is committed last, so a save that dies between the
+    parts leaves the directory incomplete, never the new model beside the old optimizer state.
+    Then, when the new save has no training state (``keep_train`` False), the old ``train/`` is
+    removed (its ``metadata.json`` first), so that it is not read as the new checkpoint's."""
 
     def check() -> bytes:
         if not save_overwrite:
-            refuse_existing([model, optim])
-        elif optim.exists(METADATA_FILENAME):
+            refuse_existing([model, optim] + ([train] if train is not None else []))
+            return b""
+        if optim.exists(METADATA_FILENAME):
             optim.delete(METADATA_FILENAME)
+        if train is not None and not keep_train:
+            remove_checkpoint_files(train)
         return b""
 
     dist.share_from(0, check, "save")
+
+
+def remove_checkpoint_files(storage: Storage) -> None:
+    """Delete a flat checkpoint directory's files, ``metadata.json`` first (it reads as
+    incomplete from then on); a directory that does not exist is left alone."""
+    names = storage.list()
+    for name in sorted(names, key=lambda n: n != METADATA_FILENAME):
+        storage.delete(name)
 
 
 def refuse_existing_everywhere(storages: list[Storage]) -> None:

@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 PARTS = ("model", "optim")
+OPTIONAL_PARTS = ("train",)  # the training state: when a save wrote one, it commits with the rest
 _NUMBER = re.compile(r"(\d+)")
 _STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
 
@@ -45,10 +46,15 @@ def _lists(storage: Storage) -> list[str]:
 
 def is_complete(storage: Storage) -> bool:
     """A checkpoint directory (``metadata.json``), or a top-level one whose ``model/`` and
-    ``optim/`` are both complete."""
+    ``optim/`` are both complete, and its ``train/`` too where there is one."""
     if storage.exists(METADATA_FILENAME):
         return True
-    return bool(_lists(storage)) and all(storage.part(part).exists(METADATA_FILENAME) for part in PARTS)
+    names = _lists(storage)
+    return (
+        bool(names)
+        and all(storage.part(part).exists(METADATA_FILENAME) for part in PARTS)
+        and all(storage.part(part).exists(METADATA_FILENAME) for part in OPTIONAL_PARTS if part in names)
+    )
 
 
 def newest_checkpoint(run: Storage) -> str | None:

@@ -24,12 +24,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # API.md, "Top-level functions", "fairseq2-style lazy loading" and "Command line" (the export).
 FUNCTIONS = {
-    "save_model_and_optim_state": "f(dir, model, optim, *, save_overwrite=False)",
+    "save_model_and_optim_state": "f(dir, model, optim, *, train_state=None, save_overwrite=False)",
     # strategy: API.md's "Two-stage loading" names load_model_and_optim_state(..., strategy="two_stage").
-    "load_model_and_optim_state": 'f(dir, model, optim=None, *, validate=True, strategy="default")',
+    "load_model_and_optim_state": 'f(dir, model, optim=None, *, train_state=None, validate=True, strategy="default")',
     "unshard_model_state": "f(dir, *, device=None, rank0_only=False, no_dist=False)",
     "unshard_optim_state": "f(dir, *, device=None, rank0_only=False, no_dist=False)",
-    "async_save_model_and_optim_state": "f(dir, model, optim, *, save_overwrite=False)",
+    "async_save_model_and_optim_state": "f(dir, model, optim, *, train_state=None, save_overwrite=False)",
     "latest_checkpoint": "f(run_dir)",
     "lazy_load": "f(path, shard_dims=None, *, tp_rank=0, tp_size=1, mmap=False, state_dict_converter=None, restrict=True)",
     "reshard_tensor": "f(key, source_splits, source_shard_sizes, target_shard_sizes, target_shard_ranks, shard_dims)",
@@ -49,7 +49,7 @@ METHODS = {
 METADATA_CLASSES = {"StorageMetadata", "TensorStorageMetadata", "TensorShardSpec"}
 
 # API.md, "Training state, partial loads and retention".
-TRAINING_CLASSES = {"LoadResult"}
+TRAINING_CLASSES = {"LoadResult", "PerRank", "RNGState"}
 
 # API.md, "Errors": class -> its base.
 ERRORS = {

@@ -1,0 +1,267 @@
+"""The training run's own state (step, schedulers, data position, RNG) in ``dir/train/``.
+
+``dir/train/`` is a checkpoint directory like ``model/`` (``metadata.json`` plus rank files), so
+it is written, committed and checked by the same engine. Its keys:
+
+- ``manifest``: JSON naming the job keys, the per-rank keys and the world size that saved them;
+- ``job.{key}``: the JSON of a value that is the job's (the same on every rank): written once,
+  and a save whose ranks disagree on it is refused before anything is written;
+- ``rank{r}.{key}``: the JSON of rank ``r``'s own value (``PerRank``, ``RNGState``), held by
+  rank ``r`` alone;
+- ``{json key}/{i}``: the tensors a JSON refers to (:mod:`~checkpointer.models.train_codec`).
+
+JSON texts are stored as 1-D uint8 tensors. Saving, in order:
+
+1. Every rank calls :func:`train_state_dict` before its save is planned: each value is taken
+   (``state_dict()`` of a stateful object) and encoded now, and the ranks compare their job
+   values (one all-gather of their digests).
+2. The state dict it returns is saved to ``dir/train`` before ``model/`` and ``optim/``, whose
+   commit comes last: a step whose ``optim/`` committed has its train state committed too.
+
+Loading: :func:`load_train_state` reads ``manifest``, the job values and this rank's own, fills
+the stateful objects passed in place, and returns every value by key. ``PerRank`` values at
+another world size: rank ``r`` gets what rank ``r`` saved; a rank beyond the saved world size
+gets nothing for those keys: they are listed in ``missing_keys`` (as ``train_state.{key}``),
+a warning names them, and their objects are left untouched.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+import zlib
+from typing import Any, Mapping
+
+import torch
+
+from .. import dist
+from ..buffers import memoryview_of
+from ..engine.checkpointer import Checkpointer
+from ..engine.reader import CheckpointReader
+from ..errors import CheckpointMismatchError, CorruptCheckpointError
+from ..format.layout import METADATA_FILENAME
+from ..storage.base import Storage
+from . import train_codec
+
+__all__ = ["PerRank", "RNGState", "train_state_dict", "load_train_state", "TRAIN_PART"]
+
+TRAIN_PART = "train"
+_FORMAT = 1
+
+
+class PerRank:
+    """A ``train_state`` value that each rank keeps its own of (a data loader's position, say)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
+
+
+class RNGState:
+    """This rank's random generators: Python's ``random``, NumPy's global one (when NumPy is
+    installed), torch's CPU generator and every CUDA device's (when CUDA is initialised).
+
+    Always per rank: ``train_state={"rng": RNGState()}`` saves each rank's own. Restore it after
+    creating a ``DataLoader`` iterator (``iter(loader)`` draws from torch's generator)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        out: dict[str, Any] = {
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+            "torch": torch.get_rng_state(),
+        }
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            kind, keys, pos, has_gauss, cached = np.random.get_state()
+            out["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = list(torch.cuda.get_rng_state_all())
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        try:
+            py = state["python"]
+            random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+            torch.set_rng_state(_uint8(state["torch"]))
+            if "numpy" in state:
+                import numpy as np
+
+                n = state["numpy"]
+                keys = n["keys"].numpy().astype(np.uint32)
+                np.random.set_state((str(n["kind"]), keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"])))
+            if "cuda" in state and torch.cuda.is_available():
+                saved = [_uint8(s) for s in state["cuda"]]
+                if len(saved) != torch.cuda.device_count():
+                    warnings.warn(f"RNGState: {len(saved)} CUDA generators saved, {torch.cuda.device_count()} devices now; CUDA RNG not restored", stacklevel=2)
+                else:
+                    torch.cuda.set_rng_state_all(saved)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as ex:
+            raise CorruptCheckpointError(f"RNGState: malformed saved state ({type(ex).__name__}: {ex})") from ex
+
+
+def _uint8(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+        raise TypeError("a generator state is a uint8 tensor")
+    return value.contiguous().cpu()
+
+
+def _is_per_rank(value: Any) -> bool:
+    return isinstance(value, (PerRank, RNGState))
+
+
+def _unwrap(value: Any) -> Any:
+    return value.value if isinstance(value, PerRank) else value
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _json_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def train_state_dict(train_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every rank: the flat state dict to save as ``dir/train`` (recipe step 1)."""
+    if not isinstance(train_state, Mapping):
+        raise TypeError(f"train_state must be a dict, not {type(train_state).__name__}")
+    with dist.phase("save"):  # one rank's unstorable value stops every rank here
+        flat, digests, manifest = _encode_all(train_state)
+    _check_job_values_agree(digests, manifest)
+    return flat
+
+
+def _encode_all(train_state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, Any]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat: dict[str, torch.Tensor] = {}
+    digests: dict[str, int] = {}
+    job, per_rank = [], []
+    for key, value in train_state.items():
+        if not isinstance(key, str) or not key or "/" in key:
+            raise ValueError(f"train_state key {key!r}: keys are non-empty strings without '/'")
+        name = f"rank{rank}.{key}" if _is_per_rank(value) else f"job.{key}"
+        (per_rank if _is_per_rank(value) else job).append(key)
+        inner = _unwrap(value)
+        if _is_stateful(inner):
+            inner = inner.state_dict()
+        tensors: list[torch.Tensor] = []
+
+        def add(t: torch.Tensor, name: str = name, tensors: list = tensors) -> str:
+            tensors.append(t.detach())
+            return f"{name}/{len(tensors) - 1}"
+
+        try:
+            text = train_codec.dumps(train_codec.encode(inner, f"train_state[{key!r}]", add))
+        except train_codec.UnstorableValueError as ex:
+            raise CheckpointMismatchError(str(ex)) from None
+        flat[name] = _json_tensor(text)
+        flat.update((f"{name}/{i}", t) for i, t in enumerate(tensors))
+        if name.startswith("job."):
+            digests[key] = zlib.crc32(text)
+    manifest = {"format": _FORMAT, "world_size": world, "job": job, "per_rank": per_rank}
+    flat["manifest"] = _json_tensor(train_codec.dumps(manifest))
+    return flat, digests, manifest
+
+
+def _check_job_values_agree(digests: dict[str, int], manifest: dict[str, Any]) -> None:
+    """A job value must be the same on every rank: compared here, so that a per-rank value the
+    user did not wrap in ``PerRank`` is refused by name instead of one rank's being kept."""
+    if not dist.is_distributed():
+        return
+    mine = train_codec.dumps({"keys": [manifest["job"], manifest["per_rank"]], "digests": digests})
+    everyone = dist.all_gather_bytes(mine)
+    if all(other == mine for other in everyone):
+        return
+    first = train_codec.loads(everyone[0], "train_state")
+    for rank, data in enumerate(everyone):
+        other = train_codec.loads(data, "train_state")
+        if other["keys"] != first["keys"]:
+            raise ValueError(
+                f"train_state keys differ across ranks: rank 0 passes {first['keys']}, rank {rank} {other['keys']} "
+                "(every rank passes the same keys; each rank's own values go in PerRank)"
+            )
+        for key, digest in other["digests"].items():
+            if first["digests"].get(key) != digest:
+                raise CheckpointMismatchError(
+                    f"train_state[{key!r}] differs between rank 0 and rank {rank}: a value each rank keeps "
+                    f"its own of must be wrapped in checkpointer.PerRank(...)"
+                )
+
+
+def load_train_state(
+    storage: Storage, train_state: Mapping[str, Any] | None, missing: list[str]
+) -> dict[str, Any]:
+    """Every rank: read ``storage`` (a ``dir/train``), fill the stateful objects of ``train_state``
+    in place, and return every saved value by key (``{}`` when the checkpoint has no training
+    state and none is asked for). Keys passed that the checkpoint lacks are a
+    :class:`CheckpointMismatchError`; per-rank keys this rank has no value for at another world
+    size are appended to ``missing`` and warned about. Errors reach every rank."""
+    with dist.phase("load"):
+        if not train_state and not storage.exists(METADATA_FILENAME):
+            return {}
+        return _load(storage, dict(train_state or {}), missing)
+
+
+def _load(storage: Storage, wanted: dict[str, Any], missing: list[str]) -> dict[str, Any]:
+    where = storage.url
+    metadata = Checkpointer().get_metadata(storage, no_dist=True)
+    reader = CheckpointReader(storage, metadata)
+    manifest = _read_json(reader, "manifest", where)
+    if not (isinstance(manifest, dict) and manifest.get("format") == _FORMAT
+            and all(isinstance(manifest.get(k), list) and all(isinstance(x, str) for x in manifest[k]) for k in ("job", "per_rank"))
+            and isinstance(manifest.get("world_size"), int)):
+        raise CorruptCheckpointError(f"{where}: the training-state manifest is malformed")
+    job, per_rank = manifest["job"], manifest["per_rank"]
+    absent = [k for k in wanted if k not in job and k not in per_rank]
+    if absent:
+        raise CheckpointMismatchError(f"{where}: train_state keys the checkpoint does not hold: {absent[:10]}")
+    rank = dist.get_rank()
+    names = {k: f"job.{k}" for k in job}
+    lost = []
+    for key in per_rank:
+        if f"rank{rank}.{key}" in metadata.tensors:
+            names[key] = f"rank{rank}.{key}"
+        else:
+            lost.append(key)
+    if lost:
+        missing.extend(f"train_state.{k}" for k in lost)
+        warnings.warn(
+            f"{where}: saved by {manifest['world_size']} ranks; rank {rank} has no saved value of the per-rank "
+            f"train_state keys {lost} (left as they are)", stacklevel=3,
+        )
+    values: dict[str, Any] = {}
+    for key, name in names.items():
+        tree = _read_json(reader, name, where)
+        tensor_keys = [k for k in metadata.tensors if k.startswith(f"{name}/")]
+        tensors = reader.full_tensors(tensor_keys, verify=True) if tensor_keys else {}
+        values[key] = train_codec.decode(tree, f"{where}: {name}", tensors)
+    for key, target in wanted.items():
+        inner = _unwrap(target)
+        if key in values and _is_stateful(inner):
+            try:
+                inner.load_state_dict(values[key])
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as ex:
+                raise CorruptCheckpointError(
+                    f"{where}: train_state[{key!r}] does not load into its {type(inner).__name__} ({type(ex).__name__}: {ex})"
+                ) from ex
+    return values
+
+
+def _read_json(reader: CheckpointReader, key: str, where: str) -> Any:
+    if key not in reader.metadata.tensors:
+        raise CorruptCheckpointError(f"{where}: the training state has no {key!r}")
+    if reader.metadata.tensors[key].dtype != "U8" or len(reader.metadata.tensors[key].shape) != 1:
+        raise CorruptCheckpointError(f"{where}: {key!r} is not a 1-D U8 tensor of JSON")
+    data = reader.full_tensors([key], verify=True)[key]
+    return train_codec.loads(memoryview_of(data.contiguous()).tobytes(), f"{where}: {key}")
+
+
+def has_train_state(checkpoint: Storage) -> bool:
+    """``dir/train`` holds a committed training state."""
+    return checkpoint.part(TRAIN_PART).exists(METADATA_FILENAME)
