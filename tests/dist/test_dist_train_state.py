@@ -1,0 +1,105 @@
+"""Training state (issue #25): a run resumed from a checkpoint with ``train_state`` continues
+bitwise as if it had never stopped (scheduler, data position, dropout masks); per-rank values at
+another world size follow the documented policy; job values that differ per rank are refused."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from dist_helpers import catch, model_full_state, optim_full_state
+from resume_helpers import build_job, resume, run
+
+import checkpointer
+from checkpointer import CheckpointMismatchError, PerRank, RNGState
+
+
+def _exact_resume(rank, world_size, root):
+    ckpt = os.path.join(root, "run", "step7")
+    job = build_job(world_size, seed=0)
+    reference = run(job, 12, save_at=7, ckpt=ckpt)  # uninterrupted: saves before step 7, trains on
+    # A resume that forgets the train state: warmup restarts, data rewinds, other masks.
+    naive = build_job(world_size, seed=1234)
+    checkpointer.load_model_and_optim_state(ckpt, naive.model, naive.optim)
+    naive_losses = run(naive, 5)
+    # The real resume, from latest_checkpoint.
+    latest = checkpointer.latest_checkpoint(os.path.join(root, "run"))
+    resumed, rng, result = resume(world_size, latest)
+    after = run(resumed, 12, rng_after_iter=rng)
+    return {
+        "reference": {s: reference[s] for s in range(7, 12)},
+        "resumed": after,
+        "naive_differs": any(naive_losses[s] != reference[s + 7] for s in range(5)),
+        "data": result.train_state["data"],
+        "missing": result.missing_keys,
+        "lr": (job.sched.get_last_lr(), resumed.sched.get_last_lr()),
+        "model": (model_full_state(job.model), model_full_state(resumed.model)),
+        "optim": (optim_full_state(job.model, job.optim), optim_full_state(resumed.model, resumed.optim)),
+    }
+
+
+def test_a_resumed_run_continues_bitwise(run_distributed, tmp_path):
+    results = run_distributed(_exact_resume, 2, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r["resumed"] == r["reference"], f"rank {rank}: losses differ after the resume"
+        assert r["naive_differs"], "a resume without train_state should have changed training"
+        assert r["data"] == {"step": 7, "epoch": 1, "batch": 2}
+        assert r["missing"] == []
+        assert r["lr"][0] == r["lr"][1]
+        for k, v in r["model"][0].items():
+            assert torch.equal(v, r["model"][1][k]), k
+    assert os.listdir(tmp_path / "run" / "step7" / "train")
+
+
+def _values_and_policy(rank, world_size, root):
+    ckpt = os.path.join(root, "ts")
+    job = build_job(world_size, seed=0)
+    state = {
+        "step": 17, "note": "warm", "nested": {"a": (1, 2.5, None), 3: [True]}, "t": torch.arange(6.0),
+        "mine": PerRank({"rank": rank, "t": torch.full((rank + 1,), float(rank))}),
+        "rng": RNGState(), "sched": job.sched,
+    }
+    fut = checkpointer.async_save_model_and_optim_state(ckpt, job.model, job.optim, train_state=state)
+    state["step"] = 18  # after the call: the saved value is the one at the call
+    fut.result()
+    differs = catch(checkpointer.save_model_and_optim_state, os.path.join(root, "bad"), job.model, job.optim,
+                    train_state={"seed": rank})
+    bad_exists = os.path.exists(os.path.join(root, "bad", "model", "metadata.json"))
+    unknown = catch(checkpointer.load_model_and_optim_state, ckpt, job.model, job.optim, train_state={"nope": job.sched})
+    return {"differs": differs, "bad_exists": bad_exists, "unknown": unknown}
+
+
+def _load_elsewhere(rank, world_size, root):
+    job = build_job(world_size, seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = checkpointer.load_model_and_optim_state(os.path.join(root, "ts"), job.model, job.optim,
+                                                         train_state={"sched": job.sched, "rng": RNGState()})
+    ts = result.train_state
+    return {"ts": {k: v for k, v in ts.items() if k not in ("rng",)}, "missing": result.missing_keys,
+            "has_rng": "rng" in ts, "warned": [str(w.message) for w in caught], "last_epoch": job.sched.last_epoch}
+
+
+def test_values_come_back_and_per_rank_values_follow_the_policy(run_distributed, tmp_path):
+    saved = run_distributed(_values_and_policy, 2, str(tmp_path))
+    for r in saved:
+        assert r["differs"] is not None and r["differs"]["type"] == "CheckpointMismatchError"
+        assert "train_state['seed']" in r["differs"]["msg"] and "PerRank" in r["differs"]["msg"]
+        assert not r["bad_exists"], "a refused save wrote the model"
+        assert r["unknown"]["type"] == "CheckpointMismatchError" and "nope" in r["unknown"]["msg"]
+    for world_size in (1, 3):
+        results = run_distributed(_load_elsewhere, world_size, str(tmp_path))
+        for rank, r in enumerate(results):
+            ts = r["ts"]
+            assert ts["step"] == 17 and ts["note"] == "warm" and ts["nested"] == {"a": [1, 2.5, None], 3: [True]}
+            assert torch.equal(ts["t"], torch.arange(6.0))
+            assert r["last_epoch"] == 0  # the scheduler as saved (never stepped)
+            if rank < 2:
+                assert ts["mine"]["rank"] == rank and torch.equal(ts["mine"]["t"], torch.full((rank + 1,), float(rank)))
+                assert r["missing"] == [] and r["has_rng"]
+            else:
+                assert "mine" not in ts and not r["has_rng"]
+                assert r["missing"] == ["train_state.mine", "train_state.rng"]
+                assert any("train_state keys ['mine', 'rng']" in w for w in r["warned"]), r["warned"]
