@@ -46,14 +46,19 @@ def _lists(storage: Storage) -> list[str]:
 
 def is_complete(storage: Storage) -> bool:
     """A checkpoint directory (``metadata.json``), or a top-level one whose ``model/`` and
-    ``optim/`` are both complete, and its ``train/`` too where there is one."""
+    ``optim/`` are both complete, and its ``train/`` too where that holds anything (a save
+    without training state over one with it empties ``train/``)."""
     if storage.exists(METADATA_FILENAME):
         return True
     names = _lists(storage)
     return (
         bool(names)
         and all(storage.part(part).exists(METADATA_FILENAME) for part in PARTS)
-        and all(storage.part(part).exists(METADATA_FILENAME) for part in OPTIONAL_PARTS if part in names)
+        and all(
+            storage.part(part).exists(METADATA_FILENAME) or not _lists(storage.part(part))
+            for part in OPTIONAL_PARTS
+            if part in names
+        )
     )
 
 

@@ -203,7 +203,11 @@ def load_train_state(
     :class:`CheckpointMismatchError`; per-rank keys this rank has no value for at another world
     size are appended to ``missing`` and warned about. Errors reach every rank."""
     with dist.phase("load"):
-        if not train_state and not storage.exists(METADATA_FILENAME):
+        if not storage.exists(METADATA_FILENAME):
+            if train_state:
+                raise CheckpointMismatchError(
+                    f"{storage.url}: the checkpoint holds no training state, asked for {sorted(train_state)[:10]}"
+                )
             return {}
         return _load(storage, dict(train_state or {}), missing)
 

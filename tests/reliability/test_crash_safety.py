@@ -5,7 +5,7 @@ newest complete checkpoint and skips incomplete ones.
 
 The killed saves run in forked processes (torch already imported, so no start-up cost) that
 patch one function of ``checkpointer.storage.local`` or ``checkpointer.engine.save`` to
-``SIGKILL`` themselves at the chosen point.
+``SIGKILL`` themselves at the chosen point (``rel_helpers.install_kill``).
 """
 
 from __future__ import annotations
@@ -34,74 +34,6 @@ from checkpointer.storage.memory import MemoryStorage
 # --------------------------------------------------------------------------------------
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
-
-
-def _install_kill(point: str, part: str) -> None:
-    """Patch the save path to SIGKILL this process at ``point`` while saving ``part`` (model/optim)."""
-    from checkpointer.engine import commit as commit_mod
-    from checkpointer.engine import save as save_mod
-    from checkpointer.format.layout import METADATA_FILENAME, is_rank_filename
-    from checkpointer.storage import local
-
-    def ours(path: str) -> bool:
-        return f"{os.sep}{part}{os.sep}" in path or path.endswith(f"{os.sep}{part}")
-
-    def rank_file(path: str) -> bool:
-        return ours(path) and is_rank_filename(os.path.basename(path))
-
-    def metadata(path: str) -> bool:
-        return ours(path) and os.path.basename(path) == METADATA_FILENAME
-
-    real_write, real_commit = local.LocalWriter.write, local.LocalWriter.commit
-    real_write_stable = local.LocalWriter.write_stable
-    real_commit_md, real_release = save_mod.commit_metadata, commit_mod.release_lock
-
-    def half_then_die(self, buffers, real) -> None:
-        # Half of the bytes of the first write (the header and, for small files, every piece).
-        if (point == "rank_file_mid_write" and rank_file(self.path)) or (
-            point == "metadata_mid_write" and metadata(self.path)
-        ):
-            views = [memoryview(b).cast("B") for b in buffers]
-            budget = max(1, sum(len(v) for v in views) // 2)
-            for v in views:
-                real(self, [v[:budget]])
-                budget -= min(budget, len(v))
-                if not budget:
-                    break
-            _die()
-        return real(self, buffers)
-
-    def write(self, buffers):
-        return half_then_die(self, buffers, real_write)
-
-    def write_stable(self, buffers):
-        return half_then_die(self, buffers, real_write_stable)
-
-    def commit(self):
-        if (point == "rank_file_before_rename" and rank_file(self.path)) or (
-            point == "metadata_before_rename" and metadata(self.path)
-        ):
-            os.fsync(self.fd)
-            _die()
-        return real_commit(self)
-
-    def commit_metadata(storage, meta, lock):
-        if point == "after_rank_files_before_metadata" and ours(storage.url):
-            _die()
-        return real_commit_md(storage, meta, lock)
-
-    def release(storage, lock):
-        if point == "after_metadata_before_unlock" and ours(storage.url) and storage.exists(METADATA_FILENAME):
-            _die()
-        return real_release(storage, lock)
-
-    local.LocalWriter.write, local.LocalWriter.write_stable, local.LocalWriter.commit = write, write_stable, commit
-    save_mod.commit_metadata, commit_mod.release_lock = commit_metadata, release
-
-
 def _killed_save(
     top: str, model, optim, point: str, part: str, overwrite: bool, use_async: bool = False, planned_before: bool = False
 ) -> str:
@@ -109,7 +41,7 @@ def _killed_save(
         elsewhere = tempfile.mkdtemp()
         checkpointer.async_save_model_and_optim_state(elsewhere, model, optim).result()
         shutil.rmtree(elsewhere)
-    _install_kill(point, part)
+    rel_helpers.install_kill(point, part)
     if use_async:
         checkpointer.async_save_model_and_optim_state(top, model, optim, save_overwrite=overwrite).result()
     else:
