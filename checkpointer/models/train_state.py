@@ -250,7 +250,7 @@ def _load(storage: Storage, wanted: dict[str, Any], missing: list[str]) -> dict[
         if key in values and _is_stateful(inner):
             try:
                 inner.load_state_dict(values[key])
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as ex:
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError, CorruptCheckpointError) as ex:
                 raise CorruptCheckpointError(
                     f"{where}: train_state[{key!r}] does not load into its {type(inner).__name__} ({type(ex).__name__}: {ex})"
                 ) from ex
