@@ -157,6 +157,7 @@ def load_model_and_optim_state(
     optim: torch.optim.Optimizer | None = None,
     *,
     train_state: dict[str, Any] | None = None,
+    strict: bool = True,
     validate: bool = True,
     strategy: Strategy = "default",
 ) -> LoadResult:
@@ -164,6 +165,27 @@ def load_model_and_optim_state(
 
     Tensors already allocated in the model and optimizer are filled one at a time; missing
     optimizer state is allocated. Every rank calls it together.
+
+    Keys are matched by name, model keys as :func:`model_state_dict` names them (wrapper
+    prefixes dropped) and optimizer parameters by their model names. Tied parameters and keys
+    saved as aliases count once: a key tied to one that loads is not missing, and a checkpoint
+    alias of a loaded key is not unexpected. With ``strict=False`` the keys both have load and
+    the rest is left untouched, for fine-tuning (a new or renamed head, the optimizer rebuilt):
+
+    - ``LoadResult.missing_keys``: model keys the checkpoint lacks, then ``optim:{param}`` for
+      each optimizer parameter the checkpoint holds nothing for (it keeps the state it has: none
+      for an optimizer just built, so it starts fresh);
+    - ``LoadResult.unexpected_keys``: checkpoint model keys the model lacks, then
+      ``optim:{param}`` for each saved optimizer parameter the optimizer lacks (not read).
+
+    Optimizer parameters are matched by name across param groups; the param groups must be as
+    many as saved, and each takes its hyperparameters from the saved group of its index. A
+    shape or dtype that differs is an error in both modes (no casting), as is an optimizer of
+    another kind than the saved one: the class name a save records (``optim_class``) must be
+    equal (Adam is not AdamW), and for a checkpoint without it (OLMo-core's, older saves) the
+    saved state keys must be those this optimizer holds with the saved hyperparameters (found
+    by stepping a new optimizer of its class over small stand-in parameters; where that fails,
+    the optimizer's own state keys if it has state; else it is not judged).
 
     Args:
         dir: the directory :func:`save_model_and_optim_state` wrote (path or URL), e.g. what
@@ -177,29 +199,40 @@ def load_model_and_optim_state(
             rank r gets rank r's; a rank the saving job did not have gets none (its keys are in
             ``missing_keys`` as ``train_state.{key}``, a warning names them, its objects are left
             as they are).
+        strict: any difference of keys is an error (the default); False loads what both have
+            and reports the rest in the result.
         validate: every element of every tensor is proven loaded: each rank's read plan must
             cover all its local elements, and every read must return all its bytes. Kept for
             OLMo-core compatibility; the proof is always on.
         strategy: ``"default"`` (every rank reads what it needs) or ``"two_stage"`` (each piece
             several ranks need is read once and broadcast).
 
+    Returns:
+        A :class:`LoadResult`; its ``missing_keys`` and ``unexpected_keys`` are empty after a
+        strict load.
+
     Raises:
         TypeError: ``dir`` is None.
         IncompleteCheckpointError: no ``metadata.json`` (the message names the directory meant
             when ``dir`` is a run directory or one level off).
         CorruptCheckpointError: the files are damaged or disagree with the metadata.
-        CheckpointMismatchError: a key is missing, or a shape or dtype differs (no casting).
+        CheckpointMismatchError: with ``strict``, a key of the model or optimizer the checkpoint
+            lacks or a checkpoint key they lack (the message names the difference, at most 10
+            keys of each side); in both modes, a shape or dtype that differs, another number of
+            param groups, or an optimizer of another kind (naming both). Raised on every rank.
 
     Example::
 
         last = checkpointer.latest_checkpoint(run_dir)
         if last is not None:
             checkpointer.load_model_and_optim_state(last, model, optim)
+        # fine-tuning: the saved body, a new head, a new optimizer
+        result = checkpointer.load_model_and_optim_state(ckpt, model, optim, strict=False)
+        print(result.missing_keys)     # ['head.weight', 'head.bias', 'optim:head.weight', ...]
     """
     dir = path_arg(dir).rstrip("/")
     storages = [_part(dir, "model")] + ([_part(dir, "optim")] if optim is not None else [])
-    load_model_and_optim(storages, model, optim, model_state_dict(model), strategy=strategy)
-    result = LoadResult()
+    result = load_model_and_optim(storages, model, optim, model_state_dict(model), strict=strict, strategy=strategy)
     result.train_state = load_train_state(_part(dir, TRAIN_PART), train_state, result.missing_keys)
     return result
 
@@ -231,8 +264,10 @@ def unshard_optim_state(
 ) -> dict[str, Any]:
     """The full optimizer state from ``dir/optim``, in ``torch.optim.Optimizer.state_dict()`` form.
 
-    ``param_groups[i]["params"]`` are indices, as ``state_dict()`` has them, in the saved order;
-    state tensors are full (unsharded).
+    ``param_groups[i]["params"]`` are indices, as ``state_dict()`` has them, in the saved order,
+    and ``param_groups[i]["param_names"]`` the parameter names the checkpoint holds, aligned with
+    them (as a named optimizer's ``state_dict()`` has them since torch 2.5; ``load_state_dict``
+    of it gives an unnamed optimizer these names); state tensors are full (unsharded).
 
     Args:
         dir: the directory :func:`save_model_and_optim_state` wrote (path or URL).

@@ -26,7 +26,11 @@ from ..format.dtypes import dtype_from_code
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..sharding import describe, local_data, with_sharding_of
 from ..storage.base import Storage
+from .load_result import LoadResult
 from .names import param_names
+from .strict import (
+    OPTIM_CLASS_KEY, OPTIM_PREFIX, check_optim_kind, difference_message, model_keys_to_load, optim_class_name,
+)
 
 __all__ = ["flatten_optim_state", "load_model_and_optim", "unflatten_optim", "malformed"]
 
@@ -39,7 +43,7 @@ def flatten_optim_state(model: nn.Module, optim: torch.optim.Optimizer, model_st
     for i, group in enumerate(optim.param_groups):
         saved: dict[str, Any] = {}
         for k, v in group.items():
-            if k == "params":
+            if k in ("params", "param_names"):  # torch's names (a named optimizer's): ours are ``_param_names``
                 continue
             saved[k] = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
         params = group["params"]
@@ -63,6 +67,7 @@ def flatten_optim_state(model: nn.Module, optim: torch.optim.Optimizer, model_st
                 state_keys.add(key)
                 flat[f"state.{name}.__{key}"] = _shard_like_param(value, model_state.get(name, p))
     flat["state_keys"] = _bytes_tensor(encode_builtins(sorted(state_keys), where="state_keys"))
+    flat[OPTIM_CLASS_KEY] = _bytes_tensor(encode_builtins(optim_class_name(optim), where=OPTIM_CLASS_KEY))
     return flat
 
 
@@ -83,20 +88,37 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 def load_model_and_optim(
     storages: Sequence[Storage], model: nn.Module, optim: torch.optim.Optimizer | None, model_state: dict[str, Any],
-    *, strategy: str = "default",
-) -> None:
+    *, strict: bool = True, strategy: str = "default",
+) -> LoadResult:
     """A model's checkpoint (``storages[0]``) and its optimizer's (``storages[1]``, when ``optim``
     is given) as one engine load: no tensor of either is written before every rank has planned
-    both, and the optimizer takes its state once every tensor is filled."""
+    both, and the optimizer takes its state once every tensor is filled.
+
+    The key differences are computed while every rank plans (so a refusal is raised on every
+    rank); with ``strict=False`` they come back in the result (optimizer parameters as
+    ``optim:{name}``), and what they name is left untouched."""
     torch_state: dict[str, Any] = {}
+    result = LoadResult()
     optim_dir = storages[1].url if optim is not None else ""
 
     def state_dicts(metadatas: list[StorageMetadata]) -> list[dict[str, Any]]:
+        result.missing_keys.clear()
+        result.unexpected_keys.clear()
+        to_load, missing, unexpected = model_keys_to_load(model_state, metadatas[0])
+        if strict and (missing or unexpected):
+            message = difference_message("model", storages[0].url, missing, unexpected, noun="model key")
+            raise CheckpointMismatchError(message)
+        result.missing_keys.extend(missing)
+        result.unexpected_keys.extend(unexpected)
         if optim is None:
-            return [model_state]
+            return [to_load]
         with malformed(optim_dir):
-            to_fill, torch_state["optim"] = _plan_optim_load(storages[1], metadatas[1], model, optim, model_state)
-        return [model_state, to_fill]
+            to_fill, torch_state["optim"], skipped = _plan_optim_load(
+                storages[1], metadatas[1], model, optim, model_state, strict=strict
+            )
+        result.missing_keys.extend(OPTIM_PREFIX + name for name in skipped[0])
+        result.unexpected_keys.extend(OPTIM_PREFIX + name for name in skipped[1])
+        return [to_load, to_fill]
 
     def finish() -> None:
         if optim is not None:
@@ -105,6 +127,7 @@ def load_model_and_optim(
 
     parts = storages[:2] if optim is not None else storages[:1]
     load_parts(parts, state_dicts, finish=finish, strategy=strategy)
+    return result
 
 
 @contextlib.contextmanager
@@ -122,8 +145,16 @@ def _plan_optim_load(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     model_state: dict[str, Any],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The state tensors to fill in place, and the state dict to hand the optimizer afterwards."""
+    *,
+    strict: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any], tuple[list[str], list[str]]]:
+    """The state tensors to fill in place, the state dict to hand the optimizer afterwards, and
+    the optimizer's parameter names the checkpoint lacks and the checkpoint's the optimizer lacks.
+
+    Parameters are matched by name: in their own param group with ``strict`` (any difference
+    raises), in any group without. Each group's hyperparameters come from the checkpoint's group
+    of the same index; a parameter the checkpoint lacks keeps the state it has (none, for an
+    optimizer just built)."""
     dir = storage.url
     for key in ("num_param_groups", "state_keys"):
         if key not in metadata.tensors:
@@ -136,13 +167,13 @@ def _plan_optim_load(
             f"the checkpoint has {num_groups} optimizer param groups, the optimizer has {len(optim.param_groups)}"
         )
     state_keys = decode_builtins(_tensor_bytes(small["state_keys"]), where=f"{dir}: state_keys")
+    saved_class = None
+    if OPTIM_CLASS_KEY in small:
+        saved_class = decode_builtins(_tensor_bytes(small[OPTIM_CLASS_KEY]), where=f"{dir}: {OPTIM_CLASS_KEY}")
+        if not isinstance(saved_class, str):
+            raise CorruptCheckpointError(f"{dir}: {OPTIM_CLASS_KEY} is not a str")
     names = param_names(model)
-    groups: list[dict[str, Any]] = []
-    to_fill: dict[str, Any] = {}
-    state_of: dict[int, dict[str, torch.Tensor]] = {}
-    aliases = metadata.aliases or {}
-    shared: dict[str, torch.Tensor] = {}  # saved key -> the state tensor that holds it (one per saved tensor)
-    index = 0
+    saved_groups, saved_names = [], []
     for i, group in enumerate(optim.param_groups):
         key = f"param_group{i}"
         if key not in small:
@@ -150,12 +181,32 @@ def _plan_optim_load(
         saved = decode_builtins(_tensor_bytes(small[key]), where=f"{dir}: {key}")
         if not isinstance(saved, dict):
             raise CorruptCheckpointError(f"{dir}: {key} is not a dict")
-        saved_names = saved.pop("_param_names", None)
+        group_names = saved.pop("_param_names", None)
+        if not isinstance(group_names, list) or not all(isinstance(n, str) for n in group_names):
+            raise CorruptCheckpointError(f"{dir}: {key} has no _param_names list of str")
+        saved.pop("param_names", None)  # the optimizer keeps its own names, aligned with its own params
+        saved_groups.append(saved)
+        saved_names.append(group_names)
+    if not isinstance(state_keys, list) or not all(isinstance(k, str) for k in state_keys):
+        raise CorruptCheckpointError(f"{dir}: state_keys is not a list of str")
+    check_optim_kind(optim, saved_class, state_keys, saved_groups, dir)
+    current_names = []
+    for i, group in enumerate(optim.param_groups):
         current = [names.get(id(p)) for p in group["params"]]
-        if not isinstance(saved_names, list) or sorted(map(str, saved_names)) != sorted(map(str, current)):
+        if None in current:
             raise CheckpointMismatchError(
-                f"optimizer param group {i}: the checkpoint holds {saved_names}, the optimizer holds {current}"
+                f"optimizer param group {i} holds tensors that are not parameters of the model"
             )
+        current_names.append(current)
+    skipped = _optim_difference(current_names, saved_names, strict, dir)
+    absent = set(skipped[0])
+    groups: list[dict[str, Any]] = []
+    to_fill: dict[str, Any] = {}
+    state_of: dict[int, dict[str, torch.Tensor]] = {}
+    aliases = metadata.aliases or {}
+    shared: dict[str, torch.Tensor] = {}  # saved key -> the state tensor that holds it (one per saved tensor)
+    index = 0
+    for group, saved, current in zip(optim.param_groups, saved_groups, current_names):
         saved["params"] = list(range(index, index + len(current)))
         for k, v in saved.items():
             now = group.get(k)
@@ -165,6 +216,11 @@ def _plan_optim_load(
         for param, name in zip(group["params"], current):
             value = model_state.get(name, param)
             existing = optim.state.get(param, {})
+            if name in absent:
+                if existing:
+                    state_of[index] = dict(existing)
+                index += 1
+                continue
             param_state = {}
             for state_key in state_keys:
                 flat_key = f"state.{name}.__{state_key}"
@@ -184,7 +240,28 @@ def _plan_optim_load(
             if param_state:
                 state_of[index] = param_state
             index += 1
-    return to_fill, {"state": state_of, "param_groups": groups}
+    return to_fill, {"state": state_of, "param_groups": groups}, skipped
+
+
+def _optim_difference(
+    current: list[list[str]], saved: list[list[str]], strict: bool, dir: str
+) -> tuple[list[str], list[str]]:
+    """The optimizer's parameters the checkpoint lacks, and the checkpoint's the optimizer lacks:
+    per param group with ``strict`` (raising on any), across all groups without."""
+    if not strict:
+        all_saved = {n for names in saved for n in names}
+        all_current = {n for names in current for n in names}
+        return ([n for names in current for n in names if n not in all_saved],
+                [n for names in saved for n in names if n not in all_current])
+    for i, (now, then) in enumerate(zip(current, saved)):
+        now_set, then_set = set(now), set(then)
+        missing = [n for n in now if n not in then_set]
+        unexpected = [n for n in then if n not in now_set]
+        if missing or unexpected:
+            raise CheckpointMismatchError(
+                difference_message(f"optimizer's param group {i}", dir, missing, unexpected, noun="parameter")
+            )
+    return [], []
 
 
 def _fits(dest: Any, meta: TensorStorageMetadata, param: Any) -> bool:
@@ -222,6 +299,9 @@ def unflatten_optim(flat: dict[str, torch.Tensor], where: str) -> dict[str, Any]
         if not isinstance(group, dict) or not isinstance(group.get("_param_names", []), list):
             raise CorruptCheckpointError(f"{where}: param_group{i} is not a param group dict with a _param_names list")
         names = group.pop("_param_names", [])
+        if not isinstance(group.get("params"), list) or len(group["params"]) != len(names):
+            raise CorruptCheckpointError(f"{where}: param_group{i} has {len(names)} _param_names for its params")
+        group["param_names"] = list(names)
         for name, pid in zip(names, group["params"]):
             entry = {k: flat[f"state.{name}.__{k}"] for k in state_keys if f"state.{name}.__{k}" in flat}
             if entry:

@@ -151,8 +151,10 @@ def optim_as_flat(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
         for key, value in entry.items():
             out[f"state:{names[pid]}.{key}"] = value
     for i, group in enumerate(state["param_groups"]):
+        assert group.get("param_names") == [names[p] for p in group["params"]], group.get("param_names")
         for key, value in group.items():
-            out[f"group{i}:{key}"] = [names[p] for p in value] if key == "params" else value
+            if key != "param_names":
+                out[f"group{i}:{key}"] = [names[p] for p in value] if key == "params" else value
     return out
 
 
