@@ -197,9 +197,7 @@ class OursSource(TensorSource):
     def tensors(self) -> Iterator[LazyTensor]:
         """Boxes are read from the rank files' bytes (headers checked before allocating)."""
         reader = self.source.reader
-        by_target: dict[str, list[str]] = {}
-        for alias, target in self.aliases.items():
-            by_target.setdefault(target, []).append(alias)
+        by_target = self.tied_names()
         for key, meta in self.metadata.tensors.items():
 
             def read(box: Box | None, key: str = key, shape: tuple[int, ...] = tuple(meta.shape)) -> torch.Tensor:

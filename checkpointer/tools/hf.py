@@ -51,6 +51,7 @@ __all__ = [
     "StoredTensor",
     "read_hf_index",
     "resolve",
+    "check_shard",
     "has_file",
     "looks_like_safetensors",
     "INDEX_NAME",
@@ -127,7 +128,7 @@ class HFSource(TensorSource):
         for name in files:
             file_storage, file_name = resolve(storage, name)
             if index is not None:
-                _check_shard(file_storage, file_name, storage.join(name))
+                check_shard(file_storage, file_name, storage.join(name))
             headers = self._headers.setdefault(file_storage.url, HeaderCache(file_storage, what=what))
             entries = headers.get(file_name).entries
             wanted = index[name] if index is not None else list(entries)
@@ -187,13 +188,14 @@ def _numel(stored: StoredTensor) -> int:
     return n
 
 
-def _check_shard(storage: Storage, name: str, shown: str) -> None:
+def check_shard(storage: Storage, name: str, shown: str, index_name: str = INDEX_NAME) -> None:
+    """Refuse a shard listed in ``index_name`` that is missing (``shown``: its name for messages)."""
     try:
         exists = storage.exists(name)
     except OSError as ex:
         raise CorruptCheckpointError(f"{shown}: cannot check the shard ({ex})") from ex
     if not exists:
-        raise CorruptCheckpointError(f"{shown}: shard listed in {INDEX_NAME} is missing")
+        raise CorruptCheckpointError(f"{shown}: shard listed in {index_name} is missing")
 
 
 def _listed_safetensors(storage: Storage) -> list[str]:

@@ -104,9 +104,7 @@ class TensorSource(ABC):
     def tensors(self) -> Iterator[LazyTensor]:
         """Every tensor (aliases after the key they share memory with), read as the caller asks;
         by default each box is cut from the whole tensor."""
-        by_target: dict[str, list[str]] = {}
-        for alias, target in self.aliases.items():
-            by_target.setdefault(target, []).append(alias)
+        by_target = self.tied_names()
         for key, shape, code in self.entries():
 
             def read(box: Box | None, key: str = key) -> torch.Tensor:
@@ -114,6 +112,13 @@ class TensorSource(ABC):
 
             for name in [key, *by_target.get(key, [])]:
                 yield LazyTensor(name, shape, dtype_from_code(code), read)
+
+    def tied_names(self) -> dict[str, list[str]]:
+        """``key -> [aliases]`` for the keys that other names share memory with."""
+        out: dict[str, list[str]] = {}
+        for alias, target in self.aliases.items():
+            out.setdefault(target, []).append(alias)
+        return out
 
 
 def box_piece(shape: Sequence[int], box: Box | None) -> Piece:

@@ -22,7 +22,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
-from .hf import has_file, read_hf_index, resolve
+from .hf import check_shard, has_file, read_hf_index, resolve
 from .sources import Box, Entry, LazyTensor, TensorSource, Where, cut_box
 
 __all__ = ["TorchSource", "MAX_NESTING", "BIN_INDEX_NAME", "BIN_SINGLE_NAME"]
@@ -77,12 +77,7 @@ class TorchSource(TensorSource):
 
     def _load(self, storage: Storage, name: str, shown: str, keys: Sequence[str] | None) -> dict[str, torch.Tensor]:
         if keys is not None:
-            try:
-                exists = storage.exists(name)
-            except OSError as ex:
-                raise CorruptCheckpointError(f"{shown}: cannot check the shard ({ex})") from ex
-            if not exists:
-                raise CorruptCheckpointError(f"{shown}: shard listed in {BIN_INDEX_NAME} is missing")
+            check_shard(storage, name, shown, BIN_INDEX_NAME)
         obj = _torch_load(storage, name, shown, mmap=self.mmap, restrict=self.restrict)
         if not isinstance(obj, Mapping):
             raise CorruptCheckpointError(f"{shown}: holds a {type(obj).__name__}, not a state dict")
