@@ -25,6 +25,7 @@ Symlinks that leave a local directory (the Hugging Face cache links ``snapshots/
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -182,10 +183,7 @@ def _stored(key: str, storage: Storage, name: str, entry: HeaderEntry) -> Stored
 
 
 def _numel(stored: StoredTensor) -> int:
-    n = 1
-    for d in stored.shape:
-        n *= d
-    return n
+    return math.prod(stored.shape)
 
 
 def check_shard(storage: Storage, name: str, shown: str, index_name: str = INDEX_NAME) -> None:
