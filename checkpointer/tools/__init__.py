@@ -1,9 +1,13 @@
-"""Conversions between this library's checkpoints, torch DCP directories and Hugging Face safetensors.
+"""The offline tools, above the engine: lazy_load, convert, export, verify, inspect.
 
-Each format is a *source* of whole tensors, listed up front and fetched one at a time, and a
-*writer* that streams them out; a conversion holds at most one tensor in memory.
+Every format is read through one interface, a *tensor source* (:mod:`.sources`): one class per
+format, each with a ``supports(where)`` check, asked in order by :func:`.detect.open_source`
+(the one format detector). Conversions stream tensors from a source to a *writer*, one at a
+time.
 """
 
 from .convert import FORMATS, convert, detect_format
+from .detect import open_source
+from .sources import TensorSource
 
-__all__ = ["FORMATS", "convert", "detect_format"]
+__all__ = ["FORMATS", "convert", "detect_format", "open_source", "TensorSource"]

@@ -1,8 +1,12 @@
-"""Whole tensors of one checkpoint directory of this library, read one at a time (checksums checked):
-the source an export or a conversion writes from."""
+"""This library's checkpoints as a tensor source: whole tensors read one at a time (checksums
+checked) for an export or a conversion (:class:`CheckpointTensors`), and boxes of them for
+``lazy_load`` (:class:`OursSource`, the format ``open_source`` picks for a directory holding
+``metadata.json``, or ``model/metadata.json`` as ``save_model_and_optim_state`` and OLMo-core
+write it)."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import math
@@ -15,12 +19,17 @@ from ..buffers import memoryview_of
 from ..format.dtypes import dtype_from_code, itemsize
 from ..format.metadata import StorageMetadata
 from ..planning.load_plan import TensorLoadPlan, build_load_plan
+from ..format.layout import METADATA_FILENAME
 from ..storage.base import Storage
+from ..storage.local import LocalStorage
 from ..engine.checks import check_files_hold
+from ..engine.load import read_metadata
+from ..engine.locate import PARTS, model_checkpoint
 from ..engine.reader import CheckpointReader, new_tensor
 from ..engine.reads import ReadJob, check_chunk, execute_reads, verify_reads
+from .sources import Box, Entry, LazyTensor, TensorSource, Where, box_piece
 
-__all__ = ["CheckpointTensors", "Staging"]
+__all__ = ["CheckpointTensors", "OursSource", "Staging"]
 
 _STREAM_BLOCK = 4 << 20
 
@@ -152,3 +161,47 @@ def _streamed_checks(
             checks.append((d + hi, d + lo, expected[c], (name, plan.key, c)))
     checks.sort()
     return checks
+
+
+class OursSource(TensorSource):
+    """A checkpoint directory of this library (or the ``model/`` part of a model and optimizer save)."""
+
+    format = "checkpointer"
+    looks_for = f"{METADATA_FILENAME} or model/{METADATA_FILENAME} (checkpointer)"
+
+    @classmethod
+    def supports(cls, where: Where) -> bool:
+        if where.name is not None:
+            return False
+        storage = where.storage
+        if storage.exists(METADATA_FILENAME) or any(storage.part(p).exists(METADATA_FILENAME) for p in PARTS):
+            return True
+        model = storage.part("model")  # there, but leading out of the checkpoint: reading it says so
+        return isinstance(model, LocalStorage) and os.path.isfile(os.path.join(model.root, METADATA_FILENAME))
+
+    def __init__(self, where: Where, **_options: object):
+        storage = where.storage
+        root = storage if storage.exists(METADATA_FILENAME) else model_checkpoint(storage)
+        self.url = root.url
+        self.metadata = read_metadata(root, no_dist=True)
+        self.source = CheckpointTensors(root, self.metadata)
+        self.aliases = dict(self.metadata.aliases or {})
+        self.skipped: list[str] = []
+
+    def entries(self) -> list[Entry]:
+        return self.source.entries()
+
+    def fetch(self, key: str) -> torch.Tensor:
+        return self.source.fetch(key)
+
+    def tensors(self) -> Iterator[LazyTensor]:
+        """Boxes are read from the rank files' bytes (headers checked before allocating)."""
+        reader = self.source.reader
+        by_target = self.tied_names()
+        for key, meta in self.metadata.tensors.items():
+
+            def read(box: Box | None, key: str = key, shape: tuple[int, ...] = tuple(meta.shape)) -> torch.Tensor:
+                return reader.piece(key, box_piece(shape, box))
+
+            for name in [key, *by_target.get(key, [])]:
+                yield LazyTensor(name, tuple(meta.shape), dtype_from_code(meta.dtype), read)

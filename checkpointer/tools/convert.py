@@ -8,90 +8,37 @@ other ranks wait for its result, however long it takes.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 
 from .. import dist
-from .checkpoint_tensors import CheckpointTensors
+from .detect import detect, open_source
 from .export import export_checkpoint, parse_dtype, plan_export, run_export, select_tensors
-from ..engine.load import read_metadata
-from ..engine.locate import checkpoint_parts, model_checkpoint
-from ..errors import CheckpointError, IncompleteCheckpointError
-from ..format.layout import METADATA_FILENAME, is_rank_filename
+from ..engine.locate import checkpoint_parts
+from ..errors import CheckpointError
 from ..storage import open_storage
 from ..storage.base import path_arg
-from .dcp import DCPTensors, is_dcp, write_dcp
-from .hf import HFTensors, is_hf
+from .dcp import write_dcp
 from .ours import write_checkpoint
 
-__all__ = ["FORMATS", "detect_format", "convert", "open_source"]
+__all__ = ["FORMATS", "detect_format", "convert"]
 
 FORMATS = ("checkpointer", "dcp", "hf")
 
 
-class Source(Protocol):
-    @property
-    def aliases(self) -> dict[str, str]: ...
-
-    def entries(self) -> list[tuple[str, tuple[int, ...], str]]: ...
-
-    def fetch(self, key: str) -> torch.Tensor: ...
-
-
 def detect_format(src: str) -> str:
-    """``"checkpointer"``, ``"dcp"`` or ``"hf"``, from what ``src`` holds."""
-    if str(src).endswith(".safetensors"):
-        return "hf"
-    storage = open_storage(src)
-    names = set(storage.list())
-    if METADATA_FILENAME in names or any(
-        part in names and storage.part(part).exists(METADATA_FILENAME) for part in ("model", "optim")
-    ):
-        return "checkpointer"
-    if is_dcp(names):
-        return "dcp"
-    if any(is_rank_filename(n) for n in names):
-        raise IncompleteCheckpointError(
-            f"{storage.join(METADATA_FILENAME)} is missing: {storage.url} is not a complete checkpoint"
-        )
-    if is_hf(src, names):
-        return "hf"
-    if not names and storage.is_local() and os.path.isfile(storage.url):
+    """``"checkpointer"``, ``"dcp"`` or ``"hf"``, from what ``src`` holds (the tools' one detector,
+    :func:`~checkpointer.tools.detect.detect`, less the formats convert does not read)."""
+    cls, where = detect(src)
+    if cls.format not in FORMATS and where.name is None:
+        raise CheckpointError(f"{where.shown} holds torch pickles, which convert does not read (lazy_load does)")
+    if cls.format not in FORMATS:
         raise CheckpointError(
-            f"cannot tell the format of {storage.url}: it is a file; expected a directory "
+            f"cannot tell the format of {where.shown}: it is a file; expected a directory "
             "(checkpointer, torch DCP, Hugging Face) or a .safetensors file"
         )
-    if not names:
-        raise CheckpointError(f"{storage.url} does not exist or is empty")
-    raise CheckpointError(
-        f"cannot tell the format of {storage.url}: expected {METADATA_FILENAME} (checkpointer), "
-        ".metadata (torch DCP), or .safetensors files (Hugging Face)"
-    )
-
-
-class _OursSource:
-    def __init__(self, src: str):
-        storage = model_checkpoint(open_storage(src))
-        self.source = CheckpointTensors(storage, read_metadata(storage, no_dist=True))
-        self.aliases = dict(self.source.metadata.aliases or {})
-
-    def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
-        return self.source.entries()
-
-    def fetch(self, key: str) -> torch.Tensor:
-        return self.source.fetch(key)
-
-
-def open_source(fmt: str, src: str, *, allow_pickle: bool = False) -> Source:
-    if fmt == "checkpointer":
-        return _OursSource(src)
-    if fmt == "dcp":
-        return DCPTensors(src, allow_pickle=allow_pickle)
-    if fmt == "hf":
-        return HFTensors(src)
-    raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+    return cls.format
 
 
 def convert(
@@ -139,10 +86,12 @@ def convert(
 
 
 def _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes) -> list[str]:
-    source = open_source(fmt, src, allow_pickle=allow_pickle)
+    source = open_source(src, allow_pickle=allow_pickle)
+    if source.format != fmt:
+        raise CheckpointError(f"{src} changed while it was converted: it held a {fmt} checkpoint, now a {source.format} one")
     if fmt == "checkpointer" and notes is not None and "optim" in dict(checkpoint_parts(open_storage(src))):
         notes(f"only the model is converted: the optimizer state in {open_storage(src).join('optim')} is not")
-    skipped = getattr(source, "skipped", [])
+    skipped = source.skipped
     if skipped and notes is not None:
         shown = ", ".join(map(repr, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         notes(f"{len(skipped)} non-tensor entries of {src} were not converted: {shown}")

@@ -24,18 +24,15 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import code_from_dtype, dtype_from_code
 from ..storage import urls
 from ..storage.base import check_url
+from .sources import Entry, TensorSource, Where
 
-__all__ = ["DCPTensors", "read_dcp_metadata", "write_dcp", "is_dcp", "DCP_METADATA", "local_path"]
+__all__ = ["DCPSource", "read_dcp_metadata", "write_dcp", "DCP_METADATA", "local_path"]
 
 DCP_METADATA = ".metadata"
 PICKLE_WARNING = (
     "{where} is a Python pickle, and unpickling can run arbitrary code: pass --allow-pickle "
     "(allow_pickle=True) only for a DCP checkpoint you trust"
 )
-
-
-def is_dcp(names: set[str]) -> bool:
-    return DCP_METADATA in names
 
 
 def local_path(url: str) -> str:
@@ -73,16 +70,25 @@ def _read_trusted_dcp_metadata(path: str) -> Any:
     return FileSystemReader(path).read_metadata()
 
 
-class DCPTensors:
+class DCPSource(TensorSource):
     """The tensors of a DCP directory, each loaded whole (from however many ranks' chunks) on demand.
 
     Entries that are not tensors (pickled Python objects) are not read; :attr:`skipped` names them.
     """
 
-    def __init__(self, path: str, *, allow_pickle: bool = False):
+    format = "dcp"
+    looks_for = f"{DCP_METADATA} (torch DCP)"
+
+    @classmethod
+    def supports(cls, where: Where) -> bool:
+        return where.name is None and where.storage.exists(DCP_METADATA)
+
+    def __init__(self, where: Where, *, allow_pickle: bool = False, **_options: object):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self.path = local_path(path)
+        self.path = local_path(where.storage.url)
+        self.url = self.path
+        self.aliases: dict[str, str] = {}
         self.metadata = read_dcp_metadata(self.path, allow_pickle=allow_pickle)
         self._entries: list[tuple[str, tuple[int, ...], str]] = []
         self.skipped: list[str] = []
@@ -97,11 +103,7 @@ class DCPTensors:
             self._entries.append((fqn, tuple(meta.size), code))
         self._reader = _reader_with_metadata(self.path, self.metadata)
 
-    @property
-    def aliases(self) -> dict[str, str]:
-        return {}
-
-    def entries(self) -> list[tuple[str, tuple[int, ...], str]]:
+    def entries(self) -> list[Entry]:
         return list(self._entries)
 
     def fetch(self, key: str) -> torch.Tensor:

@@ -278,12 +278,12 @@ def test_nested_torch_file_is_flattened(tmp_path):
 
 
 def test_hf_source_shard_missing_names_the_index(tmp_path):
-    from checkpointer.tools.hf import HFTensors
+    from checkpointer.tools.detect import open_source
 
     write_hf_index(str(tmp_path / "hf"), hf_state())
     os.remove(tmp_path / "hf" / "model-00002-of-00003.safetensors")
     with pytest.raises(CorruptCheckpointError) as info:
-        HFTensors(str(tmp_path / "hf"))
+        open_source(str(tmp_path / "hf"))
     message = str(info.value)
     assert "model-00002-of-00003.safetensors" in message and "model.safetensors.index.json" in message
     assert "metadata.json" not in message.replace("model.safetensors.index.json", "")
@@ -296,10 +296,10 @@ class _DroppedConnection(CountingStorage):
 
 def test_hf_source_io_failure_is_an_os_error_not_corruption(tmp_path):
     """A network failure says nothing about the file: it must not be called a damaged checkpoint."""
-    from checkpointer.tools.hf import HFTensors
+    from checkpointer.tools.detect import open_source
 
     save_file(hf_state(), str(tmp_path / "model.safetensors"))
-    src = HFTensors(_DroppedConnection(str(tmp_path)))
+    src = open_source(_DroppedConnection(str(tmp_path)))
     key = src.entries()[0][0]
     with pytest.raises(ConnectionResetError, match="model.safetensors"):
         src.fetch(key)

@@ -247,7 +247,7 @@ def test_trailing_dim_slice_over_http_is_few_requests(http_root):
 
 
 def test_gathered_reads_merges_near_ranges(tmp_path):
-    from checkpointer.tools.lazy_sources import GatheredReads
+    from checkpointer.tools.gathered import GatheredReads
 
     data = os.urandom(1 << 16)
     (tmp_path / "f").write_bytes(data)
@@ -283,12 +283,12 @@ def test_hf_source_over_http_a_file_whose_name_is_percent_encoded(http_root):
     """``checkpointer convert``'s Hugging Face source takes a file URL the same way."""
     from urllib.parse import quote
 
-    from checkpointer.tools.hf import HFTensors
+    from checkpointer.tools.detect import open_source
 
     root, server = http_root
     w = torch.randn(4, 6)
     save_file({"w": w}, os.path.join(root, "my model+v2%.safetensors"))
-    src = HFTensors(server.url + "/" + quote("my model+v2%.safetensors"))
+    src = open_source(server.url + "/" + quote("my model+v2%.safetensors"))
     assert [key for key, _, _ in src.entries()] == ["w"] and torch.equal(src.fetch("w"), w)
 
 

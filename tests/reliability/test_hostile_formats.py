@@ -18,9 +18,10 @@ from safetensors.torch import save_file
 
 import checkpointer
 from checkpointer.tools.export import INDEX_NAME
-from checkpointer.tools.lazy_sources import MAX_NESTING, read_hf_index
+from checkpointer.tools.hf import read_hf_index
+from checkpointer.tools.torch_files import MAX_NESTING
 from checkpointer.engine.load import read_metadata
-from checkpointer.tools.hf import HFTensors
+from checkpointer.tools.detect import open_source
 from checkpointer.storage.local import LocalStorage
 
 
@@ -107,7 +108,7 @@ def test_metadata_json_that_grows_is_read_to_its_stat_size(tmp_path):
     assert [n for name, n in storage.reads if name == "metadata.json"] == [size]
 
 
-@pytest.mark.parametrize("reader", ["read_hf_index", "HFTensors"])
+@pytest.mark.parametrize("reader", ["read_hf_index", "HFSource"])
 def test_hf_index_that_grows_is_read_to_its_stat_size(tmp_path, reader):
     path = _hf_dir(str(tmp_path / "hf"))
     size = os.path.getsize(os.path.join(path, INDEX_NAME))
@@ -117,7 +118,7 @@ def test_hf_index_that_grows_is_read_to_its_stat_size(tmp_path, reader):
             ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
         )
     else:
-        assert [key for key, _, _ in HFTensors(storage).entries()] == ["a", "b"]
+        assert [key for key, _, _ in open_source(storage).entries()] == ["a", "b"]
     assert [n for name, n in storage.reads if name == INDEX_NAME] == [size]
 
 
@@ -145,7 +146,7 @@ def test_hf_index_that_is_not_a_regular_file(tmp_path, special):
     os.remove(index)
     os.mkfifo(index) if special == "fifo" else os.mkdir(index)
     outcomes = run_loaders(
-        {"lazy_load": lambda: lazy_all(path), "HFTensors": lambda: HFTensors(path).entries()}, path, (str(tmp_path),), hang_s=4
+        {"lazy_load": lambda: lazy_all(path), "HFSource": lambda: open_source(path).entries()}, path, (str(tmp_path),), hang_s=4
     )
     assert_rule(outcomes, must_raise=set(outcomes), needles=(INDEX_NAME,), cls=checkpointer.CorruptCheckpointError)
 
@@ -156,7 +157,7 @@ def test_hf_index_nested_too_deeply(tmp_path, weight_map):
     with open(os.path.join(path, INDEX_NAME), "w") as f:
         f.write('{"weight_map": ' + weight_map + "}")
     outcomes = run_loaders(
-        {"lazy_load": lambda: lazy_all(path), "HFTensors": lambda: HFTensors(path).entries()}, path, (str(tmp_path),)
+        {"lazy_load": lambda: lazy_all(path), "HFSource": lambda: open_source(path).entries()}, path, (str(tmp_path),)
     )
     assert_rule(outcomes, must_raise=set(outcomes), needles=(INDEX_NAME,), cls=checkpointer.CorruptCheckpointError)
 
@@ -175,7 +176,7 @@ def test_huge_dims_of_an_empty_tensor_in_a_safetensors_file(tmp_path, shape):
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
     outcomes = run_loaders(
-        {"lazy_load": lambda: lazy_all(path), "HFTensors": lambda: HFTensors(path).fetch("a")},
+        {"lazy_load": lambda: lazy_all(path), "HFSource": lambda: open_source(path).fetch("a")},
         os.path.dirname(path),
         (str(tmp_path),),
     )

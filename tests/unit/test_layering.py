@@ -163,7 +163,7 @@ def check_fake(rel: str, source: str) -> list[str]:
         ("storage/__init__.py", "from ..sharding import piece_of\n"),
         ("dist.py", "from .sharding import x\n"),
         ("engine/save.py", "from ..api import y\n"),
-        ("engine/load.py", "from ..tools.hf import HFTensors\n"),
+        ("engine/load.py", "from ..tools.hf import HFSource\n"),
         ("api.py", "from .cli import main\n"),
         ("planning/x.py", "import torch.distributed as dist\n"),
         ("format/x.py", "from torch.distributed import all_gather\n"),
