@@ -237,7 +237,7 @@ def _load(storage: Storage, wanted: dict[str, Any], missing: list[str]) -> dict[
         missing.extend(f"train_state.{k}" for k in lost)
         warnings.warn(
             f"{where}: saved by {manifest['world_size']} ranks; rank {rank} has no saved value of the per-rank "
-            f"train_state keys {lost} (left as they are)", stacklevel=3,
+            f"train_state keys {lost} (left as they are)", stacklevel=4,
         )
     values: dict[str, Any] = {}
     for key, name in names.items():
