@@ -88,18 +88,27 @@ def save_model_and_optim_state(
         checkpointer.save_model_and_optim_state(f"{run_dir}/step{step}", model, optim)
     """
     dir = path_arg(dir).rstrip("/")
-    model_state = model_state_dict(model)
-    optim_state = flatten_optim_state(model, optim, model_state)
-    train = train_state_dict(train_state) if train_state is not None else None
+    targets = _targets(dir, model, optim, train_state)
     _DEFAULT.wait()
+    _claim(dir, save_overwrite, has_train=len(targets) == 3)
+    return [name for _, created in _DEFAULT.save_many(targets, save_overwrite=save_overwrite) for name in created]
+
+
+def _targets(
+    dir: str, model: nn.Module, optim: torch.optim.Optimizer, train_state: dict[str, Any] | None
+) -> list[tuple[str, dict[str, Any]]]:
+    """The parts of a save, in commit order: ``train/`` (when given), ``model/``, then ``optim/``,
+    whose commit is the checkpoint's."""
+    model_state = model_state_dict(model)
+    targets = [(f"{dir}/model", model_state), (f"{dir}/optim", flatten_optim_state(model, optim, model_state))]
+    if train_state is not None:
+        targets.insert(0, (f"{dir}/{TRAIN_PART}", train_state_dict(train_state)))
+    return targets
+
+
+def _claim(dir: str, save_overwrite: bool, *, has_train: bool) -> None:
     claim_parts(open_storage(f"{dir}/model"), open_storage(f"{dir}/optim"), save_overwrite,
-                train=open_storage(f"{dir}/{TRAIN_PART}"), keep_train=train is not None)
-    files: list[str] = []
-    if train is not None:  # before optim/, whose commit is the checkpoint's
-        files += _DEFAULT.save(f"{dir}/{TRAIN_PART}", train, save_overwrite=save_overwrite)[1]
-    files += _DEFAULT.save(f"{dir}/model", model_state, save_overwrite=save_overwrite)[1]
-    files += _DEFAULT.save(f"{dir}/optim", optim_state, save_overwrite=save_overwrite)[1]
-    return files
+                train=open_storage(f"{dir}/{TRAIN_PART}"), keep_train=has_train)
 
 
 def async_save_model_and_optim_state(
@@ -126,17 +135,11 @@ def async_save_model_and_optim_state(
     """
     dir = path_arg(dir).rstrip("/")
     with torch.no_grad():
-        model_state = model_state_dict(model)
-        optim_state = flatten_optim_state(model, optim, model_state)
-        train = train_state_dict(train_state) if train_state is not None else None
+        targets = _targets(dir, model, optim, train_state)
         _DEFAULT.wait()
         files: Future[list[str]] = Future()
-        targets = [(f"{dir}/model", model_state), (f"{dir}/optim", optim_state)]
-        if train is not None:  # committed first: optim/'s commit is the checkpoint's
-            targets.insert(0, (f"{dir}/{TRAIN_PART}", train))
-        elif save_overwrite:
-            claim_parts(open_storage(f"{dir}/model"), open_storage(f"{dir}/optim"), True,
-                        train=open_storage(f"{dir}/{TRAIN_PART}"), keep_train=False)
+        if save_overwrite:  # without it, the async saver refuses an existing checkpoint (from .result())
+            _claim(dir, save_overwrite, has_train=len(targets) == 3)
         # The async saver locks every part (retiring old ones) before writing any.
         both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite)
 

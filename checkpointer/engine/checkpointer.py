@@ -13,7 +13,7 @@ from ..storage.base import Storage
 from .. import dist
 from .load import load_state_dict, load_state_dicts, read_metadata, read_metadatas
 from .async_save import AsyncSaver, wait_for_writes_into
-from .save import SavePlanCache, save_state_dict
+from .save import SavePlanCache, save_state_dicts
 from .two_stage import LoadStats, load_two_stage
 from .load import unshard_state_dict
 
@@ -68,9 +68,18 @@ class Checkpointer:
             ReplicaMismatchError: ranks holding copies of one piece (a plain tensor every rank
                 passes, a ``Replicate`` placement) hold different bytes; nothing is committed.
         """
+        return self.save_many([(dir, state_dict)], save_overwrite=save_overwrite)[0]
+
+    @torch.no_grad()
+    def save_many(
+        self, targets: list[tuple[str | Storage, Mapping[str, Any]]], *, save_overwrite: bool = False
+    ) -> list[tuple[StorageMetadata, list[str]]]:
+        """:meth:`save` of several ``(dir, state_dict)`` as one save: all are planned and locked
+        before any is written, then written and committed in order (the last commit is the save's)."""
         if self._async is not None:
             self._async.wait()
-        return save_state_dict(open_storage(dir), state_dict, save_overwrite=save_overwrite, cache=self._plan_cache)
+        opened = [(open_storage(d), sd) for d, sd in targets]
+        return save_state_dicts(opened, save_overwrite=save_overwrite, cache=self._plan_cache)
 
     def async_save(
         self, dir: str | Storage, state_dict: Mapping[str, Any], *, save_overwrite: bool = False

@@ -24,10 +24,11 @@ A failure anywhere reaches every rank at the next agreement.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -41,12 +42,12 @@ from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_sa
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from .commit import Copies, check_copies, start_hashing
-from .commit import check_directory, commit_metadata, release_lock
+from .commit import check_directory, commit_metadata, refuse_existing_everywhere, release_lock
 from .rankfile import write_rank_file
 
 __all__ = [
     "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict",
-    "DescribedState", "describe_for_save", "reuse_cached_plans", "plan_in_full",
+    "DescribedState", "describe_for_save", "reuse_cached_plans", "plan_in_full", "save_state_dicts",
 ]
 
 _CACHE_ENTRIES = 8
@@ -388,5 +389,46 @@ def save_state_dict(
     cache: dict[str, SavePlanCache] | None = None,
 ) -> tuple[StorageMetadata, list[str]]:
     """Save on every rank. Returns the metadata and the files this rank created."""
-    planned = plan_save(storage, state_dict, save_overwrite=save_overwrite, cache=cache)
-    return planned.metadata, write_and_commit(planned)
+    return save_state_dicts([(storage, state_dict)], save_overwrite=save_overwrite, cache=cache)[0]
+
+
+@contextlib.contextmanager
+def _released_unless_committed(planned: list[PlannedSave], start: int) -> Iterator[None]:
+    """On a failure in the block, rank 0 releases the locks of ``planned[start:]`` (which no
+    commit will release), and the failure goes on."""
+    done = False
+    try:
+        yield
+        done = True
+    finally:
+        if not done:
+            for p in planned[start:]:
+                release_lock(p.storage, p.lock)
+
+
+def save_state_dicts(
+    targets: list[tuple[Storage, Mapping[str, Any]]],
+    *,
+    save_overwrite: bool = False,
+    cache: dict[str, SavePlanCache] | None = None,
+) -> list[tuple[StorageMetadata, list[str]]]:
+    """Save several state dicts as one save, on every rank: every target is planned and locked
+    (an old checkpoint in each retired) before any rank writes, then each is written and
+    committed in order, so the last target's commit is the whole save's. The synchronous
+    twin of :meth:`~checkpointer.engine.async_save.AsyncSaver.save`, with the same steps."""
+    described = [(storage, describe_for_save(sd)) for storage, sd in targets]
+    planned = None
+    if cache is not None:
+        planned = reuse_cached_plans(described, cache=cache, save_overwrite=save_overwrite, take_locks_now=True)
+    if planned is None:
+        planned = []
+        if not save_overwrite and len(targets) > 1:  # before any target's lock: a refused save locks none
+            refuse_existing_everywhere([storage for storage, _ in targets])
+        with _released_unless_committed(planned, 0):
+            for storage, d in described:
+                planned.append(plan_in_full(storage, d, save_overwrite=save_overwrite, cache=cache))
+    out: list[tuple[StorageMetadata, list[str]]] = []
+    for index, p in enumerate(planned):
+        with _released_unless_committed(planned, index + 1):  # a failure: the later targets' locks go
+            out.append((p.metadata, write_and_commit(p)))
+    return out
