@@ -1,19 +1,22 @@
-"""checkpointer demo: checkpoint an FSDP2 job on 2 processes, resume it on 3, same losses.
+"""checkpointer demo: a training run stopped and resumed exactly, then at another world size.
 
-Run it with ``make demo`` (or ``.venv/bin/python examples/demo.py``); CPU only, about 30 s.
+Run it with ``make demo`` (or ``.venv/bin/python examples/demo.py``); CPU only, about a minute.
 
-1. Run A, 2 processes: train a small transformer LM (FSDP2 + AdamW) for steps 0..23,
-   calling ``save_model_and_optim_state`` before step 12. The job keeps going after the
-   save, so its losses are the reference curve of an uninterrupted run.
-2. Run B, 3 processes: a freshly initialised model (another seed) and a fresh AdamW,
-   filled in place by ``load_model_and_optim_state`` from the step-12 checkpoint (resharded
-   from 2 ways to 3), then trained for steps 12..23 and saved again.
-3. The two loss curves over steps 12..23 must agree to float rounding. Every world size
-   sees the same global batch (each rank takes its slice), so the math is identical and only
-   the order of float additions differs.
-4. ``export_safetensors`` turns run B's last checkpoint into one ``model.safetensors``
-   (``unshard_model_state`` gives the same tensors in memory); a plain ``nn.Module``
-   loaded from that file must give the loss the FSDP2 model gave.
+The job: a small transformer LM with dropout, FSDP2 on CPU (gloo), AdamW, a warmup + cosine
+``LambdaLR``, gradient clipping, and a ``DistributedSampler`` + ``DataLoader`` that shuffles
+each epoch. Every rank seeds its own dropout generator.
+
+1. Run A, 2 processes: trains steps 0..23 uninterrupted, saving every 8 steps in the background
+   (``async_save_model_and_optim_state`` with ``train_state``: scheduler, data position, each
+   rank's RNG). Its losses are the reference curve.
+2. Run B, 2 fresh processes (another seed): resumes from ``latest_checkpoint`` (step 16) and
+   trains on. Its losses must equal run A's bit for bit. The same processes then resume once
+   more with dropout off, the reference for run C.
+3. Run C, 3 processes, dropout off: resumes from the same checkpoint, resharded 2 -> 3. Model,
+   optimizer, scheduler and step are exact (checked against the checkpoint); the losses agree
+   with B's dropout-off curve to float rounding (the order of float additions differs).
+4. ``prune`` keeps the newest checkpoint of run A; ``export_safetensors`` writes run C's final
+   checkpoint as one ``model.safetensors``, which a plain ``nn.Module`` loads to the same loss.
 
 Everything is written under demo_out/ in the repository root, emptied first.
 Exit status 1 if a check fails.
@@ -26,10 +29,12 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
 
 import json
+import math
 import shutil
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy
@@ -37,25 +42,23 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler
 
 import checkpointer
-from model import ModelConfig, TinyLM, get_batch, make_corpus
+from checkpointer import RNGState
+from model import ModelConfig, TinyLM, Windows, get_batch, make_corpus
 
 OUT = Path(__file__).resolve().parents[1] / "demo_out"  # in the repository root
 IPC = OUT / "ipc"  # rendezvous files and the results each run hands back
-CFG = ModelConfig()
-GLOBAL_BATCH = 12  # sequences per step; divisible by both world sizes
-TOTAL_STEPS = 24
-SAVE_STEP = 12
-LR = 3e-3
-EVAL_STEP = 1_000_000  # the eval batch is the batch of a step we never train on
-TOLERANCE = 1e-5  # max |loss difference|: float reordering gives ~1e-7, a lost optimizer state ~1e-3
-CKPT_A = OUT / "A" / f"step{SAVE_STEP}"  # written by run A, read by run B
-CKPT_B = OUT / "B" / f"step{TOTAL_STEPS}"  # written by run B, unsharded at the end
+CFG = ModelConfig(dropout=0.1)
+GLOBAL_BATCH = 12  # sequences per step, divisible by both world sizes
+SAMPLES = 60  # 5 steps an epoch: step 16 is in the middle of epoch 3
+TOTAL_STEPS, SAVE_EVERY, WARMUP = 24, 8, 4
+TOLERANCE = 1e-5  # max |loss difference| across world sizes: float reordering gives ~1e-7
+RUN_A = OUT / "A"
 
 
 # --------------------------------------------------------------------------------------
@@ -63,86 +66,127 @@ CKPT_B = OUT / "B" / f"step{TOTAL_STEPS}"  # written by run B, unsharded at the 
 # --------------------------------------------------------------------------------------
 
 
-def build(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A TinyLM sharded with FSDP2 (one unit per block, plus the root) and its AdamW."""
-    torch.manual_seed(seed)  # same seed on every rank: each keeps its shard of one model
-    model = TinyLM(CFG)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    return model, optim
+def lr_at(step: int) -> float:
+    if step < WARMUP:
+        return (step + 1) / WARMUP
+    return 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (TOTAL_STEPS - WARMUP)))
 
 
-def my_slice(batch: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a global batch."""
-    rows = len(batch) // dist.get_world_size()
-    return batch[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
+class Job:
+    """Everything a run makes at its start, and the loop that trains it."""
+
+    def __init__(self, world_size: int, dropout: float, seed: int) -> None:
+        torch.manual_seed(seed)  # the same on every rank: each keeps its shard of one model
+        self.model = TinyLM(replace(CFG, dropout=dropout))
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.1)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_at)
+        self.sampler = DistributedSampler(Windows(make_corpus(), SAMPLES, CFG.seq_len), shuffle=True, seed=0)
+        self.loader = DataLoader(self.sampler.dataset, batch_size=GLOBAL_BATCH // world_size, sampler=self.sampler)
+        self.data = {"step": 0, "epoch": 0, "batch": 0}
+        torch.manual_seed(seed + 1000 + dist.get_rank())  # each rank its own dropout masks
+
+    def resume(self, ckpt: str) -> dict:
+        """Fill the model, optimizer and scheduler in place; the RNG waits for ``iter(loader)``."""
+        result = checkpointer.load_model_and_optim_state(ckpt, self.model, self.optim, train_state={"sched": self.sched})
+        self.data = dict(result.train_state["data"])
+        return result.train_state
+
+    def train(self, until: int, *, run_dir: Path | None = None, rng: dict | None = None) -> dict[int, float]:
+        losses, saves = {}, []
+        while self.data["step"] < until:
+            self.sampler.set_epoch(self.data["epoch"])
+            batches = iter(self.loader)  # draws from torch's generator: restore the RNG after it
+            for _ in range(self.data["batch"]):
+                next(batches)
+            if rng is not None:
+                RNGState().load_state_dict(rng)
+                rng = None
+            for inputs, targets in batches:
+                step = self.data["step"]
+                if run_dir is not None and step and step % SAVE_EVERY == 0:
+                    state = {"sched": self.sched, "data": dict(self.data), "rng": RNGState()}
+                    saves.append(checkpointer.async_save_model_and_optim_state(f"{run_dir}/step{step}", self.model, self.optim, train_state=state))
+                loss = self.model.loss(inputs, targets)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                self.optim.step()
+                self.sched.step()
+                self.optim.zero_grad()
+                losses[step] = global_mean(loss)
+                self.data["step"] += 1
+                self.data["batch"] += 1
+                if self.data["step"] == until:
+                    break
+            else:
+                self.data["epoch"] += 1
+                self.data["batch"] = 0
+        for future in saves:
+            future.result()
+        return losses
 
 
 def global_mean(local_mean: torch.Tensor) -> float:
-    """Mean over the global batch of a per-rank mean (every rank holds as many rows)."""
     total = local_mean.detach().clone()
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
 
 
-def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, corpus: torch.Tensor, step: int) -> float:
-    inputs, targets = get_batch(corpus, step, GLOBAL_BATCH, CFG.seq_len)
-    loss = model.loss(my_slice(inputs), my_slice(targets))
-    loss.backward()  # FSDP2 averages gradients over ranks: the gradient of the global mean
-    optim.step()
-    optim.zero_grad()
-    return global_mean(loss)
+def full_state(job: Job) -> dict[str, torch.Tensor]:
+    """The model's and the optimizer's full tensors by name (every rank gathers them)."""
+    names = {id(p): n for n, p in job.model.named_parameters()}
+    out = {n: p.full_tensor() for n, p in job.model.named_parameters()}
+    for p, state in job.optim.state.items():
+        for key, value in state.items():
+            out[f"optim.{names[id(p)]}.{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return out
 
 
-def timed(fn, *args) -> float:
-    """Seconds ``fn(*args)`` takes on the slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn(*args)
-    dist.barrier()
-    return time.perf_counter() - start
+def exact_against_checkpoint(job: Job, ckpt: str, saved: dict) -> bool:
+    """Model, optimizer, scheduler and step equal what the checkpoint holds, bit for bit."""
+    mine = full_state(job)
+    model = checkpointer.unshard_model_state(ckpt)
+    optim = checkpointer.unshard_optim_state(ckpt)
+    names = [n for g in optim["param_groups"] for n in g["param_names"]]
+    ids = [i for g in optim["param_groups"] for i in g["params"]]
+    expected = {n: model[n] for n, _ in job.model.named_parameters()}
+    for name, pid in zip(names, ids):
+        expected.update({f"optim.{name}.{k}": v for k, v in optim["state"].get(pid, {}).items()})
+    same = mine.keys() == expected.keys() and all(torch.equal(mine[k], expected[k]) for k in mine)
+    return same and job.sched.state_dict() == saved["sched"] and job.data == saved["data"]
 
 
 def worker(rank: int, world_size: int, run: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{IPC / f'rendezvous_{run}'}", rank=rank, world_size=world_size
-    )
-    corpus = make_corpus()
-    result: dict = {"losses": {}}
-
-    if run == "A":  # fresh start, checkpoint at SAVE_STEP, train on to the end
-        model, optim = build(seed=0, world_size=world_size)
-        first_step = 0
-    else:  # run B: another init, every element of it overwritten by the checkpoint
-        model, optim = build(seed=1234, world_size=world_size)
-        result["load_s"] = timed(checkpointer.load_model_and_optim_state, CKPT_A, model, optim)
-        first_step = SAVE_STEP
-
-    train_s = 0.0
-    for step in range(first_step, TOTAL_STEPS):
-        if run == "A" and step == SAVE_STEP:
-            result["save_s"] = timed(checkpointer.save_model_and_optim_state, CKPT_A, model, optim)
-        start = time.perf_counter()
-        result["losses"][step] = train_step(model, optim, corpus, step)
-        train_s += time.perf_counter() - start
-    result["train_s"] = train_s
-    result["train_steps"] = TOTAL_STEPS - first_step
-
-    if run == "B":  # save the final state, and measure the loss the unsharded model must match
-        result["save_s"] = timed(checkpointer.save_model_and_optim_state, CKPT_B, model, optim)
-        inputs, targets = get_batch(corpus, EVAL_STEP, GLOBAL_BATCH, CFG.seq_len)
-        with torch.no_grad():
-            result["eval_loss"] = global_mean(model.loss(my_slice(inputs), my_slice(targets)))
-
+    dist.init_process_group("gloo", init_method=f"file://{IPC / f'rendezvous_{run}'}", rank=rank, world_size=world_size)
+    result: dict = {}
+    if run == "A":
+        result["losses"] = Job(world_size, CFG.dropout, seed=0).train(TOTAL_STEPS, run_dir=RUN_A)
+    else:
+        latest = checkpointer.latest_checkpoint(str(RUN_A))
+        result["latest"] = latest
+        if run == "B":  # the same world size, dropout on: bitwise
+            job = Job(world_size, CFG.dropout, seed=1234)
+            saved = job.resume(latest)
+            result["losses"] = job.train(TOTAL_STEPS, rng=saved["rng"])
+        job = Job(world_size, 0.0, seed=99)  # dropout off: comparable across world sizes
+        saved = job.resume(latest)
+        result["exact"] = exact_against_checkpoint(job, latest, saved)
+        # At 3 ranks, rank 2 has no saved RNG (a warning says so): with dropout off none is drawn.
+        result["losses_no_dropout"] = job.train(TOTAL_STEPS, rng=saved.get("rng"))
+        if run == "C":
+            final = str(OUT / "C" / f"step{TOTAL_STEPS}")
+            checkpointer.save_model_and_optim_state(final, job.model, job.optim, train_state={"sched": job.sched, "data": job.data})
+            inputs, targets = get_batch(make_corpus(), 10**6, GLOBAL_BATCH, CFG.seq_len)
+            job.model.eval()
+            with torch.no_grad():
+                result["eval_loss"] = global_mean(job.model.loss(inputs, targets))
     if rank == 0:
         (IPC / f"{run}.json").write_text(json.dumps(result))
-    # Every rank leaves together: a rank that destroys its group while another is still in
-    # a collective can abort a process at exit ("terminate called without an active exception").
-    dist.barrier()
+    dist.barrier()  # every rank leaves together
     dist.destroy_process_group()
 
 
@@ -151,80 +195,45 @@ def worker(rank: int, world_size: int, run: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def launch(run: str, world_size: int) -> tuple[dict, float]:
+def launch(run: str, world_size: int) -> dict:
     start = time.perf_counter()
     mp.spawn(worker, args=(world_size, run), nprocs=world_size, join=True)
     result = json.loads((IPC / f"{run}.json").read_text())
-    result["losses"] = {int(step): loss for step, loss in result["losses"].items()}
-    return result, time.perf_counter() - start
+    for key in ("losses", "losses_no_dropout"):
+        if key in result:
+            result[key] = {int(step): loss for step, loss in result[key].items()}
+    print(f"      ({time.perf_counter() - start:.1f} s with process start-up)")
+    return result
 
 
-def rel(path: Path) -> str:
-    return str(path.relative_to(OUT.parent))
+def rel(path: str | Path) -> str:
+    return str(Path(path).relative_to(OUT.parent))
 
 
-def describe_run(result: dict, wall_s: float) -> None:
-    steps, train_s = result["train_steps"], result["train_s"]
-    timings = [f"train {steps} steps {train_s:.2f} s ({1000 * train_s / steps:.0f} ms/step)"]
-    if "load_s" in result:
-        timings.insert(0, f"load {result['load_s']:.3f} s")
-    timings.append(f"save {result['save_s']:.3f} s")
-    print(f"      {', '.join(timings)}; whole run with process start-up {wall_s:.1f} s")
-
-
-def describe_checkpoint(ckpt: Path) -> None:
-    for part in ("model", "optim"):
-        files = sorted(f for f in (ckpt / part).iterdir() if f.is_file())
-        size = sum(f.stat().st_size for f in files)
-        print(f"      {rel(ckpt / part)}/ {size:>10,} bytes: {', '.join(f.name for f in files)}")
-
-
-def compare_curves(a: dict, b: dict) -> bool:
-    print(f"      {'step':>4}  {'A: 2 procs, uninterrupted':>26}  {'B: 3 procs, resumed':>20}  {'|A - B|':>8}")
-    max_diff = 0.0
-    for step, loss_a in sorted(a["losses"].items()):
-        if step not in b["losses"]:
-            print(f"      {step:>4}  {loss_a:>26.6f}")
-            continue
-        diff = abs(loss_a - b["losses"][step])
-        max_diff = max(max_diff, diff)
-        print(f"      {step:>4}  {loss_a:>26.6f}  {b['losses'][step]:>20.6f}  {diff:>8.1e}")
-    ok = max_diff <= TOLERANCE
-    print(f"      max |A - B| = {max_diff:.2e} (tolerance {TOLERANCE:.0e}): {'OK' if ok else 'MISMATCH'}")
+def compare(title: str, a: dict[int, float], b: dict[int, float], tolerance: float) -> bool:
+    print(f"      {'step':>4}  {title}")
+    worst = 0.0
+    for step in sorted(b):
+        worst = max(worst, abs(a[step] - b[step]))
+        print(f"      {step:>4}  {a[step]:>12.8f}  {b[step]:>12.8f}  {abs(a[step] - b[step]):>8.1e}")
+    ok = worst <= tolerance if tolerance else all(a[s] == b[s] for s in b)
+    what = "bitwise equal" if tolerance == 0 else f"tolerance {tolerance:.0e}"
+    print(f"      max |difference| {worst:.1e} ({what}): {'OK' if ok else 'MISMATCH'}")
     return ok
 
 
-def unshard_and_check(fsdp_eval_loss: float) -> bool:
+def export_and_check(ckpt: Path, fsdp_eval_loss: float) -> bool:
     out_file = OUT / "model.safetensors"
-    start = time.perf_counter()
-    checkpointer.export_safetensors(CKPT_B, out_file)  # streams one tensor at a time
-    export_s = time.perf_counter() - start
-    with safe_open(out_file, framework="pt") as f:  # an ordinary safetensors file
-        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    print(
-        f"      export_safetensors {export_s:.3f} s -> {rel(out_file)}: {out_file.stat().st_size:,} bytes,"
-        f" {len(shapes)} tensors, e.g. tok_emb.weight {shapes['tok_emb.weight']}"
-    )
-
-    start = time.perf_counter()
-    state = checkpointer.unshard_model_state(CKPT_B)  # the same full tensors, as a dict in memory
-    unshard_s = time.perf_counter() - start
-    from_file = load_file(out_file)
-    same = state.keys() == from_file.keys() and all(torch.equal(state[k], from_file[k]) for k in state)
-    verdict = "equal to the file's" if same else "NOT EQUAL to the file's"
-    print(f"      unshard_model_state {unshard_s:.3f} s: {len(state)} tensors, {verdict}")
-
+    checkpointer.export_safetensors(str(ckpt), str(out_file))
     plain = TinyLM(CFG)  # no FSDP, no process group
-    plain.load_state_dict(from_file)  # strict: every key, every shape
-    inputs, targets = get_batch(make_corpus(), EVAL_STEP, GLOBAL_BATCH, CFG.seq_len)
+    plain.load_state_dict(load_file(out_file))
+    plain.eval()
+    inputs, targets = get_batch(make_corpus(), 10**6, GLOBAL_BATCH, CFG.seq_len)
     with torch.no_grad():
-        plain_loss = plain.loss(inputs, targets).item()
-    diff = abs(plain_loss - fsdp_eval_loss)
-    ok = same and diff <= TOLERANCE
-    print(
-        f"      eval loss: plain nn.Module from the file {plain_loss:.6f},"
-        f" FSDP2 model on 3 procs {fsdp_eval_loss:.6f} (|diff| {diff:.1e}): {'OK' if ok else 'MISMATCH'}"
-    )
+        loss = plain.loss(inputs, targets).item()
+    ok = abs(loss - fsdp_eval_loss) <= TOLERANCE
+    print(f"      export_safetensors -> {rel(out_file)} ({out_file.stat().st_size:,} bytes); a plain nn.Module")
+    print(f"      loads it: eval loss {loss:.6f}, the FSDP2 model on 3 procs {fsdp_eval_loss:.6f}: {'OK' if ok else 'MISMATCH'}")
     return ok
 
 
@@ -233,31 +242,30 @@ def main() -> int:
     shutil.rmtree(OUT, ignore_errors=True)
     IPC.mkdir(parents=True)
     n_params = sum(p.numel() for p in TinyLM(CFG).parameters())
-    print(
-        f"TinyLM: {CFG.n_layers} layers, d_model {CFG.d_model}, {CFG.n_heads} heads, vocab {CFG.vocab_size},"
-        f" tied embeddings, {n_params:,} parameters; AdamW; FSDP2 on CPU (gloo)."
-    )
-    print(f"Each step trains on one global batch of {GLOBAL_BATCH} x {CFG.seq_len} bytes, split over the ranks.\n")
+    print(f"TinyLM, {n_params:,} parameters, dropout {CFG.dropout}; FSDP2 on CPU; AdamW, warmup + cosine LambdaLR,")
+    print(f"grad clipping; DistributedSampler + DataLoader ({SAMPLES // GLOBAL_BATCH} steps an epoch), per-rank RNG.\n")
 
-    last = TOTAL_STEPS - 1
-    print(f"[1/4] run A, 2 processes: train steps 0..{last}, save_model_and_optim_state before step {SAVE_STEP}")
-    a, wall = launch("A", 2)
-    describe_run(a, wall)
-    describe_checkpoint(CKPT_A)
+    print(f"[1/4] run A, 2 processes: steps 0..{TOTAL_STEPS - 1}, async save with train_state every {SAVE_EVERY} steps")
+    a = launch("A", 2)
+    print(f"      saved: {', '.join(sorted(p.name for p in RUN_A.iterdir()))}")
 
-    print("\n[2/4] run B, 3 processes: fresh model (another seed) + AdamW,")
-    print(f"      load_model_and_optim_state({rel(CKPT_A)}), train steps {SAVE_STEP}..{last}, save at the end")
-    b, wall = launch("B", 3)
-    describe_run(b, wall)
-    describe_checkpoint(CKPT_B)
+    print("\n[2/4] run B, 2 fresh processes (another seed): resume from latest_checkpoint, train on")
+    b = launch("B", 2)
+    print(f"      resumed from {rel(b['latest'])}")
+    ok = compare("A: uninterrupted   B: resumed  |A - B|", a["losses"], b["losses"], 0.0)
 
-    print("\n[3/4] loss curves")
-    curves_ok = compare_curves(a, b)
+    print("\n[3/4] run C, 3 processes, dropout off: resume the same checkpoint resharded 2 -> 3")
+    c = launch("C", 3)
+    exact = b["exact"] and c["exact"]
+    print(f"      model, optimizer, scheduler and step equal the checkpoint's on 2 and 3 procs: {'OK' if exact else 'MISMATCH'}")
+    ok &= exact & compare("B: 2 procs        C: 3 procs   |B - C|", b["losses_no_dropout"], c["losses_no_dropout"], TOLERANCE)
 
-    print(f"\n[4/4] unshard {rel(CKPT_B)} into one safetensors file, load it into a plain nn.Module")
-    unshard_ok = unshard_and_check(b["eval_loss"])
+    print("\n[4/4] prune run A to its newest checkpoint; export run C's final one")
+    deleted = checkpointer.prune(str(RUN_A), keep_last=1)
+    print(f"      prune(keep_last=1) deleted {', '.join(rel(p) for p in deleted)}; kept {rel(checkpointer.latest_checkpoint(str(RUN_A)))}")
+    ok &= [Path(p).name for p in deleted] == [f"step{SAVE_EVERY}"]
+    ok &= export_and_check(OUT / "C" / f"step{TOTAL_STEPS}", c["eval_loss"])
 
-    ok = curves_ok and unshard_ok
     print(f"\n{'PASS' if ok else 'FAIL'} in {time.perf_counter() - t_start:.1f} s; outputs in {rel(OUT)}/")
     return 0 if ok else 1
 

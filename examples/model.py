@@ -19,6 +19,7 @@ class ModelConfig:
     d_model: int = 64
     n_heads: int = 4
     n_layers: int = 3
+    dropout: float = 0.0
 
 
 class Block(nn.Module):
@@ -36,14 +37,15 @@ class Block(nn.Module):
             nn.GELU(),
             nn.Linear(4 * cfg.d_model, cfg.d_model),
         )
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.attn_out(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.drop(self.attn_out(attn.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
 class TinyLM(nn.Module):
@@ -87,6 +89,21 @@ def make_corpus(n_bytes: int = 100_000, seed: int = 0) -> torch.Tensor:
         text.append(sentence)
         size += len(sentence)
     return torch.tensor(list("".join(text)[:n_bytes].encode("ascii")), dtype=torch.uint8)
+
+
+class Windows(torch.utils.data.Dataset):
+    """``n`` fixed windows of the corpus as (inputs, targets) pairs, for a ``DataLoader``."""
+
+    def __init__(self, corpus: torch.Tensor, n: int, seq_len: int) -> None:
+        self.corpus, self.n, self.seq_len = corpus, n, seq_len
+        self.stride = (len(corpus) - seq_len - 1) // n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.corpus[i * self.stride : i * self.stride + self.seq_len + 1].long()
+        return window[:-1], window[1:]
 
 
 def get_batch(
