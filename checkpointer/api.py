@@ -9,6 +9,7 @@ the state that exists, and a load allocates whatever state the checkpoint has.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,6 +23,8 @@ from .models.load_result import LoadResult
 from .models.names import model_state_dict
 from .models.optim_layout import flatten_optim_state, load_model_and_optim, malformed, unflatten_optim
 from .storage import open_storage
+from .tools.retention import delete_checkpoint, plan_prune
+from . import dist
 from .storage.base import Storage, path_arg
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "unshard_model_state",
     "unshard_optim_state",
     "latest_checkpoint",
+    "prune",
     "LoadResult",
     "model_state_dict",
     "flatten_optim_state",
@@ -224,3 +228,44 @@ def latest_checkpoint(run_dir: str) -> str | None:
     run_dir = path_arg(run_dir, "run directory")
     newest = newest_checkpoint(open_storage(run_dir))
     return None if newest is None else f"{run_dir.rstrip('/')}/{newest}"
+
+
+def prune(run_dir: str, *, keep_last: int, keep_every: int | None = None) -> list[str]:
+    """Delete old checkpoints of a run directory; returns the ones deleted (paths or URLs, oldest first).
+
+    Keeps the newest ``keep_last`` complete checkpoints, and every complete one whose step is a
+    multiple of ``keep_every``; deletes the other complete ones, and incomplete ones (saves that
+    died) older than the newest complete one. An incomplete one newer than that may be a save
+    still writing, and is kept; so is one an async save of this process is writing (it is
+    skipped, not waited for). The newest complete checkpoint is never deleted. Steps and
+    completeness are judged as :func:`latest_checkpoint` judges them; each checkpoint loses its
+    ``metadata.json`` files first, so one half-deleted reads as incomplete. Local, ``s3://`` and
+    ``gs://``.
+
+    Every rank may call it together (rank 0 deletes, every rank gets the list), or one process alone.
+
+    Args:
+        run_dir: the directory holding one sub-directory per checkpoint (``step100``, ...).
+        keep_last: how many of the newest complete checkpoints to keep (0 keeps the newest only).
+        keep_every: also keep every complete checkpoint whose step is a multiple of this.
+
+    Raises:
+        ValueError: ``keep_last`` below 0 or ``keep_every`` below 1.
+        OSError: listing or deleting failed (what was deleted before stays deleted).
+
+    Example::
+
+        checkpointer.async_save_model_and_optim_state(f"{run_dir}/step{step}", model, optim)
+        checkpointer.prune(run_dir, keep_last=3, keep_every=10_000)
+    """
+    run_dir = path_arg(run_dir, "run directory").rstrip("/") or "/"
+
+    def work() -> bytes:
+        run = open_storage(run_dir)
+        deleted = []
+        for name in plan_prune(run, keep_last, keep_every):
+            delete_checkpoint(run, name)
+            deleted.append(f"{run_dir}/{name}")
+        return json.dumps(deleted).encode()
+
+    return json.loads(dist.share_from(0, work, "prune"))

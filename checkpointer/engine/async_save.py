@@ -31,7 +31,7 @@ from .commit import Copies, start_hashing
 from .commit import refuse_existing_everywhere, release_locks, take_locks
 from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, reuse_cached_plans, write_and_commit
 
-__all__ = ["AsyncSaver", "wait_for_writes_into"]
+__all__ = ["AsyncSaver", "wait_for_writes_into", "writing_under"]
 
 _writing: Counter[str] = Counter()  # storage URL -> async saves of this process writing there
 _writing_changed = threading.Condition()
@@ -42,6 +42,13 @@ def wait_for_writes_into(url: str) -> None:
     it then would find it incomplete."""
     with _writing_changed:
         _writing_changed.wait_for(lambda: _writing[url] == 0)
+
+
+def writing_under(url: str) -> bool:
+    """Whether an async save of this process is writing at ``url`` or anywhere under it."""
+    root = url.rstrip("/")
+    with _writing_changed:
+        return any(w == root or w.startswith(f"{root}/") for w in _writing)
 
 
 def _track(planned: list[PlannedSave], step: int) -> None:

@@ -25,6 +25,8 @@ __all__ = [
 ]
 
 PARTS = ("model", "optim")
+COMMITTED_PARTS = (*PARTS, "train")
+"""The parts of a step directory that each commit a ``metadata.json`` of their own."""
 _NUMBER = re.compile(r"(\d+)")
 _STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
 
@@ -44,11 +46,15 @@ def _lists(storage: Storage) -> list[str]:
 
 
 def is_complete(storage: Storage) -> bool:
-    """A checkpoint directory (``metadata.json``), or a top-level one whose ``model/`` and
-    ``optim/`` are both complete."""
+    """A checkpoint directory (``metadata.json``), or a top-level one holding ``model/`` and
+    ``optim/`` in which every part present (``model/``, ``optim/``, ``train/``) committed its
+    ``metadata.json``: a save killed between parts never leaves a step that looks complete."""
     if storage.exists(METADATA_FILENAME):
         return True
-    return bool(_lists(storage)) and all(storage.part(part).exists(METADATA_FILENAME) for part in PARTS)
+    names = set(_lists(storage))
+    if not all(part in names for part in PARTS):
+        return False
+    return all(storage.part(part).exists(METADATA_FILENAME) for part in COMMITTED_PARTS if part in names)
 
 
 def newest_checkpoint(run: Storage) -> str | None:
