@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from .engine.checkpointer import Checkpointer, Strategy
+from .engine.async_save import WatchedFuture
 from .engine.commit import claim_parts
 from .engine.locate import newest_checkpoint
 from .models.load_result import LoadResult
@@ -93,7 +94,9 @@ def async_save_model_and_optim_state(
 
     Writing goes on in the background while training continues; the future gives this
     rank's files, and errors surface from ``.result()``. A new save waits for the one in flight.
-    The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
+    The write uses the process group: ``torch.distributed.destroy_process_group()`` waits for
+    it first, and so does the end of the process; a failure no one read with ``.result()`` is
+    printed at exit, naming ``dir``, and the exit status becomes 1.
 
     Args:
         dir, model, optim, save_overwrite: as for :func:`save_model_and_optim_state`.
@@ -107,7 +110,7 @@ def async_save_model_and_optim_state(
         model_state = model_state_dict(model)
         optim_state = flatten_optim_state(model, optim, model_state)
         _DEFAULT.wait()
-        files: Future[list[str]] = Future()
+        files: Future[list[str]] = WatchedFuture(dir)
         # The async saver locks both parts (retiring old ones) before writing either.
         both = _DEFAULT.async_save_many(
             [(f"{dir}/model", model_state), (f"{dir}/optim", optim_state)], save_overwrite=save_overwrite

@@ -50,6 +50,7 @@ __all__ = [
     "new_cpu_group",
     "join_from_env",
     "leave_group",
+    "wait_before_destroy",
 ]
 
 TIMEOUT_ENV = settings.TIMEOUT_S_ENV
@@ -430,3 +431,19 @@ def leave_group() -> None:
     except Exception:  # noqa: BLE001 - leaving anyway: the command's outcome is already decided
         pass
     dist.destroy_process_group()
+
+
+def wait_before_destroy(wait: Callable[[], None]) -> None:
+    """Make ``torch.distributed.destroy_process_group`` call ``wait()`` before it destroys
+    (installed once per process; calls through ``torch.distributed`` are covered, a reference
+    taken earlier by ``from torch.distributed import destroy_process_group`` is not)."""
+    original = dist.destroy_process_group
+    if getattr(original, "_checkpointer_wait", None) is wait:
+        return
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        wait()
+        return original(*args, **kwargs)
+
+    destroy_process_group._checkpointer_wait = wait  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
