@@ -166,7 +166,7 @@ def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
     if not missing:
         return "another rank", "; every rank had entered this collective, so one stopped inside it"
     many = len(missing) > 1
-    return f"rank{'s' if many else ''} {', '.join(map(str, missing))}", f"; {'they' if many else 'it'} never entered this collective"
+    return f"rank{'s' if many else ''} {', '.join(map(str, missing))}", f"; {'they' if many else 'it'} never entered this collective: did {'they' if many else 'it'} call this function? Every rank must call it together (a save or load under `if rank == 0:` waits for the others; pass no_dist=True where offered to work alone)"
 
 
 def _wait(work: dist.Work | None, what: str, arrival: _Arrival | None = None, peer: int | None = None) -> None:
