@@ -421,8 +421,8 @@ def check_copies(statuses: Sequence[Mapping[str, Any]]) -> None:
     more = f"; and {len(differing) - len(shown)} more" if len(differing) > len(shown) else ""
     raise ReplicaMismatchError(
         f"replicas disagree, so this save is not committed: {details}{more}. A copy was corrupted in "
-        "memory, or a value that differs per rank was saved under one key (give each rank's value a key "
-        f"of its own). {VERIFY_ENV}=0 turns this check off."
+        "memory, or a value that differs per rank was saved under one key: save per-rank values under "
+        f"per-rank keys (f'rng.rank{{rank}}'), or as PerRank(value) in train_state. {VERIFY_ENV}=0 turns this check off."
     )
 
 
