@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from .engine.checkpointer import Checkpointer, Strategy
+from .engine.async_save import WatchedFuture
 from .engine.commit import claim_parts
 from .engine.locate import newest_checkpoint
 from .models.load_result import LoadResult
@@ -23,6 +24,7 @@ from .models.names import model_state_dict
 from .models.train_state import TRAIN_PART, PerRank, RNGState, load_train_state, train_state_dict
 from .models.optim_layout import flatten_optim_state, load_model_and_optim, malformed, unflatten_optim
 from .storage import open_storage
+from .tools.retention import prune_run
 from .storage.base import Storage, path_arg
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "unshard_model_state",
     "unshard_optim_state",
     "latest_checkpoint",
+    "prune",
     "LoadResult",
     "PerRank",
     "RNGState",
@@ -123,7 +126,9 @@ def async_save_model_and_optim_state(
 
     Writing goes on in the background while training continues; the future gives this
     rank's files, and errors surface from ``.result()``. A new save waits for the one in flight.
-    The write uses the process group: wait for ``.result()`` before ``destroy_process_group()``.
+    The write uses the process group: ``torch.distributed.destroy_process_group()`` waits for
+    it first, and so does the end of the process; a failure no one read with ``.result()`` is
+    printed at exit, naming ``dir``, and the exit status becomes 1.
 
     Args:
         dir, model, optim, train_state, save_overwrite: as for :func:`save_model_and_optim_state`;
@@ -137,7 +142,7 @@ def async_save_model_and_optim_state(
     with torch.no_grad():
         targets = _targets(dir, model, optim, train_state)
         _DEFAULT.wait()
-        files: Future[list[str]] = Future()
+        files: Future[list[str]] = WatchedFuture(dir)
         if save_overwrite:  # without it, the async saver refuses an existing checkpoint (from .result())
             _claim(dir, save_overwrite, has_train=len(targets) == 3)
         # The async saver locks every part (retiring old ones) before writing any.
@@ -303,3 +308,34 @@ def latest_checkpoint(run_dir: str) -> str | None:
     run_dir = path_arg(run_dir, "run directory")
     newest = newest_checkpoint(open_storage(run_dir))
     return None if newest is None else f"{run_dir.rstrip('/')}/{newest}"
+
+
+def prune(run_dir: str, *, keep_last: int, keep_every: int | None = None) -> list[str]:
+    """Delete old checkpoints of a run directory; returns the ones deleted (paths or URLs, oldest first).
+
+    Keeps the newest ``keep_last`` complete checkpoints, and every complete one whose step is a
+    multiple of ``keep_every``; deletes the other complete ones, and incomplete ones (saves that
+    died) older than the newest complete one. An incomplete one newer than that may be a save
+    still writing, and is kept; so is one an async save of this process is writing (it is
+    skipped, not waited for). The newest complete checkpoint is never deleted. Steps and
+    completeness are judged as :func:`latest_checkpoint` judges them; each checkpoint loses its
+    ``metadata.json`` files first, so one half-deleted reads as incomplete. Local, ``s3://`` and
+    ``gs://``.
+
+    Every rank may call it together (rank 0 deletes, every rank gets the list), or one process alone.
+
+    Args:
+        run_dir: the directory holding one sub-directory per checkpoint (``step100``, ...).
+        keep_last: how many of the newest complete checkpoints to keep (0 keeps the newest only).
+        keep_every: also keep every complete checkpoint whose step is a multiple of this.
+
+    Raises:
+        ValueError: ``keep_last`` below 0 or ``keep_every`` below 1.
+        OSError: listing or deleting failed (what was deleted before stays deleted).
+
+    Example::
+
+        checkpointer.async_save_model_and_optim_state(f"{run_dir}/step{step}", model, optim)
+        checkpointer.prune(run_dir, keep_last=3, keep_every=10_000)
+    """
+    return prune_run(path_arg(run_dir, "run directory").rstrip("/") or "/", keep_last, keep_every)

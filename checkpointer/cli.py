@@ -1,4 +1,4 @@
-"""The ``checkpointer`` command: inspect, verify, unshard and convert checkpoints.
+"""The ``checkpointer`` command: inspect, verify, unshard, convert and prune checkpoints.
 
 Every command prints a progress bar on a terminal for long work (nothing when the output is a
 file or pipe, or with ``--quiet``) and, on failure, one line ``checkpointer: error: ...`` with
@@ -33,7 +33,7 @@ class _StdoutClosed(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect, verify, unshard and convert checkpoints (local paths, file://, s3://, gs://).",
+        description="Inspect, verify, unshard, convert and prune checkpoints (local paths, file://, s3://, gs://).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         "always replaces the files it writes)",
     )
     _export_options(p)
+
+    p = sub.add_parser("prune", help="delete old checkpoints of a run directory, keeping the newest complete ones")
+    p.add_argument("dir", metavar="RUN_DIR", help="a directory holding one sub-directory per checkpoint (step100, ...)")
+    p.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the newest N complete checkpoints")
+    p.add_argument("--keep-every", type=int, metavar="K", help="also keep every complete checkpoint whose step is a multiple of K")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     return parser
 
 
@@ -330,6 +336,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from .api import prune
+    from .storage import open_storage
+    from .tools.retention import plan_prune
+
+    run_dir = args.dir.rstrip("/") or "/"
+    if args.dry_run:
+        names = plan_prune(open_storage(run_dir), args.keep_last, args.keep_every) if _rank() == 0 else []
+        for name in names:
+            _out(_printable(f"would delete {run_dir}/{name}"))
+        return 0
+    for path in prune(run_dir, keep_last=args.keep_last, keep_every=args.keep_every):
+        if _rank() == 0:
+            _out(_printable(f"deleted {path}"))
+    return 0
+
+
 def overwrite_for_command_line(message: str) -> str:
     """The library's ``FileExistsError`` text, which tells a Python caller to pass
     ``save_overwrite=True``, told the command line's way: ``--overwrite``."""
@@ -363,4 +386,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "verify": _cmd_verify,
     "unshard": _cmd_unshard,
     "convert": _cmd_convert,
+    "prune": _cmd_prune,
 }

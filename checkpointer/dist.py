@@ -50,6 +50,7 @@ __all__ = [
     "new_cpu_group",
     "join_from_env",
     "leave_group",
+    "wait_before_destroy",
 ]
 
 TIMEOUT_ENV = settings.TIMEOUT_S_ENV
@@ -165,7 +166,7 @@ def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
     if not missing:
         return "another rank", "; every rank had entered this collective, so one stopped inside it"
     many = len(missing) > 1
-    return f"rank{'s' if many else ''} {', '.join(map(str, missing))}", f"; {'they' if many else 'it'} never entered this collective"
+    return f"rank{'s' if many else ''} {', '.join(map(str, missing))}", f"; {'they' if many else 'it'} never entered this collective: did {'they' if many else 'it'} call this function? Every rank must call it together (a save or load under `if rank == 0:` waits for the others; pass no_dist=True where offered to work alone)"
 
 
 def _wait(work: dist.Work | None, what: str, arrival: _Arrival | None = None, peer: int | None = None) -> None:
@@ -430,3 +431,19 @@ def leave_group() -> None:
     except Exception:  # noqa: BLE001 - leaving anyway: the command's outcome is already decided
         pass
     dist.destroy_process_group()
+
+
+def wait_before_destroy(wait: Callable[[], None]) -> None:
+    """Make ``torch.distributed.destroy_process_group`` call ``wait()`` before it destroys
+    (installed once per process; calls through ``torch.distributed`` are covered, a reference
+    taken earlier by ``from torch.distributed import destroy_process_group`` is not)."""
+    original = dist.destroy_process_group
+    if getattr(original, "_checkpointer_wait", None) is wait:
+        return
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        wait()
+        return original(*args, **kwargs)
+
+    destroy_process_group._checkpointer_wait = wait  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group

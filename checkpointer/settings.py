@@ -29,6 +29,7 @@ __all__ = [
     "CRC32C_ENV",
     "VERIFY_REPLICAS_ENV",
     "GCS_PARALLEL_UPLOAD_ENV",
+    "LOCK_LEASE_S_ENV",
     "timeout_s",
     "io_retries",
     "io_threads",
@@ -38,6 +39,7 @@ __all__ = [
     "crc32c",
     "verify_replicas",
     "gcs_parallel_upload",
+    "lock_lease_s",
 ]
 
 TIMEOUT_S_ENV = "CHECKPOINTER_TIMEOUT_S"
@@ -49,6 +51,7 @@ DIRECT_IO_ENV = "CHECKPOINTER_DIRECT_IO"
 CRC32C_ENV = "CHECKPOINTER_CRC32C"
 VERIFY_REPLICAS_ENV = "CHECKPOINTER_VERIFY_REPLICAS"
 GCS_PARALLEL_UPLOAD_ENV = "CHECKPOINTER_GCS_PARALLEL_UPLOAD"
+LOCK_LEASE_S_ENV = "CHECKPOINTER_LOCK_LEASE_S"
 
 
 class Setting(NamedTuple):
@@ -68,6 +71,7 @@ SETTINGS: dict[str, Setting] = {
     CRC32C_ENV: Setting("", "'google' checksums with google-crc32c even where ISA-L is available"),
     VERIFY_REPLICAS_ENV: Setting(True, "a save checks that replicated tensors are equal on every rank (0: off)"),
     GCS_PARALLEL_UPLOAD_ENV: Setting(True, "GCS uploads a large file as parts composed at commit (0: one upload)"),
+    LOCK_LEASE_S_ENV: Setting(120.0, "seconds without a heartbeat after which a save's lock is stale and taken over"),
 }
 """Variable name -> its getter's default and its meaning (the getter is the name without
 ``CHECKPOINTER_``, in lower case: ``CHECKPOINTER_IO_THREADS`` -> :func:`io_threads`)."""
@@ -132,3 +136,15 @@ def verify_replicas() -> bool:
 def gcs_parallel_upload() -> bool:
     """Whether GCS uploads large files as composed parts: ``CHECKPOINTER_GCS_PARALLEL_UPLOAD`` (default on)."""
     return _on(GCS_PARALLEL_UPLOAD_ENV)
+
+
+def lock_lease_s() -> float:
+    """``CHECKPOINTER_LOCK_LEASE_S``: a save's lock not refreshed for this long is stale (default 120)."""
+    raw = os.environ.get(LOCK_LEASE_S_ENV, "").strip()
+    try:
+        value = float(raw) if raw else 120.0
+    except ValueError:
+        raise ValueError(f"{LOCK_LEASE_S_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{LOCK_LEASE_S_ENV}={raw!r} must be more than 0 seconds")
+    return value

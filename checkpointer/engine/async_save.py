@@ -8,11 +8,19 @@ A background thread writes the rank file and commits through a separate gloo gro
 its collectives never interleave with the training loop's. A new save waits for the one
 in flight. Once the plans are cached, the call's only collective confirms them: the save
 locks, and the agreement that every rank staged its pieces, come in the background first.
+
+No save is lost silently when the process ends: ``torch.distributed.destroy_process_group``
+waits for the saves in flight first (wrapped once an async save starts), the interpreter's exit
+waits for them too (its thread joins the writer before ``atexit``), and at exit a save whose
+error no one read (:class:`WatchedFuture`: nothing called ``.result()`` or ``.exception()``)
+is printed to stderr, naming the checkpoint, and the exit status becomes 1.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -31,7 +39,7 @@ from .commit import Copies, start_hashing
 from .commit import refuse_existing_everywhere, release_locks, take_locks
 from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, reuse_cached_plans, write_and_commit
 
-__all__ = ["AsyncSaver", "wait_for_writes_into"]
+__all__ = ["AsyncSaver", "WatchedFuture", "wait_for_writes_into", "writing_under"]
 
 _writing: Counter[str] = Counter()  # storage URL -> async saves of this process writing there
 _writing_changed = threading.Condition()
@@ -44,6 +52,13 @@ def wait_for_writes_into(url: str) -> None:
         _writing_changed.wait_for(lambda: _writing[url] == 0)
 
 
+def writing_under(url: str) -> bool:
+    """Whether an async save of this process is writing at ``url`` or anywhere under it."""
+    root = url.rstrip("/")
+    with _writing_changed:
+        return any(w == root or w.startswith(f"{root}/") for w in _writing)
+
+
 def _track(planned: list[PlannedSave], step: int) -> None:
     with _writing_changed:
         for p in planned:
@@ -51,6 +66,57 @@ def _track(planned: list[PlannedSave], step: int) -> None:
             if _writing[p.storage.url] <= 0:
                 del _writing[p.storage.url]
         _writing_changed.notify_all()
+
+
+_unread: set[WatchedFuture] = set()  # futures that failed, or are pending, and whose outcome no one read
+_unread_lock = threading.Lock()
+
+
+class WatchedFuture(Future):
+    """The future of an async save (``what``: its checkpoint): until its outcome is read, a
+    failure is reported at exit (:func:`_report_at_exit`)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+        with _unread_lock:
+            _unread.add(self)
+        self.add_done_callback(lambda f: f._read() if f.cancelled() or Future.exception(f) is None else None)
+
+    def _read(self) -> None:
+        with _unread_lock:
+            _unread.discard(self)
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._read()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._read()
+        return super().exception(timeout)
+
+
+def _wait_for_every_save() -> None:
+    for saver in list(_savers):
+        saver.wait()
+
+
+def _report_at_exit() -> None:
+    """At exit: finish the saves in flight, then print each failed one whose error no one read,
+    and end with status 1."""
+    _wait_for_every_save()
+    with _unread_lock:
+        lost = [f for f in _unread if f.done() and not f.cancelled()]
+    for f in lost:
+        error = Future.exception(f)
+        print(f"checkpointer: error: the async save of {f.what} failed, and nothing read its future's "
+              f".result(): {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    if lost:
+        sys.stdout.flush()
+        os._exit(1)
+
+
+atexit.register(_report_at_exit)
 
 
 def _release_locks(planned: list[PlannedSave]) -> None:
@@ -94,7 +160,9 @@ class AsyncSaver:
         """
         with self._lock:
             self.wait()
-            result: Future[list[tuple[StorageMetadata, list[str]]]] = Future()
+            dist.wait_before_destroy(_wait_for_every_save)
+            result: Future[list[tuple[StorageMetadata, list[str]]]] = WatchedFuture(
+                " and ".join(storage.url for storage, _ in targets))
             planned: list[PlannedSave] = []
             locked = False
 
@@ -194,9 +262,11 @@ def _after_fork_in_child() -> None:
     """A forked child (a data loader's worker, say) has only the thread that forked: a saver
     whose writer thread ran in the parent would queue the child's save for a thread that is
     not there, and wait for it forever."""
-    global _writing_changed
+    global _writing_changed, _unread_lock
     _writing.clear()
     _writing_changed = threading.Condition()
+    _unread_lock = threading.Lock()
+    _unread.clear()
     for saver in list(_savers):
         saver._start_afresh()
 

@@ -12,7 +12,7 @@ from ..storage import open_storage
 from ..storage.base import Storage
 from .. import dist
 from .load import load_state_dict, load_state_dicts, read_metadata, read_metadatas
-from .async_save import AsyncSaver, wait_for_writes_into
+from .async_save import AsyncSaver, WatchedFuture, wait_for_writes_into
 from .save import SavePlanCache, save_state_dicts
 from .two_stage import LoadStats, load_two_stage
 from .load import unshard_state_dict
@@ -195,7 +195,7 @@ class Checkpointer:
 
 
 def _first(future: Future[list[Any]]) -> Future[Any]:
-    out: Future[Any] = Future()
+    out: Future[Any] = WatchedFuture(getattr(future, "what", "a checkpoint"))
 
     def done(f: Future[list[Any]]) -> None:
         if f.exception() is not None:

@@ -16,6 +16,25 @@ Which rank calls what, in order (after Orbax's ``path/atomicity.py``):
 5. On any failure rank 0 :func:`release_lock` s (a lock another save took over is left alone);
    a directory without ``metadata.json`` is an incomplete checkpoint to every reader.
 
+The lock, and taking over a crashed save's. The lock file is JSON: ``host``, ``pid``, a random
+``token`` (whose lock it is: compared with the file's length, so a file that grew is no one's)
+and ``beat_ms``, refreshed by a heartbeat thread of the holding process every quarter of
+``CHECKPOINTER_LOCK_LEASE_S`` (:func:`~checkpointer.settings.lock_lease_s`) until the lock is
+released. A lock is stale when its process is known dead (its host is this host and no process
+has its pid) or when its heartbeat is older than the lease (hosts' clocks must agree to well
+within it). A save that finds a stale lock, without ``save_overwrite``:
+
+a. creates ``.checkpointer-save.lock.taken-<digest of the stale lock's bytes>`` exclusively
+   (a local ``O_EXCL`` create, S3's ``If-None-Match: *``, GCS's ``ifGenerationMatch=0``): of
+   saves that found the same stale lock, exactly one creates it; the others are refused;
+b. reads the lock again: if it changed (its holder was alive after all), the save is refused;
+c. writes its own lock over the stale one, and goes on as in step 2.
+
+A holder that was alive but silent for a lease finds at its commit (step 4) that the lock is no
+longer its own, and does not commit; so two live saves never both commit. A live lock (fresh
+heartbeat, or a living process on this host) refuses the save with ``FileExistsError`` naming
+its holder. The markers go at the commit.
+
 Replicas agree before the commit (step 4): a piece several ranks hold (a plain tensor every
 rank saves, DDP's parameters, a ``Replicate`` placement, each shard under HSDP) is written once,
 by one of them. Each other holder hashes its copy (:func:`start_hashing`; CRC32C per
@@ -29,9 +48,12 @@ ranks, where a copy differs. ``CHECKPOINTER_VERIFY_REPLICAS=0`` turns the check 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,7 +62,7 @@ from typing import Any, Mapping, Sequence
 from .. import dist, settings
 from ..checksums import CHUNK_BYTES
 from ..errors import ReplicaMismatchError
-from ..format.layout import LOCK_FILENAME, METADATA_FILENAME, is_rank_filename
+from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename
 from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
@@ -112,19 +134,15 @@ def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool)
         raise FileExistsError(_exists_message(storage))
     if not retire_old:
         return None
-    # The token makes the lock file ours alone: a conditional create retried after a lost
-    # answer recognises its own file by its bytes.
-    lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                       "token": uuid.uuid4().hex}).encode()
+    lock = _new_lock()
     try:
         storage.create_exclusive(LOCK_FILENAME, lock)
     except FileExistsError:
-        if not save_overwrite:
-            raise FileExistsError(
-                f"another save into {storage.url} is in progress, or one crashed there: "
-                f"{storage.join(LOCK_FILENAME)} exists (remove it, or pass save_overwrite=True)"
-            ) from None
-        storage.write(LOCK_FILENAME, lock)
+        if save_overwrite:
+            storage.write(LOCK_FILENAME, lock)
+        else:
+            _take_over_stale(storage, lock)
+    _HEARTBEAT.hold(storage, lock)
     if storage.exists(METADATA_FILENAME):
         if not save_overwrite:
             # A save that held the lock committed between the first check and ours.
@@ -166,10 +184,40 @@ def commit_metadata(storage: Storage, metadata: StorageMetadata, lock: bytes | N
     _check_lock_is_ours(storage, lock)
     wanted = set(metadata.files())
     for name in storage.list():
-        if is_rank_filename(name) and name not in wanted:
+        if (is_rank_filename(name) and name not in wanted) or name.startswith(LOCK_TAKEOVER_PREFIX):
             storage.delete(name)
     storage.write(METADATA_FILENAME, metadata.to_json_bytes())
     release_lock(storage, lock)
+
+
+_LOCK_READ = 4096  # a lock file is read no further than this (ours are about 150 bytes)
+log = logging.getLogger(__name__)
+
+
+def _new_lock() -> bytes:
+    """This process's lock: the token makes it ours alone (a conditional create retried after a
+    lost answer recognises its own file by it); ``beat_ms`` is the heartbeat, refreshed in place
+    (:func:`_with_beat`: the same length for centuries, so ownership compares lengths too)."""
+    return _with_beat(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
+                                  "beat_ms": 0}).encode())
+
+
+def _with_beat(lock: bytes) -> bytes:
+    fields = json.loads(lock)
+    fields["beat_ms"] = int(time.time() * 1000)
+    return json.dumps(fields).encode()
+
+
+def _fields(data: bytes | None) -> dict[str, Any]:
+    try:
+        fields = json.loads(data or b"")
+    except ValueError:
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
+def _is_ours(data: bytes | None, lock: bytes) -> bool:
+    return data is not None and len(data) == len(lock) and _fields(data).get("token") == _fields(lock).get("token")
 
 
 def _read_lock(storage: Storage, ours: bytes) -> bytes | None:
@@ -181,10 +229,125 @@ def _read_lock(storage: Storage, ours: bytes) -> bytes | None:
         return None
 
 
+def stale_reason(data: bytes, *, now: float | None = None) -> str | None:
+    """Why the lock ``data`` is stale (its process is gone, or its heartbeat older than the
+    lease), or None while it may be held: a lock this cannot read is never judged stale."""
+    fields = _fields(data)
+    host, pid = fields.get("host"), fields.get("pid")
+    if host == socket.gethostname() and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"its process (pid {pid} on this host) is gone"
+        except OSError:
+            pass  # it exists, as another user's process
+    beat = fields.get("beat_ms", 1000 * fields["time"] if isinstance(fields.get("time"), (int, float)) else None)
+    if isinstance(beat, (int, float)) and not isinstance(beat, bool):
+        age, lease = (time.time() if now is None else now) - beat / 1000, settings.lock_lease_s()
+        if age > lease:
+            return f"its last heartbeat was {age:.0f}s ago, more than {settings.LOCK_LEASE_S_ENV}={lease:g}s"
+    return None
+
+
+def _holder(data: bytes | None) -> str:
+    fields = _fields(data)
+    if not {"host", "pid"} <= fields.keys():
+        return ""
+    beat = fields.get("beat_ms")
+    ago = f", its last heartbeat {time.time() - beat / 1000:.0f}s ago" if isinstance(beat, (int, float)) else ""
+    return f" (held by pid {fields['pid']} on {fields['host']}{ago})"
+
+
+def _take_over_stale(storage: Storage, lock: bytes) -> None:
+    """The lock exists and this save has no ``save_overwrite``: take it over if it is stale
+    (steps a-c of the module docstring), else ``FileExistsError``."""
+    try:
+        held: bytes | None = storage.read(LOCK_FILENAME, 0, _LOCK_READ)
+    except FileNotFoundError:
+        held = None
+    if held is None:  # released meanwhile: one more try, as at first
+        try:
+            return storage.create_exclusive(LOCK_FILENAME, lock)
+        except FileExistsError:
+            pass
+    reason = None if held is None else stale_reason(held)
+    if held is None or reason is None:
+        raise FileExistsError(
+            f"another save into {storage.url} is in progress, or one crashed there: {storage.join(LOCK_FILENAME)} "
+            f"exists{_holder(held)}. A crashed save's lock is taken over once its process is known gone or "
+            f"{settings.LOCK_LEASE_S_ENV}={settings.lock_lease_s():g}s pass without its heartbeat "
+            "(remove it, or pass save_overwrite=True)"
+        )
+    assert held is not None
+    marker = f"{LOCK_TAKEOVER_PREFIX}{hashlib.sha256(held).hexdigest()[:32]}"
+    try:
+        storage.create_exclusive(marker, lock)
+    except FileExistsError:
+        raise FileExistsError(
+            f"another save is taking over the stale lock {storage.join(LOCK_FILENAME)} ({reason}): "
+            "this one is not saved (pass save_overwrite=True to save regardless)"
+        ) from None
+    try:
+        again: bytes | None = storage.read(LOCK_FILENAME, 0, _LOCK_READ)
+    except FileNotFoundError:
+        again = None
+    if again is not None and again != held:
+        raise FileExistsError(f"{storage.join(LOCK_FILENAME)} changed while this save took it over: its holder lives")
+    storage.write(LOCK_FILENAME, lock)
+    log.warning("took over the lock of a crashed save into %s: %s", storage.url, reason)
+
+
+class _Heartbeat:
+    """Refreshes ``beat_ms`` of every lock this process holds, every quarter of the lease, on one
+    daemon thread that runs while any is held. :meth:`release` returns only once no refresh of
+    that lock is under way, so none lands after the lock is deleted."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._held: dict[tuple[str, str], tuple[Storage, bytes]] = {}
+        self._thread: threading.Thread | None = None
+
+    def hold(self, storage: Storage, lock: bytes) -> None:
+        with self._mutex:
+            self._held[storage.url, _fields(lock).get("token", "")] = (storage, lock)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="checkpointer-lock-heartbeat", daemon=True)
+                self._thread.start()
+
+    def release(self, storage: Storage, lock: bytes) -> None:
+        with self._mutex:
+            self._held.pop((storage.url, _fields(lock).get("token", "")), None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(settings.lock_lease_s() / 4)
+            with self._mutex:
+                if not self._held:
+                    self._thread = None
+                    return
+                for key, (storage, lock) in list(self._held.items()):
+                    try:
+                        if _is_ours(_read_lock(storage, lock), lock):
+                            storage.write(LOCK_FILENAME, _with_beat(lock))
+                    except OSError as ex:  # the next beat tries again; a lease missed makes the commit refuse
+                        log.warning("could not refresh the save lock of %s: %s", storage.url, ex)
+
+    def after_fork(self) -> None:
+        """A forked child holds none of its parent's locks, and has no heartbeat thread."""
+        self._mutex = threading.Lock()
+        self._held.clear()
+        self._thread = None
+
+
+_HEARTBEAT = _Heartbeat()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HEARTBEAT.after_fork)
+
+
 def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
     """Before committing: a save that took this directory's lock over (``save_overwrite=True``)
     while this one wrote may have replaced some of its rank files, so this one must not commit."""
-    if lock is not None and _read_lock(storage, lock) != lock:
+    if lock is not None and not _is_ours(_read_lock(storage, lock), lock):
         raise FileExistsError(
             f"another save into {storage.url} took over its lock ({storage.join(LOCK_FILENAME)}) while this "
             "one was writing (two jobs saving there with save_overwrite=True?): this save is not committed"
@@ -193,8 +356,10 @@ def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
 
 def release_lock(storage: Storage, lock: bytes | None) -> None:
     """Remove the lock this save wrote (``lock``), leaving one another save has taken over."""
+    if lock is not None:
+        _HEARTBEAT.release(storage, lock)
     try:
-        if lock is None or _read_lock(storage, lock) == lock:
+        if lock is None or _is_ours(_read_lock(storage, lock), lock):
             storage.delete(LOCK_FILENAME)
     except OSError:
         pass  # the checkpoint stands; a leftover lock only makes the next save here ask for save_overwrite
@@ -271,8 +436,8 @@ def check_copies(statuses: Sequence[Mapping[str, Any]]) -> None:
     more = f"; and {len(differing) - len(shown)} more" if len(differing) > len(shown) else ""
     raise ReplicaMismatchError(
         f"replicas disagree, so this save is not committed: {details}{more}. A copy was corrupted in "
-        "memory, or a value that differs per rank was saved under one key (give each rank's value a key "
-        f"of its own). {VERIFY_ENV}=0 turns this check off."
+        "memory, or a value that differs per rank was saved under one key: save per-rank values under "
+        f"per-rank keys (f'rng.rank{{rank}}'), or as PerRank(value) in train_state. {VERIFY_ENV}=0 turns this check off."
     )
 
 

@@ -25,7 +25,8 @@ __all__ = [
 ]
 
 PARTS = ("model", "optim")
-OPTIONAL_PARTS = ("train",)  # the training state: when a save wrote one, it commits with the rest
+COMMITTED_PARTS = (*PARTS, "train")
+"""The parts of a step directory that each commit a ``metadata.json`` of their own."""
 _NUMBER = re.compile(r"(\d+)")
 _STEP = re.compile(r"step[-_]?(\d+)", re.IGNORECASE)
 
@@ -45,20 +46,19 @@ def _lists(storage: Storage) -> list[str]:
 
 
 def is_complete(storage: Storage) -> bool:
-    """A checkpoint directory (``metadata.json``), or a top-level one whose ``model/`` and
-    ``optim/`` are both complete, and its ``train/`` too where that holds anything (a save
-    without training state over one with it empties ``train/``)."""
+    """A checkpoint directory (``metadata.json``), or a top-level one holding ``model/`` and
+    ``optim/`` in which every part present (``model/``, ``optim/``, ``train/``) committed its
+    ``metadata.json``: a save killed between parts never leaves a step that looks complete.
+    An empty ``train/`` (a save without training state over one with it) counts as absent."""
     if storage.exists(METADATA_FILENAME):
         return True
-    names = _lists(storage)
-    return (
-        bool(names)
-        and all(storage.part(part).exists(METADATA_FILENAME) for part in PARTS)
-        and all(
-            storage.part(part).exists(METADATA_FILENAME) or not _lists(storage.part(part))
-            for part in OPTIONAL_PARTS
-            if part in names
-        )
+    names = set(_lists(storage))
+    if not all(part in names for part in PARTS):
+        return False
+    return all(
+        storage.part(part).exists(METADATA_FILENAME) or (part not in PARTS and not _lists(storage.part(part)))
+        for part in COMMITTED_PARTS
+        if part in names
     )
 
 

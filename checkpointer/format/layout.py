@@ -10,6 +10,7 @@ from ..errors import CorruptCheckpointError
 __all__ = [
     "METADATA_FILENAME",
     "LOCK_FILENAME",
+    "LOCK_TAKEOVER_PREFIX",
     "FORMAT_VERSION",
     "rank_filename",
     "temp_name",
@@ -23,6 +24,8 @@ __all__ = [
 METADATA_FILENAME = "metadata.json"
 LOCK_FILENAME = ".checkpointer-save.lock"
 """Held by rank 0 from planning until commit, so two jobs never save into one directory at once."""
+LOCK_TAKEOVER_PREFIX = f"{LOCK_FILENAME}.taken-"
+"""Followed by a digest of a stale lock: created exclusively by the one save that takes it over."""
 FORMAT_VERSION = 1
 FILE_ID_KEY = "checkpointer_file_id"
 """The key, in a rank file's safetensors ``__metadata__``, of the id ``metadata.json`` lists for it."""
@@ -40,11 +43,17 @@ def is_rank_filename(name: str) -> bool:
 
 
 def is_save_file(name: str) -> bool:
-    """A file only a save of this library leaves: a rank file, the save lock, or the temp file
+    """A file only a save of this library leaves: a rank file, the save lock (or a takeover
+    marker of one), or the temp file
     (see :func:`temp_name`) of either or of ``metadata.json``."""
     temp = _TEMP_FILE.fullmatch(name)
     base = temp.group(1) if temp else name
-    return is_rank_filename(base) or base == LOCK_FILENAME or (temp is not None and base == METADATA_FILENAME)
+    return (
+        is_rank_filename(base)
+        or base == LOCK_FILENAME
+        or base.startswith(LOCK_TAKEOVER_PREFIX)
+        or (temp is not None and base == METADATA_FILENAME)
+    )
 
 
 def new_file_id() -> str:

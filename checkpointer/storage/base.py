@@ -4,8 +4,8 @@ A :class:`Storage` is rooted at one directory-like location (a checkpoint direct
 are relative and ``/``-separated; a backend refuses a name that would leave its root. All
 methods may be called from several threads at once. Errors are builtin: a missing object
 is ``FileNotFoundError``, other I/O failures are ``OSError`` naming the URL. A read-only
-backend (http) raises ``io.UnsupportedOperation`` from ``list``, ``write``, ``delete`` and
-``open_writer``, so loading never relies on ``list``. ``url`` and :meth:`Storage.join` are
+backend (http) raises ``io.UnsupportedOperation`` from ``list``, ``write``, ``delete``,
+``delete_tree`` and ``open_writer``, so loading never relies on ``list``. ``url`` and :meth:`Storage.join` are
 for messages and never contain credentials.
 
 Who calls what: during a save every rank opens a :class:`Writer` for its own file and
@@ -172,6 +172,12 @@ class Storage(ABC):
     @abstractmethod
     def delete(self, name: str) -> None:
         """Remove a file; missing is fine."""
+
+    def delete_tree(self, name: str) -> None:
+        """Remove the sub-directory ``name`` and everything under it (a local link named ``name``
+        is removed, not followed); missing is fine. Not atomic: a caller that needs a half-removed
+        tree to read a certain way deletes the files that decide it first."""
+        raise io.UnsupportedOperation(f"{self.join(name)}: this storage cannot delete")
 
     @abstractmethod
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:

@@ -202,6 +202,24 @@ class GCSStorage(Storage):
         except FileNotFoundError:
             pass
 
+    def delete_tree(self, name: str) -> None:
+        """Every object under ``name/``, listed, then deleted one request each (on up to
+        ``max_concurrency`` threads); one deleted meanwhile is fine."""
+        root = f"{self._key(name)}/"
+        bucket = self._client.bucket(self.bucket)
+
+        def listing(_: int) -> list[str]:
+            return [b.name for b in self._client.list_blobs(self.bucket, prefix=root, retry=None, timeout=self.timeout)]
+
+        def delete(key: str) -> None:
+            try:
+                self.call("DELETE", key[len(self.prefix) + 1 :] if self.prefix else key,
+                          lambda _: bucket.blob(key).delete(retry=None, timeout=self.timeout))
+            except FileNotFoundError:
+                pass
+
+        run_parallel(delete, self.call("LIST", name, listing), self.max_concurrency)
+
     @property
     def _upload_url(self) -> str:
         return f"{self._endpoint}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"

@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import shutil
 import stat
 import uuid
 import weakref
@@ -180,6 +181,16 @@ class LocalStorage(Storage):
     def delete(self, name: str) -> None:
         try:
             os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, name: str) -> None:
+        path = os.path.join(self.root, check_name(name))
+        try:
+            if os.path.islink(path) or not os.path.isdir(path):
+                os.unlink(path)
+            else:
+                shutil.rmtree(path)
         except FileNotFoundError:
             pass
 

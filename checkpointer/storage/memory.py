@@ -67,6 +67,12 @@ class MemoryStorage(Storage):
         with self._files.lock:
             self._files.data.pop(key, None)
 
+    def delete_tree(self, name: str) -> None:
+        key = self._key(name)
+        with self._files.lock:
+            for k in [k for k in self._files.data if k.startswith(f"{key}/")]:
+                del self._files.data[k]
+
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         data = self._get(name)
         return data[start:end]

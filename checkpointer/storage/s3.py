@@ -212,6 +212,24 @@ class S3Storage(Storage):
         except FileNotFoundError:
             pass
 
+    def delete_tree(self, name: str) -> None:
+        """Every object under ``name/``, listed, then deleted up to 1,000 per request."""
+        root = f"{self._key(name)}/"
+
+        def listing(_: int) -> list[str]:
+            paginator = self._client.get_paginator("list_objects_v2")
+            return [obj["Key"] for page in paginator.paginate(Bucket=self.bucket, Prefix=root)
+                    for obj in page.get("Contents", ())]
+
+        keys = self.call("LIST", name, listing)
+        for i in range(0, len(keys), 1000):
+            batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            resp = self.call("DELETE objects", name, lambda _: self._client.delete_objects(Bucket=self.bucket, Delete=batch))
+            failed = [e for e in resp.get("Errors", ()) if e.get("Code") != "NoSuchKey"]
+            if failed:
+                raise OSError(f"DELETE {self.join(name)}: {len(failed)} objects not deleted, first "
+                              f"{failed[0].get('Key')}: {failed[0].get('Code')} {redact(str(failed[0].get('Message')))}")
+
     def _get(self, name: str, key: str, first: int, last: int | None) -> Any:
         """GetObject from byte ``first`` to ``last`` (inclusive). A store that ignores Range
         answers 200 with the whole object: usable from byte 0 (the body is read no further than

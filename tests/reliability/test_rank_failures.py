@@ -265,3 +265,38 @@ def test_the_store_host_that_exits_is_named_by_the_others(tmp_path):
     for rank in (1, 2):
         msg = results[rank].value["msg"]
         assert names_rank(msg, 0) and "store" in msg, f"rank {rank}: {msg}"
+
+
+# --------------------------------------------------------------------------------------
+# A collective call made by some ranks only
+# --------------------------------------------------------------------------------------
+
+
+def _save_on_rank_0_only(rank, world_size, top, flag):
+    import time
+
+    if rank != 0:  # alive, but never calls the save; it leaves once rank 0 has its answer
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        checkpointer.save_model_and_optim_state(top, model, optim)
+    except checkpointer.CheckpointError as ex:
+        return f"{type(ex).__name__}: {ex}"
+    finally:
+        open(flag, "w").close()
+    return "saved"
+
+
+def test_a_save_called_by_rank_0_only_says_every_rank_must_call_it(tmp_path):
+    results = rel_helpers.run_group(
+        _save_on_rank_0_only, 2, str(tmp_path / "step1"), str(tmp_path / "flag"), checkpointer_timeout_s=3.0
+    )
+    first, second = rel_helpers.values(results)
+    assert second is None
+    assert first.startswith("RankFailedError"), first
+    assert "rank 1" in first and "never entered this collective" in first, first
+    assert "Every rank must call it together" in first and "no_dist=True" in first, first

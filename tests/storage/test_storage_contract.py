@@ -158,6 +158,19 @@ class TestStorageContract:
         assert storage.list() == ["y"]
         storage.delete("x")
 
+    def test_delete_tree(self, storage: Storage) -> None:
+        storage.write("a", b"1")
+        storage.write("bb", b"kept: a name beginning like the tree's")
+        tree = subdir(storage, "b")
+        tree.write("c", b"2")
+        subdir(tree, "d").write("e", b"3")
+        storage.delete_tree("b")
+        assert storage.list() == ["a", "bb"]
+        assert storage.child("b").list() == []
+        assert not storage.exists("b/d/e")
+        storage.delete_tree("b")  # missing is fine
+        storage.delete_tree("nothing")
+
     def test_writer_commit(self, storage: Storage) -> None:
         p = part(storage)
         pieces = [blob(10), blob(p - 3, 1), blob(2 * p + 7, 2), blob(1, 3), blob(p, 4), blob(100, 5)]

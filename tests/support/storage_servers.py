@@ -97,7 +97,8 @@ class Fault:
     Modes: ``503`` (answer 503 Slow Down), ``drop`` (close without answering; the request
     never reaches the server), ``reset`` (the same, with a TCP reset), ``lost`` (forward, then close without answering: the server
     acted but the client never hears), ``truncate`` (forward, send the headers and half the
-    body, close), ``stall`` (wait ``stall_s`` seconds, then close).
+    body, close), ``stall`` (wait ``stall_s`` seconds, then close), ``hold`` (wait until the
+    test sets ``released``, at most 60 s, then forward).
     """
 
     count: int
@@ -107,6 +108,7 @@ class Fault:
     skip: int = 0
     stall_s: float = 2.0
     fired: int = 0
+    released: threading.Event = field(default_factory=threading.Event)
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method is None or method == self.method) and (self.path is None or self.path in path)
@@ -214,6 +216,8 @@ class FaultProxy:
             h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             h.connection.close()
             return
+        if mode == "hold":
+            fault.released.wait(60)
         if mode in ("drop", "stall"):
             if mode == "stall":
                 time.sleep(fault.stall_s)

@@ -31,6 +31,7 @@ FUNCTIONS = {
     "unshard_optim_state": "f(dir, *, device=None, rank0_only=False, no_dist=False)",
     "async_save_model_and_optim_state": "f(dir, model, optim, *, train_state=None, save_overwrite=False)",
     "latest_checkpoint": "f(run_dir)",
+    "prune": "f(run_dir, *, keep_last, keep_every=None)",
     "lazy_load": "f(path, shard_dims=None, *, tp_rank=0, tp_size=1, mmap=False, state_dict_converter=None, restrict=True)",
     "reshard_tensor": "f(key, source_splits, source_shard_sizes, target_shard_sizes, target_shard_ranks, shard_dims)",
     "get_shard_dims": "f(model)",
@@ -186,7 +187,7 @@ def _options(parser) -> set[str]:
 
 
 def test_cli_subcommands():
-    assert set(_subparsers(build_parser())) == {"inspect", "verify", "unshard", "convert"}
+    assert set(_subparsers(build_parser())) == {"inspect", "verify", "unshard", "convert", "prune"}
 
 
 @pytest.mark.parametrize(
@@ -196,6 +197,7 @@ def test_cli_subcommands():
         ("verify", ["dir"], set()),
         ("unshard", ["dir", "out"], set()),
         ("convert", ["src", "dst"], {"--to"}),
+        ("prune", ["dir"], {"--keep-last", "--keep-every", "--dry-run"}),
     ],
 )
 def test_cli_subcommand_arguments(command, positionals, options):
@@ -225,6 +227,8 @@ def test_cli_parses_the_contract_examples():
     assert (args.dir, args.out) == ("D", "out.safetensors")
     args = parser.parse_args(["convert", "S", "T", "--to", "hf"])
     assert (args.src, args.dst, args.to) == ("S", "T", "hf")
+    args = parser.parse_args(["prune", "R", "--keep-last", "3", "--keep-every", "1000", "--dry-run"])
+    assert (args.dir, args.keep_last, args.keep_every, args.dry_run) == ("R", 3, 1000, True)
 
 
 def test_console_script_declared():

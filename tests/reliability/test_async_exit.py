@@ -1,0 +1,91 @@
+"""An async save in flight when the process ends is finished, or its failure is printed naming
+the checkpoint with exit status 1; ``destroy_process_group`` waits for it. Real processes:
+each job is a Python script run as a subprocess (world size 1, and 2 over gloo)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+import checkpointer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+JOB = r"""
+import os, sys
+import torch
+import torch.distributed as dist
+import checkpointer
+
+out, world, rank, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if world > 1:
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[5]}", rank=rank, world_size=world)
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)
+optim = torch.optim.AdamW(model.parameters())
+model(torch.ones(2, 256)).sum().backward()
+optim.step()
+if mode == "exists":
+    checkpointer.save_model_and_optim_state(out, model, optim)
+checkpointer.async_save_model_and_optim_state(out, model, optim)  # its future is never read
+if world > 1:
+    dist.destroy_process_group()
+"""
+
+
+def _expected_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 256)).sum().backward()
+    optim.step()
+    return model
+
+
+def _run(tmp_path, out: str, world: int, mode: str = "plain") -> list[subprocess.CompletedProcess]:
+    env = dict(os.environ, PYTHONPATH=REPO, CHECKPOINTER_TIMEOUT_S="60")
+    rendezvous = str(tmp_path / "rendezvous")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", JOB, out, str(world), str(rank), mode, rendezvous],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(world)
+    ]
+    done = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return done
+
+
+def _check_saved(out: str) -> None:
+    expected = _expected_model()
+    model = torch.nn.Linear(256, 256)
+    checkpointer.load_model_and_optim_state(out, model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
+
+
+def test_returning_from_main_finishes_the_async_save(tmp_path):
+    out = str(tmp_path / "run" / "step1")
+    (done,) = _run(tmp_path, out, 1)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert checkpointer.latest_checkpoint(str(tmp_path / "run")) == out
+    _check_saved(out)
+
+
+def test_destroy_process_group_waits_for_the_async_save(tmp_path):
+    out = str(tmp_path / "run" / "step1")
+    for rank, done in enumerate(_run(tmp_path, out, 2)):
+        assert done.returncode == 0, f"rank {rank}: {done.stderr}"
+        assert "error" not in done.stderr, f"rank {rank}: {done.stderr}"
+    assert checkpointer.latest_checkpoint(str(tmp_path / "run")) == out
+    _check_saved(out)
+
+
+def test_a_failed_async_save_no_one_read_is_printed_and_fails_the_exit(tmp_path):
+    out = str(tmp_path / "run" / "step1")
+    (done,) = _run(tmp_path, out, 1, "exists")
+    assert done.returncode == 1, done
+    assert f"the async save of {out} failed" in done.stderr and "FileExistsError" in done.stderr, done.stderr

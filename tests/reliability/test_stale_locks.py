@@ -1,0 +1,163 @@
+"""A crashed save's lock does not block the next save of that directory; a live one still does.
+
+The lock is judged stale when its process, on this host, is gone, or when its heartbeat is
+older than ``CHECKPOINTER_LOCK_LEASE_S``; of saves that find one stale lock, one takes it over.
+Locally and on S3 (moto, behind a proxy that makes conditional creates atomic). The real crash
+(a save killed with SIGKILL, then saved again) is in ``test_crash_safety.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from storage_fixtures import loopback_env, moto_endpoint  # noqa: F401  (fixtures)
+from storage_servers import S3_BUCKET, FaultProxy
+
+from checkpointer import Checkpointer
+from checkpointer.engine import save as save_module
+from checkpointer.format.layout import LOCK_FILENAME
+from checkpointer.storage import open_storage
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _lock(host: str, pid: int, beat_ms: int) -> bytes:
+    return json.dumps({"host": host, "pid": pid, "token": "f" * 32, "beat_ms": beat_ms}).encode()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+STATE = {"w": torch.arange(6.0)}
+
+
+def _saved(url: str) -> bool:
+    out = {"w": torch.zeros(6)}
+    Checkpointer().load(url, out)
+    return torch.equal(out["w"], STATE["w"])
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path, monkeypatch):
+    """A fresh checkpoint URL, local or on S3 (behind a proxy with atomic conditional creates)."""
+    if request.param == "local":
+        return str(tmp_path / "ckpt")
+    proxy = FaultProxy(request.getfixturevalue("moto_endpoint"), conditional=True)
+    request.addfinalizer(proxy.close)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    return f"s3://{S3_BUCKET}/stale-{os.urandom(6).hex()}/ckpt"
+
+
+def test_stale_locks_are_taken_over_and_live_ones_refuse(where, monkeypatch):
+    storage = open_storage(where)
+    storage.prepare()
+    here = socket.gethostname()
+    monkeypatch.setenv("CHECKPOINTER_LOCK_LEASE_S", "60")
+
+    # A live lock: this host, a living process (this one), a fresh heartbeat.
+    storage.write(LOCK_FILENAME, _lock(here, os.getpid(), _now_ms()))
+    with pytest.raises(FileExistsError, match=rf"held by pid {os.getpid()} on {here}"):
+        Checkpointer().save(where, STATE)
+    # Another host, a fresh heartbeat: its process cannot be asked, so it is live.
+    storage.write(LOCK_FILENAME, _lock("some-other-host", 1, _now_ms()))
+    with pytest.raises(FileExistsError, match="in progress, or one crashed there"):
+        Checkpointer().save(where, STATE)
+    # A lock that says nothing of its holder is never judged stale.
+    storage.write(LOCK_FILENAME, b"{}")
+    with pytest.raises(FileExistsError, match="remove it, or pass save_overwrite=True"):
+        Checkpointer().save(where, STATE)
+    assert not storage.exists("metadata.json")
+
+    # The process that wrote it is gone (this host): taken over at once, whatever its heartbeat.
+    storage.write(LOCK_FILENAME, _lock(here, _dead_pid(), _now_ms()))
+    Checkpointer().save(where, STATE)
+    assert _saved(where)
+    assert storage.list() == ["metadata.json", "rank_0.safetensors"]  # no lock, no takeover marker
+
+    # Another host, its heartbeat older than the lease: stale (an older version's "time" field too).
+    for old in (_lock("some-other-host", 1, _now_ms() - 61_000), json.dumps({"time": time.time() - 61}).encode()):
+        storage.delete("metadata.json")
+        storage.write(LOCK_FILENAME, old)
+        Checkpointer().save(where, STATE)
+        assert _saved(where) and storage.list() == ["metadata.json", "rank_0.safetensors"]
+
+
+def test_one_of_two_saves_takes_over_a_stale_lock(where):
+    """Both find the same dead process's lock at once: one saves, the other is refused."""
+    storage = open_storage(where)
+    storage.prepare()
+    storage.write(LOCK_FILENAME, _lock(socket.gethostname(), _dead_pid(), _now_ms()))
+    gate = threading.Barrier(2)
+    real_read = type(storage).read
+    waited: set[str] = set()
+
+    def read(self, name, start=0, end=None):  # both read the stale lock before either takes it
+        data = real_read(self, name, start, end)
+        me = threading.current_thread().name
+        if name == LOCK_FILENAME and me.startswith("job") and me not in waited:
+            waited.add(me)
+            try:
+                gate.wait(10)
+            except threading.BrokenBarrierError:
+                pass
+        return data
+
+    results: dict[str, object] = {}
+
+    def job(name: str) -> None:
+        try:
+            Checkpointer().save(where, STATE)
+            results[name] = "saved"
+        except Exception as ex:  # noqa: BLE001 - the outcome is the test's
+            results[name] = ex
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(storage), "read", read)
+        threads = [threading.Thread(target=job, args=(f"job{i}",), name=f"job{i}") for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    outcomes = sorted(type(r).__name__ if isinstance(r, Exception) else r for r in results.values())
+    assert outcomes == ["FileExistsError", "saved"], results
+    assert _saved(where)
+
+
+def test_a_long_save_keeps_its_lock_alive(tmp_path, monkeypatch):
+    """The holder's heartbeat refreshes the lock while it writes: a save that starts meanwhile,
+    with a short lease, finds it live and is refused; the first save commits."""
+    monkeypatch.setenv("CHECKPOINTER_LOCK_LEASE_S", "4")
+    path = str(tmp_path / "ckpt")
+    lock_path = os.path.join(path, LOCK_FILENAME)
+    real = save_module.write_rank_file
+    seen: list[object] = []
+
+    def write_then_try_another(*args, **kwargs):
+        first = json.loads(open(lock_path, "rb").read())["beat_ms"]
+        deadline = time.monotonic() + 30
+        while json.loads(open(lock_path, "rb").read())["beat_ms"] == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            Checkpointer().save(path, STATE)
+        except FileExistsError as ex:
+            seen.append(ex)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_rank_file", write_then_try_another)
+    Checkpointer().save(path, STATE)
+    monkeypatch.undo()
+    assert len(seen) == 1 and "in progress" in str(seen[0]), seen
+    assert _saved(path) and sorted(os.listdir(path)) == ["metadata.json", "rank_0.safetensors"]

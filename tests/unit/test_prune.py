@@ -1,0 +1,105 @@
+"""``checkpointer.prune`` on a local run directory of real checkpoints saved at world size 1, and
+:func:`~checkpointer.engine.locate.is_complete` with a ``train/`` part."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import checkpointer
+from checkpointer.engine.locate import is_complete
+from checkpointer.storage.memory import MemoryStorage
+from checkpointer.tools.retention import Step, choose, delete_checkpoint
+from prune_helpers import DELETED, KEPT, make_run
+
+
+def test_prune_keeps_the_newest_and_the_multiples_and_newer_incomplete_ones(tmp_path):
+    run = str(tmp_path / "run")
+    make_run(run)
+    assert checkpointer.latest_checkpoint(run) == f"{run}/step500"
+    deleted = checkpointer.prune(run, keep_last=2, keep_every=200)
+    assert deleted == [f"{run}/{name}" for name in DELETED]
+    assert sorted(os.listdir(run)) == KEPT
+    assert os.listdir(f"{run}/notes_step150") == ["notes.txt"]
+    assert checkpointer.latest_checkpoint(run) == f"{run}/step500"
+    assert torch.equal(checkpointer.Checkpointer().unshard(f"{run}/step200")["w"], torch.full((4,), 200.0))
+    assert checkpointer.prune(run + "/", keep_last=2, keep_every=200) == []  # nothing more to do
+
+    # keep_last=0 still keeps the newest complete checkpoint; keep_every keeps complete ones only.
+    assert checkpointer.prune(run, keep_last=0) == [f"{run}/step200", f"{run}/step400"]
+    assert sorted(os.listdir(run)) == ["notes_step150", "step500", "step600"]
+    assert checkpointer.latest_checkpoint(run) == f"{run}/step500"
+
+
+def test_prune_without_a_complete_checkpoint_deletes_nothing(tmp_path):
+    run = tmp_path / "run"
+    checkpointer.Checkpointer().save(str(run / "step1"), {"w": torch.zeros(2)})
+    os.remove(run / "step1" / "metadata.json")
+    assert checkpointer.prune(str(run), keep_last=1) == []
+    assert os.listdir(run) == ["step1"]
+    assert checkpointer.prune(str(tmp_path / "missing"), keep_last=1) == []
+
+
+def test_prune_refuses_bad_counts(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        checkpointer.prune(str(tmp_path), keep_last=-1)
+    with pytest.raises(ValueError, match="keep_every"):
+        checkpointer.prune(str(tmp_path), keep_last=1, keep_every=0)
+    with pytest.raises(TypeError, match="keep_last"):
+        checkpointer.prune(str(tmp_path), keep_last=None)
+    with pytest.raises(TypeError, match="run directory is None"):
+        checkpointer.prune(None, keep_last=1)
+
+
+def test_a_linked_checkpoint_loses_its_link_not_what_it_leads_to(tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    checkpointer.Checkpointer().save(str(elsewhere / "step1"), {"w": torch.zeros(2)})
+    checkpointer.Checkpointer().save(str(run / "step2"), {"w": torch.zeros(2)})
+    os.symlink(elsewhere / "step1", run / "step1")
+    assert checkpointer.prune(str(run), keep_last=1) == [f"{run}/step1"]
+    assert os.listdir(run) == ["step2"]
+    assert sorted(os.listdir(elsewhere / "step1")) == ["metadata.json", "rank_0.safetensors"]
+
+
+def test_choose_never_takes_the_newest_complete_nor_a_busy_one():
+    steps = [Step("s1", 1, True), Step("s2", 2, True), Step("s3", 3, False), Step("s0", 0, False),
+             Step("s4", 4, True), Step("x0", 0, False, save_leftovers=False)]
+    assert choose(steps, 0, None) == ["s0", "s1", "s2", "s3"]
+    assert choose(steps, 1, 2) == ["s0", "s1", "s3"]
+    assert choose(steps, 0, None, busy={"s1", "s3"}) == ["s0", "s2"]
+    assert choose([Step("s1", 1, False)], 0, None) == []
+
+
+class _DeleteFails(MemoryStorage):
+    def delete_tree(self, name: str) -> None:
+        raise OSError(f"{self.join(name)}: injected failure")
+
+    def child(self, name: str) -> MemoryStorage:
+        return MemoryStorage(self._key(name), _files=self._files)
+
+
+def test_a_half_deleted_checkpoint_reads_as_incomplete():
+    run = _DeleteFails()
+    for part in ("model", "optim", "train"):
+        run.write(f"step1/{part}/metadata.json", b"{}")
+        run.write(f"step1/{part}/rank_0.safetensors", b"x")
+    assert is_complete(run.child("step1"))
+    with pytest.raises(OSError, match="injected"):
+        delete_checkpoint(run, "step1")
+    assert not is_complete(run.child("step1"))
+    assert run.exists("step1/model/rank_0.safetensors")
+
+
+def test_every_part_present_must_have_committed():
+    step = MemoryStorage().child("step1")
+    for part in ("model", "optim"):
+        step.write(f"{part}/metadata.json", b"{}")
+    assert is_complete(step)
+    step.write("train/rank_0.safetensors", b"x")  # a train/ part whose save never committed
+    assert not is_complete(step)
+    step.write("train/metadata.json", b"{}")
+    assert is_complete(step)
+    step.child("model").delete("metadata.json")
+    assert not is_complete(step)
