@@ -11,6 +11,7 @@ __all__ = [
     "METADATA_FILENAME",
     "LOCK_FILENAME",
     "FORMAT_VERSION",
+    "LEGACY_FORMAT_VERSION",
     "rank_filename",
     "temp_name",
     "is_rank_filename",
@@ -23,7 +24,10 @@ __all__ = [
 METADATA_FILENAME = "metadata.json"
 LOCK_FILENAME = ".checkpointer-save.lock"
 """Held by rank 0 from planning until commit, so two jobs never save into one directory at once."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Format 2: regular layouts as shard rules, checksums in the rank files, one file id per save."""
+LEGACY_FORMAT_VERSION = 1
+"""Format 1: every piece listed file by file, with its checksums and each file's id."""
 FILE_ID_KEY = "checkpointer_file_id"
 """The key, in a rank file's safetensors ``__metadata__``, of the id ``metadata.json`` lists for it."""
 _RANK_FILE = re.compile(r"rank_(\d+)\.safetensors")
