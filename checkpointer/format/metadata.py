@@ -124,6 +124,26 @@ class TensorStorageMetadata(BaseModel):
         return math.prod(self.shape)
 
 
+class SameId(Mapping):
+    """``file_ids`` of a format-2 checkpoint: every rank file has the one id ``file_id``.
+    Looked up like a dict of every file; lists nothing, and is not written back."""
+
+    def __init__(self, file_id: str):
+        self.file_id = file_id
+
+    def __getitem__(self, name: str) -> str:
+        return self.file_id
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class StorageMetadata(BaseModel):
     """The contents of ``metadata.json``."""
 
@@ -145,11 +165,6 @@ class StorageMetadata(BaseModel):
     """Format 2: each rank file holds its pieces' checksums (tensor ``__checkpointer_crc32c__``),
     not ``metadata.json``."""
 
-    def file_id_of(self, name: str) -> str | None:
-        """The id rank file ``name`` must have in its header, if the metadata says."""
-        if self.file_ids is not None and name in self.file_ids:
-            return self.file_ids[name]
-        return self.file_id
 
     def verbose(self) -> StorageMetadata:
         """The same metadata with every tensor's pieces listed file by file (no shard rules)."""
@@ -226,6 +241,8 @@ class StorageMetadata(BaseModel):
         if self.tensors:
             parts.pop()
         rest: dict[str, Any] = {name: getattr(self, name) for name in _TOP_FIELDS if name != "tensors"}
+        if isinstance(rest["file_ids"], SameId):
+            rest["file_ids"] = None
         rest.update(self.__pydantic_extra__ or {})
         parts += ["},", _compact(rest)[1:]]
         return "".join(parts).encode()
@@ -439,6 +456,8 @@ def _validate(
         for alias, target in aliases.items():
             if target not in tensors or alias in tensors:
                 raise ValueError(f"alias {alias!r} -> {target!r} does not resolve to a saved tensor")
+    if file_id is not None and file_ids is None:
+        fields["file_ids"] = SameId(file_id)
     return StorageMetadata.model_construct(tensors=tensors, aliases=aliases, **fields, **extra)
 
 
