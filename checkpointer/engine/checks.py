@@ -3,6 +3,7 @@ anything is allocated), the pieces they hold, and the CRC32C checksums of the by
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 from functools import partial
@@ -12,14 +13,14 @@ from ..buffers import memoryview_of
 from ..checksums import crc32c, crc32c_extend
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
-from ..format.layout import FILE_ID_KEY, METADATA_FILENAME
+from ..format.layout import CHECKSUMS_KEY, FILE_ID_KEY, METADATA_FILENAME
 from ..format.metadata import TensorStorageMetadata
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, header_length, parse_header
 from ..storage.base import FileChangedError, ReadRequest, Storage
 
 __all__ = [
     "HeaderCache", "piece_start", "check_files_hold", "read_small_file", "read_with", "check_chunk", "HashedRun",
-    "verified_requests", "read_hashed", "verify_tasks",
+    "verified_requests", "read_hashed", "verify_tasks", "FileChecksums", "checksums_for",
 ]
 
 T = TypeVar("T")
@@ -45,7 +46,45 @@ class HeaderCache:
         self.file_ids = file_ids or {}
         self.what = what  # what a file is, for the error when one is missing
         self._headers: dict[str, SafetensorsHeader] = {}
+        self._checksums: dict[str, dict[str, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
+
+    def checksums(self, name: str, chunk_bytes: int) -> dict[str, tuple[int, ...]]:
+        """Format 2: the checksums rank file ``name`` holds (its ``CHECKSUMS_KEY`` tensor), per key;
+        read once. A file without them, or with too few or too many, is corrupt."""
+        with self._lock:
+            cached = self._checksums.get(name)
+        if cached is not None:
+            return cached
+        header = self.get(name)
+        where = self.storage.join(name)
+        entry = header.entries.get(CHECKSUMS_KEY)
+        if entry is None or entry.dtype != "U8":
+            raise CorruptCheckpointError(f"{where}: holds no checksums ({CHECKSUMS_KEY!r}), which metadata.json promises")
+        counts = {
+            key: -(-(e.end - e.start) // chunk_bytes) for key, e in header.entries.items() if key != CHECKSUMS_KEY
+        }
+        if entry.end - entry.start != 4 * sum(counts.values()):
+            raise CorruptCheckpointError(
+                f"{where}: {entry.end - entry.start} bytes of checksums for {sum(counts.values())} chunks of 4 bytes"
+            )
+        data = read_with(self.storage, name, lambda: self.storage.read(name, entry.start, entry.end))
+        if len(data) != entry.end - entry.start:
+            raise CorruptCheckpointError(f"{where}: the checksums are cut short")
+        values = memoryview(bytes(data)).cast("I") if _LITTLE else None
+        out: dict[str, tuple[int, ...]] = {}
+        at = 0
+        for key in sorted(counts):
+            n = counts[key]
+            out[key] = (
+                tuple(values[at : at + n])
+                if values is not None
+                else tuple(int.from_bytes(data[4 * i : 4 * i + 4], "little") for i in range(at, at + n))
+            )
+            at += n
+        with self._lock:
+            self._checksums[name] = out
+        return out
 
     def get(self, name: str) -> SafetensorsHeader:
         with self._lock:
@@ -78,6 +117,39 @@ class HeaderCache:
         """Close the files this load keeps open (done anyway when the cache is dropped)."""
         if self.storage is not self._given:
             self.storage.close()
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+class FileChecksums(Mapping):
+    """Format 2: the checksums of one tensor's pieces, per file, read from the files on first use
+    (``ReadJob.checksums_per_file`` of a checkpoint whose files hold them)."""
+
+    def __init__(self, headers: HeaderCache, key: str, files: Sequence[str], chunk_bytes: int):
+        self.headers, self.key, self.files, self.chunk_bytes = headers, key, list(files), chunk_bytes
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        if name not in self.files:
+            raise KeyError(name)
+        crcs = self.headers.checksums(name, self.chunk_bytes).get(self.key)
+        if crcs is None:
+            raise CorruptCheckpointError(f"{self.headers.storage.join(name)}: no checksums of tensor {self.key!r}")
+        return crcs
+
+    def __iter__(self):
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def checksums_for(headers: HeaderCache, metadata: Any, key: str, specs: Sequence[tuple[str, Any]]) -> Mapping:
+    """Each file's checksums of ``key``'s piece: from ``metadata.json`` (format 1) or, lazily,
+    from the files themselves (format 2)."""
+    if getattr(metadata, "checksums_in_files", None) and metadata.checksum_chunk_bytes:
+        return FileChecksums(headers, key, [f for f, _ in specs], metadata.checksum_chunk_bytes)
+    return {f: spec.checksums for f, spec in specs}
 
 
 def _file_size(storage: Storage, name: str, what: str) -> int:

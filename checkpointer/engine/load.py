@@ -27,7 +27,7 @@ from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .locate import missing_metadata_message
-from .checks import HeaderCache
+from .checks import HeaderCache, checksums_for
 from .reader import CheckpointReader
 from .reads import ReadJob, execute_reads, execute_reads_from
 from .save import describe_state_dict
@@ -148,15 +148,22 @@ class LocalLoad:
     local: LocalTensor
     plan: TensorLoadPlan
     numel_per_file: dict[str, int]
-    checksums_per_file: dict[str, tuple[int, ...] | None]
+    checksums_per_file: Mapping[str, tuple[int, ...] | None]
 
     def job(self, dest: torch.Tensor) -> ReadJob:
         return ReadJob(self.plan, dest, self.numel_per_file, self.checksums_per_file)
 
 
-def plan_local_loads(storage: Storage, metadata: StorageMetadata, state_dict: Mapping[str, Any]) -> list[LocalLoad]:
-    """Check every key against the metadata and plan its reads (keys sharing memory load once)."""
+def plan_local_loads(
+    storage: Storage, metadata: StorageMetadata, state_dict: Mapping[str, Any], headers: HeaderCache | None = None
+) -> list[LocalLoad]:
+    """Check every key against the metadata and plan its reads (keys sharing memory load once).
+
+    ``headers``: the load's header cache, which reads the checksums of a format-2 checkpoint
+    from its files when the reads need them."""
     described, _ = describe_state_dict(state_dict, action="load")
+    if headers is None and metadata.checksums_in_files:
+        headers = HeaderCache(storage, metadata.file_ids)
     out = []
     for key, lt in described.items():
         meta = _meta_for(metadata, key, storage)
@@ -177,7 +184,7 @@ def plan_local_loads(storage: Storage, metadata: StorageMetadata, state_dict: Ma
                 lt,
                 plan,
                 {f: spec.local_numel for f, spec in specs},
-                {f: spec.checksums for f, spec in specs},
+                checksums_for(headers, metadata, saved_key, specs),  # type: ignore[arg-type]
             )
         )
     return out
@@ -222,7 +229,8 @@ def load_state_dicts(
     parts: list[tuple[HeaderCache, list[LocalLoad]]] = []
     with dist.phase("load", no_dist=no_dist), torch.no_grad():
         for storage, meta, state_dict in zip(storages, metas, state_dicts(metas), strict=True):
-            parts.append((CheckpointReader(storage, meta).headers, plan_local_loads(storage, meta, state_dict)))
+            headers = CheckpointReader(storage, meta).headers
+            parts.append((headers, plan_local_loads(storage, meta, state_dict, headers)))
     with dist.phase("load", no_dist=no_dist), torch.no_grad():
         by_chunk: dict[int | None, list[tuple[HeaderCache, list[LocalLoad]]]] = {}
         for part, meta in zip(parts, metas):
@@ -376,6 +384,6 @@ def read_full_onto(
     }
     chunk = metadata.checksum_chunk_bytes if verify else None
     with torch.no_grad():
-        loads = plan_local_loads(storage, metadata, out)
+        loads = plan_local_loads(storage, metadata, out, reader.headers)
         fill_in_place(storage, loads, num_threads=num_threads, verify_chunk_bytes=chunk, headers=reader.headers)
     return out

@@ -10,7 +10,7 @@ import torch
 from .. import settings
 from ..buffers import memoryview_of
 from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c, crc32c_extend
-from ..format.layout import FILE_ID_KEY
+from ..format.layout import CHECKSUMS_KEY, FILE_ID_KEY
 from ..format.safetensors_header import build_header
 from ..sharding import LocalTensor
 from ..storage.base import Storage, Writer
@@ -35,6 +35,7 @@ def write_rank_file(
     *,
     checksums: bool = True,
     file_id: str | None = None,
+    checksums_in_file: bool = False,
 ) -> dict[str, list[int]]:
     """Write the local pieces as one safetensors file, streaming from tensor memory.
 
@@ -42,6 +43,8 @@ def write_rank_file(
     Each block is checksummed right after it is written, while it is still in the CPU cache:
     on a machine whose memory bandwidth is the limit, that costs almost nothing extra.
     ``file_id`` goes into the header's ``__metadata__``, for ``metadata.json`` to list.
+    ``checksums_in_file`` (format 2): the checksums also go into the file, as its last tensor
+    (``CHECKSUMS_KEY``: its size is known before the pieces are hashed, its bytes after).
 
     Pieces already in contiguous CPU memory (and the header) stay alive and unchanged until
     the writer commits, so they go to :meth:`~checkpointer.storage.base.Writer.write_stable`:
@@ -57,8 +60,11 @@ def write_rank_file(
         data_start = None
         if align is not None:
             tensors, data_start = order_for_alignment(tensors, align, MIN_FROM_SOURCE)
+        entries = [(key, lt.dtype, lt.numel) for key, lt in tensors]
+        if checksums_in_file:
+            entries.append((CHECKSUMS_KEY, "U8", 4 * sum(_chunks(lt) for _, lt in tensors)))
         header, offsets = build_header(
-            [(key, lt.dtype, lt.numel) for key, lt in tensors],
+            entries,
             user_metadata={FILE_ID_KEY: file_id} if file_id else None,
             data_start=data_start,
         )
@@ -94,8 +100,25 @@ def write_rank_file(
             result[key] = _write_hashed(writer.write_stable, view, checksums, block, offset, min_block)
         if pending:
             writer.write_stable(pending)
+        if checksums_in_file:
+            writer.write([memoryview(checksum_bytes(result, {key: _chunks(lt) for key, lt in tensors}))])
         writer.commit()
     return result
+
+
+def _chunks(lt: LocalTensor) -> int:
+    return -(-lt.numel * itemsize(lt.dtype) // CHUNK_BYTES)
+
+
+def checksum_bytes(crcs: dict[str, list[int]], chunks: dict[str, int]) -> bytes:
+    """The data of a rank file's ``CHECKSUMS_KEY`` tensor: each key's checksums, keys in order."""
+    out = bytearray()
+    for key in sorted(chunks):
+        values = crcs[key]
+        if len(values) != chunks[key]:
+            raise AssertionError(f"{key!r}: {len(values)} checksums for {chunks[key]} chunks")
+        out += b"".join(v.to_bytes(4, "little") for v in values)
+    return bytes(out)
 
 
 def hash_pieces(tensors: Sequence[torch.Tensor], *, threads: int = 1) -> list[list[int]]:

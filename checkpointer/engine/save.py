@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -35,7 +36,7 @@ import numpy as np
 from .. import dist
 from ..errors import CheckpointError, RankError
 from ..checksums import ALGORITHM, CHUNK_BYTES
-from ..format.layout import METADATA_FILENAME, new_file_id, rank_filename
+from ..format.layout import CHECKSUMS_KEY, FORMAT_VERSION, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import RESERVED_KEY
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
@@ -51,6 +52,11 @@ __all__ = [
 ]
 
 _CACHE_ENTRIES = 8
+
+COMPACT_METADATA = True
+"""The form of new checkpoints: format 2 (shard rules; checksums in the rank files; one file id).
+``False`` writes format 1 (every piece listed, with its checksums and each file's id), which
+OLMo-core 0.1.0 reads; ``checkpointer convert --to olmo`` turns either into that form."""
 
 
 @dataclass
@@ -77,7 +83,7 @@ def describe_state_dict(
     for key, value in state_dict.items():
         if not isinstance(key, str):
             raise TypeError(f"state dict keys must be strings, got {key!r}")
-        if key == RESERVED_KEY:
+        if key in (RESERVED_KEY, CHECKSUMS_KEY):
             raise CheckpointError(f"cannot {action} {key!r}: safetensors reserves the name for a file's own metadata")
         try:
             lt = describe(value)
@@ -212,7 +218,8 @@ def _plan_from(gathered: list[bytes], mine: RankPieces) -> tuple[SavePlan, int]:
         columns.append(rank_columns)
         aliases.update(rank_aliases)
         plan_id.update(fingerprint.encode() + b"\n")
-    return build_save_plan(columns, aliases=aliases), int.from_bytes(plan_id.digest()[:7], "little")
+    plan = build_save_plan(columns, aliases=aliases, compact=COMPACT_METADATA)
+    return plan, int.from_bytes(plan_id.digest()[:7], "little")
 
 
 @dataclass
@@ -244,7 +251,8 @@ class DescribedState:
 def describe_for_save(state_dict: Mapping[str, Any]) -> DescribedState:
     result, error = dist.attempt(lambda: describe_state_dict(state_dict))  # its error: in the plan exchange
     described, aliases = result or ({}, {})
-    fingerprint = hashlib.sha256(_desc_json(described, aliases) + str(dist.get_world_size()).encode()).hexdigest()
+    form = f"{dist.get_world_size()},{COMPACT_METADATA}".encode()
+    fingerprint = hashlib.sha256(_desc_json(described, aliases) + form).hexdigest()
     return DescribedState(described, aliases, error, fingerprint)
 
 
@@ -338,6 +346,10 @@ def write_and_commit(
     crcs: dict[str, list[int]] = {}
     file_id = None
     hashing = None
+    compact = (metadata.format_version or 0) >= FORMAT_VERSION
+    # Format 2: one id for every file of this save (the least of the ranks' random picks), so
+    # metadata.json names it once; and each file holds its own checksums.
+    save_id = f"{dist.all_reduce_min(secrets.randbits(62), group=group):016x}" if compact else None
 
     def write() -> None:
         nonlocal crcs, file_id, hashing
@@ -348,8 +360,8 @@ def write_and_commit(
         local = planned.local_pieces() if pieces is None else pieces
         if local:
             name = rank_filename(rank)
-            file_id = new_file_id()
-            crcs = write_rank_file(storage, name, local, file_id=file_id)
+            file_id = save_id or new_file_id()
+            crcs = write_rank_file(storage, name, local, file_id=file_id, checksums_in_file=compact)
             files.append(storage.join(name))
 
     _, error = dist.attempt(write)
@@ -366,9 +378,16 @@ def write_and_commit(
 
             def commit() -> None:
                 check_copies(statuses)
-                crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
-                committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
-                committed = committed.with_file_ids({rank_filename(r): s["id"] for r, s in enumerate(statuses) if s["id"]})
+                if compact:
+                    committed = metadata.model_copy(update={
+                        "checksum_algorithm": ALGORITHM, "checksum_chunk_bytes": CHUNK_BYTES,
+                        "checksums_in_files": True, "file_id": save_id,
+                    })
+                else:
+                    crcs_per_file = {rank_filename(r): s["crcs"] for r, s in enumerate(statuses)}
+                    committed = metadata.with_checksums(crcs_per_file, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
+                    ids = {rank_filename(r): s["id"] for r, s in enumerate(statuses) if s["id"]}
+                    committed = committed.with_file_ids(ids)
                 commit_metadata(storage, committed, planned.lock)
                 files.append(storage.join(METADATA_FILENAME))
 

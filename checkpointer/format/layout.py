@@ -12,12 +12,14 @@ __all__ = [
     "LOCK_FILENAME",
     "LOCK_TAKEOVER_PREFIX",
     "FORMAT_VERSION",
+    "LEGACY_FORMAT_VERSION",
     "rank_filename",
     "temp_name",
     "is_rank_filename",
     "is_save_file",
     "check_filename",
     "FILE_ID_KEY",
+    "CHECKSUMS_KEY",
     "new_file_id",
 ]
 
@@ -26,7 +28,13 @@ LOCK_FILENAME = ".checkpointer-save.lock"
 """Held by rank 0 from planning until commit, so two jobs never save into one directory at once."""
 LOCK_TAKEOVER_PREFIX = f"{LOCK_FILENAME}.taken-"
 """Followed by a digest of a stale lock: created exclusively by the one save that takes it over."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Format 2: regular layouts as shard rules, checksums in the rank files, one file id per save."""
+LEGACY_FORMAT_VERSION = 1
+"""Format 1: every piece listed file by file, with its checksums and each file's id."""
+CHECKSUMS_KEY = "__checkpointer_crc32c__"
+"""Format 2: the tensor, last in each rank file, of its pieces' CRC32C checksums: little-endian
+uint32 values (U8 bytes), the pieces in order of their keys, ``ceil(bytes / chunk)`` each."""
 FILE_ID_KEY = "checkpointer_file_id"
 """The key, in a rank file's safetensors ``__metadata__``, of the id ``metadata.json`` lists for it."""
 _RANK_FILE = re.compile(r"rank_(\d+)\.safetensors")

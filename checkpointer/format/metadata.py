@@ -124,6 +124,26 @@ class TensorStorageMetadata(BaseModel):
         return math.prod(self.shape)
 
 
+class SameId(Mapping):
+    """``file_ids`` of a format-2 checkpoint: every rank file has the one id ``file_id``.
+    Looked up like a dict of every file; lists nothing, and is not written back."""
+
+    def __init__(self, file_id: str):
+        self.file_id = file_id
+
+    def __getitem__(self, name: str) -> str:
+        return self.file_id
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class StorageMetadata(BaseModel):
     """The contents of ``metadata.json``."""
 
@@ -139,6 +159,22 @@ class StorageMetadata(BaseModel):
     file_ids: dict[str, str] | None = None
     """Each rank file's id, also written in that file's header: a file another save put in
     its place (two saves into one directory) is refused on load, not read as this one's."""
+    file_id: str | None = None
+    """Format 2: the one id every rank file of this save has in its header (instead of ``file_ids``)."""
+    checksums_in_files: bool | None = None
+    """Format 2: each rank file holds its pieces' checksums (tensor ``__checkpointer_crc32c__``),
+    not ``metadata.json``."""
+
+
+    def verbose(self) -> StorageMetadata:
+        """The same metadata with every tensor's pieces listed file by file (no shard rules)."""
+        tensors = {
+            key: meta.model_copy(update={"shard_spec_per_file": meta.shard_spec_per_file.verbose()})
+            if isinstance(meta.shard_spec_per_file, ShardSpecs)
+            else meta
+            for key, meta in self.tensors.items()
+        }
+        return self.model_copy(update={"tensors": tensors})
 
     @field_validator("checksum_chunk_bytes")
     @classmethod
@@ -205,6 +241,8 @@ class StorageMetadata(BaseModel):
         if self.tensors:
             parts.pop()
         rest: dict[str, Any] = {name: getattr(self, name) for name in _TOP_FIELDS if name != "tensors"}
+        if isinstance(rest["file_ids"], SameId):
+            rest["file_ids"] = None
         rest.update(self.__pydantic_extra__ or {})
         parts += ["},", _compact(rest)[1:]]
         return "".join(parts).encode()
@@ -220,13 +258,16 @@ def _compact(value: Any) -> str:
 def _tensor_json(key: str, meta: TensorStorageMetadata) -> tuple[str, str, str]:
     """A tensor's ``"key":{...}`` in three pieces of text."""
     specs = meta.shard_spec_per_file
-    if isinstance(specs, ShardSpecs):
+    field = "shard_spec_per_file"
+    if isinstance(specs, ShardSpecs) and specs.rule is not None and specs.checksums is None and not specs.extras:
+        field, specs_text = "shard_rule", _compact(specs.rule)
+    elif isinstance(specs, ShardSpecs):
         specs_text = specs.json_text()
     else:
         specs_text = _compact({name: _spec_json(spec) for name, spec in specs.items()})
     head = _compact({"shape": list(meta.shape), "is_sharded": meta.is_sharded, "dtype": meta.dtype})
     extra = _compact(meta.__pydantic_extra__)[1:-1] if meta.__pydantic_extra__ else ""
-    return f'{json.dumps(key)}:{head[:-1]},"shard_spec_per_file":', specs_text, f',{extra}}}' if extra else "}"
+    return f'{json.dumps(key)}:{head[:-1]},"{field}":', specs_text, f',{extra}}}' if extra else "}"
 
 
 def _spec_json(spec: TensorShardSpec) -> dict[str, Any]:
@@ -248,19 +289,24 @@ def _run_count(spec: TensorShardSpec, shape: tuple[int, ...]) -> int:
     return box_run_count(spec.local_shape, spec.global_offset, shape)
 
 
-def new_metadata(tensors: dict[str, TensorStorageMetadata], *, world_size: int, aliases: dict[str, str]) -> StorageMetadata:
+def new_metadata(
+    tensors: dict[str, TensorStorageMetadata], *, world_size: int, aliases: dict[str, str],
+    format_version: int = FORMAT_VERSION,
+) -> StorageMetadata:
     """The metadata of a new checkpoint, from tensors already validated (not validated again)."""
     for alias, target in (aliases or {}).items():
         if target not in tensors or alias in tensors:
             raise ValueError(f"alias {alias!r} -> {target!r} does not resolve to a saved tensor")
     return StorageMetadata.model_construct(
         tensors=tensors,
-        format_version=FORMAT_VERSION,
+        format_version=format_version,
         world_size=world_size,
         aliases=aliases or None,
         checksum_algorithm=None,
         checksum_chunk_bytes=None,
         file_ids=None,
+        file_id=None,
+        checksums_in_files=None,
     )
 
 
@@ -282,7 +328,7 @@ def _parse(data: bytes, where: str) -> StorageMetadata:
     parser = SpecParser()
     try:
         top, tensors = _read_document(text, parser)
-        return _validate(top, tensors)
+        return _validate(top, tensors, parser)
     except _NotAnObject:
         raise CorruptCheckpointError(f"{where}: expected a JSON object") from None
     except (JSONDecodeError, RecursionError) as ex:
@@ -296,9 +342,11 @@ class _NotAnObject(Exception):
 
 
 _TOP_FIELDS = (
-    "tensors", "format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes", "file_ids"
+    "tensors", "format_version", "world_size", "aliases", "checksum_algorithm", "checksum_chunk_bytes", "file_ids",
+    "file_id", "checksums_in_files",
 )
 _TENSOR_FIELDS = ("shape", "is_sharded", "dtype", "shard_spec_per_file")
+_RULE_FIELDS = ("shape", "is_sharded", "dtype", "shard_rule")
 
 
 def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -366,7 +414,9 @@ def _tensor_entry(text: str, key: str, i: int, parser: SpecParser) -> tuple[Tens
     return meta, end
 
 
-def _validate(raw: dict[str, Any], tensors: dict[str, TensorStorageMetadata] | None) -> StorageMetadata:
+def _validate(
+    raw: dict[str, Any], tensors: dict[str, TensorStorageMetadata] | None, parser: SpecParser | None = None
+) -> StorageMetadata:
     fields: dict[str, Any] = {}
     for name in ("format_version", "world_size", "checksum_chunk_bytes"):
         value = raw.get(name)
@@ -383,6 +433,18 @@ def _validate(raw: dict[str, Any], tensors: dict[str, TensorStorageMetadata] | N
     if file_ids is not None and (type(file_ids) is not dict or not all(type(v) is str for v in file_ids.values())):
         raise ValueError("file_ids must be an object of strings or null")
     fields["file_ids"] = file_ids
+    file_id = raw.get("file_id")
+    if file_id is not None and type(file_id) is not str:
+        raise ValueError("file_id must be a string or null")
+    fields["file_id"] = file_id
+    in_files = raw.get("checksums_in_files")
+    if in_files is not None and type(in_files) is not bool:
+        raise ValueError("checksums_in_files must be true, false or null")
+    fields["checksums_in_files"] = in_files
+    if parser is not None and parser.max_file >= 0:
+        world = fields["world_size"]
+        if world is None or parser.max_file >= world:
+            raise ValueError(f"a shard rule names rank_{parser.max_file}.safetensors, past the world size {world}")
     extra = {k: v for k, v in raw.items() if k not in _TOP_FIELDS}
     if tensors is None:
         raise ValueError("tensors must be an object")
@@ -394,13 +456,19 @@ def _validate(raw: dict[str, Any], tensors: dict[str, TensorStorageMetadata] | N
         for alias, target in aliases.items():
             if target not in tensors or alias in tensors:
                 raise ValueError(f"alias {alias!r} -> {target!r} does not resolve to a saved tensor")
+    if file_id is not None and file_ids is None:
+        fields["file_ids"] = SameId(file_id)
     return StorageMetadata.model_construct(tensors=tensors, aliases=aliases, **fields, **extra)
 
 
 def _tensor(entry: Any, parser: SpecParser) -> TensorStorageMetadata:
     if type(entry) is not dict:
         raise ValueError("must be an object")
-    missing = [name for name in _TENSOR_FIELDS if name not in entry]
+    ruled = "shard_rule" in entry
+    if ruled and "shard_spec_per_file" in entry:
+        raise ValueError("gives both shard_rule and shard_spec_per_file")
+    fields = _RULE_FIELDS if ruled else _TENSOR_FIELDS
+    missing = [name for name in fields if name not in entry]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
     shape = entry["shape"]
@@ -414,10 +482,13 @@ def _tensor(entry: Any, parser: SpecParser) -> TensorStorageMetadata:
     dtype = entry["dtype"]
     if type(dtype) is not str or dtype not in DTYPE_CODES:
         raise ValueError(f"unknown dtype {_short_value(dtype)}")
-    extra = {k: v for k, v in entry.items() if k not in _TENSOR_FIELDS}
+    extra = {k: v for k, v in entry.items() if k not in fields}
     parser.members += len(entry) - len(extra)
     parser.count(extra)
-    specs = parser.parse(shape, entry["shard_spec_per_file"])
+    if ruled:
+        specs = parser.parse_rule(shape, entry["shard_rule"])
+    else:
+        specs = parser.parse(shape, entry["shard_spec_per_file"])
     return TensorStorageMetadata.model_construct(
         shape=shape, is_sharded=entry["is_sharded"], dtype=dtype, shard_spec_per_file=specs, **extra
     )

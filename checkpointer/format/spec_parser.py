@@ -13,7 +13,10 @@ from itertools import chain
 from operator import add, itemgetter, le
 from typing import Any, Sequence
 
+import json
+
 from .layout import check_filename
+from .rules import MAX_RULE_CELLS, check_rule, expand_rule
 from .specs import FIELDS, MAX_RUNS_PER_TENSOR, Layout, ShardSpecs, box_run_count, shared_layout
 
 __all__ = ["SpecParser"]
@@ -44,8 +47,29 @@ class SpecParser:
     def __init__(self) -> None:
         self._good_names: set[str] = set()
         self._layouts: dict[tuple, list[Layout]] = {}
+        self._rules: dict[tuple, tuple[Layout, dict]] = {}
+        self.rule_cells = 0
+        self.max_file = -1
+        """The largest rank file index a rule names (checked against ``world_size``)."""
         self.members = 0
         self.colons = 0
+
+    def parse_rule(self, shape: tuple[int, ...], raw: Any) -> ShardSpecs:
+        """A ``shard_rule`` (see :mod:`~checkpointer.format.rules`): checked in time linear in
+        its size, then expanded once per distinct (shape, rule), within a budget of
+        :data:`~checkpointer.format.rules.MAX_RULE_CELLS` pieces for the whole document."""
+        self.count(raw)
+        cells, top = check_rule(shape, raw)
+        key = (shape, json.dumps(raw, separators=(",", ":")))
+        known = self._rules.get(key)
+        if known is None:
+            self.rule_cells += cells
+            if self.rule_cells > MAX_RULE_CELLS:
+                raise ValueError(f"the document's shard rules describe more than {MAX_RULE_CELLS} pieces together")
+            names, flat, ls, go = expand_rule(shape, raw)
+            known = self._rules[key] = (Layout(shape, names, flat, ls, go), raw)
+        self.max_file = max(self.max_file, top)
+        return ShardSpecs(known[0], None, None, known[1])
 
     def parse(self, shape: tuple[int, ...], raw: Any) -> ShardSpecs:
         """``raw``: the parsed JSON value. Raises ``ValueError`` naming the file at fault."""

@@ -137,12 +137,21 @@ class ShardSpecs(Mapping):
     ``extras`` maps a file's position to the fields of its spec this release does not know.
     """
 
-    __slots__ = ("layout", "checksums", "extras")
+    __slots__ = ("layout", "checksums", "extras", "rule")
 
-    def __init__(self, layout: Layout, checksums: Sequence[Any] | None = None, extras: dict[int, dict] | None = None):
+    def __init__(
+        self,
+        layout: Layout,
+        checksums: Sequence[Any] | None = None,
+        extras: dict[int, dict] | None = None,
+        rule: dict[str, Any] | None = None,
+    ):
         self.layout = layout
         self.checksums = checksums
         self.extras = extras
+        self.rule = rule
+        """The shard rule (:mod:`~checkpointer.format.rules`) the layout follows, when known:
+        ``metadata.json`` then gives the rule, not the list."""
 
     def __getitem__(self, name: str):
         return self.spec(self.layout.index[name])
@@ -181,7 +190,11 @@ class ShardSpecs(Mapping):
         return None if crcs is None else tuple(crcs)
 
     def with_checksums(self, checksums: Sequence[Any] | None) -> ShardSpecs:
-        return ShardSpecs(self.layout, checksums, self.extras)
+        return ShardSpecs(self.layout, checksums, self.extras, self.rule if checksums is None else None)
+
+    def verbose(self) -> ShardSpecs:
+        """The same specs, written as the list (the form OLMo-core 0.1.0 reads)."""
+        return ShardSpecs(self.layout, self.checksums, self.extras)
 
     def json_text(self) -> str:
         """``to_json()`` as compact JSON text, pieced together from the layout's cached text."""

@@ -19,7 +19,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..format.dtypes import itemsize
-from ..format.layout import rank_filename
+from ..format.layout import FORMAT_VERSION, LEGACY_FORMAT_VERSION, rank_filename
+from ..format.rules import detect_rule
 from ..format.metadata import StorageMetadata, TensorStorageMetadata, new_metadata
 from ..format.specs import Layout, ShardSpecs, gc_paused, shared_layout
 from .boxes import TileIndex
@@ -95,7 +96,10 @@ _FORM = attrgetter("flat", "local_shape", "global_offset")
 
 
 def build_save_plan(
-    descs_per_rank: Sequence[Sequence[PieceDesc] | RankPieces], *, aliases: dict[str, str] | None = None
+    descs_per_rank: Sequence[Sequence[PieceDesc] | RankPieces],
+    *,
+    aliases: dict[str, str] | None = None,
+    compact: bool = True,
 ) -> SavePlan:
     """Merge every rank's pieces into metadata and assign each distinct piece one writer.
 
@@ -106,6 +110,11 @@ def build_save_plan(
     ``aliases`` (key -> the key it shares memory with) are what any rank found: a rank whose
     piece of a tied tensor is empty cannot tell that it shares memory, so it may still list
     the alias as a key of its own; such empty pieces are dropped here.
+
+    ``compact``: a tensor whose pieces follow a shard rule (:mod:`~checkpointer.format.rules`)
+    is described by the rule (format 2); without, every piece is listed (format 1, the form
+    OLMo-core 0.1.0 reads). Pieces that several ranks hold (HSDP) are then written by the
+    holders of one replica for each contiguous block of pieces, which a rule describes.
     """
     with gc_paused():
         columns = [d if isinstance(d, RankPieces) else RankPieces.from_descs(d) for d in descs_per_rank]
@@ -118,8 +127,10 @@ def build_save_plan(
                 columns = [_without_aliases(c, aliases) if listed[id(c.structure)] else c for c in columns]
                 descs_per_rank = columns
         if columns and all(c.structure == columns[0].structure for c in columns):
-            return _plan_uniform(columns[0].structure, np.stack([c.values for c in columns]), aliases)
-        return _plan_general([d.descs() if isinstance(d, RankPieces) else d for d in descs_per_rank], aliases)
+            plan = _plan_uniform(columns[0].structure, np.stack([c.values for c in columns]), aliases, compact)
+        else:
+            plan = _plan_general([d.descs() if isinstance(d, RankPieces) else d for d in descs_per_rank], aliases, compact)
+        return plan
 
 
 def _without_aliases(columns: RankPieces, aliases: dict[str, str]) -> RankPieces:
@@ -138,18 +149,20 @@ def _without_aliases(columns: RankPieces, aliases: dict[str, str]) -> RankPieces
 class _Planned:
     """What the analysis of one tensor's pieces decided, before shared pieces get their writers."""
 
-    __slots__ = ("writers", "pieces", "layout", "numels", "held")
+    __slots__ = ("writers", "pieces", "layout", "numels", "held", "fixed")
 
     def __init__(self, writers: Sequence[int], pieces: list[Piece] | None, layout: Layout | None,
-                 numels: Sequence[int], held: list[tuple[int, Piece, list[int] | None]]):
+                 numels: Sequence[int], held: list[tuple[int, Piece, list[int] | None]],
+                 fixed: list[list[tuple[int, Piece]]] | None = None):
         self.writers = np.asarray(writers, dtype=np.int64)  # ranks writing one piece each
         self.pieces = pieces  # their pieces (None: ``layout`` holds them)
         self.layout = layout
         self.numels = np.asarray(numels, dtype=np.int64)
         self.held = held  # pieces several ranks hold: (element count, piece, holders or None for all)
+        self.fixed = fixed or []  # pieces several ranks hold: options of (writer, piece) lists, one chosen
 
 
-def _plan_uniform(structure: Structure, values: np.ndarray, aliases: dict[str, str] | None) -> SavePlan:
+def _plan_uniform(structure: Structure, values: np.ndarray, aliases: dict[str, str] | None, compact: bool = True) -> SavePlan:
     """Every rank holds the same keys: each tensor's pieces are one block of the columns, and
     tensors whose blocks are equal (the layers of a model) are analysed once."""
     world = len(values)
@@ -164,14 +177,18 @@ def _plan_uniform(structure: Structure, values: np.ndarray, aliases: dict[str, s
         signature = (shape, kind, block.tobytes())
         answer = answers.get(signature)
         if answer is None:
-            answer = answers[signature] = _analyse(key, shape, kind, block, ranks, names, layouts, everyone=True)
+            answer = answers[signature] = _analyse(key, shape, kind, block, ranks, names, layouts, everyone=True,
+                                                   compact=compact)
         planned.append(answer)
     return _assign(
-        world, structure.keys, structure.shapes, structure.dtypes, structure.sharded, planned, names, layouts, aliases
+        world, structure.keys, structure.shapes, structure.dtypes, structure.sharded, planned, names, layouts, aliases,
+        compact,
     )
 
 
-def _plan_general(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dict[str, str] | None) -> SavePlan:
+def _plan_general(
+    descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dict[str, str] | None, compact: bool = True
+) -> SavePlan:
     """Ranks hold different keys (pipeline stages, a rank without some tensor): tensor by tensor."""
     world = len(descs_per_rank)
     names = [rank_filename(r) for r in range(world)]
@@ -186,7 +203,7 @@ def _plan_general(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dict[s
         if len(kinds) == 1:
             block = np.array([p.numbers() for p in pieces], dtype=np.int64).reshape(len(pieces), -1).T
             answer = _analyse(key, desc.shape, kinds.pop(), block, np.array(holders), names, layouts,
-                              everyone=len(holders) == world)
+                              everyone=len(holders) == world, compact=compact)
         else:
             answer = _mixed(key, desc.shape, list(holders), pieces, everyone=len(holders) == world)
         keys.append(key)
@@ -194,12 +211,12 @@ def _plan_general(descs_per_rank: Sequence[Sequence[PieceDesc]], aliases: dict[s
         dtypes.append(desc.dtype)
         sharded.append(desc.is_sharded)
         planned.append(answer)
-    return _assign(world, tuple(keys), shapes, dtypes, sharded, planned, names, layouts, aliases)
+    return _assign(world, tuple(keys), shapes, dtypes, sharded, planned, names, layouts, aliases, compact)
 
 
 def _analyse(
     key: str, shape: tuple[int, ...], kind: int, block: np.ndarray, ranks: np.ndarray, names: list[str],
-    layouts: dict[tuple, list[Layout]], *, everyone: bool,
+    layouts: dict[tuple, list[Layout]], *, everyone: bool, compact: bool = False,
 ) -> _Planned:
     """One tensor's pieces, ``block[:, j]`` the numbers of the piece of ``ranks[j]``: the usual
     cases in bulk (rows tiling the tensor, as FSDP2's ``Shard(0)``; one flattened range per rank
@@ -225,7 +242,22 @@ def _analyse(
                 _check_tiling(key, shape, [piece])
                 return _Planned([], [], None, [], [(piece.numel, piece, None if everyone else ranks.tolist())])
     pieces = [Piece.from_numbers(kind, column) for column in block.T.tolist()]
+    if compact:
+        blocks = _replica_blocks(key, shape, ranks.tolist(), pieces)
+        if blocks is not None:
+            return blocks
     return _mixed(key, shape, ranks.tolist(), pieces, everyone=everyone)
+
+
+def _replica_blocks(key: str, shape: tuple[int, ...], ranks: list[int], pieces: list[Piece]) -> _Planned | None:
+    """HSDP: every distinct piece held by the same number ``R > 1`` of ranks. Each option ``q``
+    has every piece written by its ``q``-th holder (one replica writes the whole tensor; which
+    one is chosen per tensor, the least loaded): a rule describes it, as it does one replica's."""
+    writers, mine, numels, held = _split(key, shape, ranks, pieces)
+    if writers or not held or len({len(by) for _, _, by in held}) != 1:
+        return None
+    options = [[(by[q], piece) for _, piece, by in held] for q in range(len(held[0][2]))]
+    return _Planned([], [], None, [], [], options)
 
 
 def _tiling(shape: tuple[int, ...], kind: int, block: np.ndarray, numel: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -267,17 +299,25 @@ def _mixed(key: str, shape: tuple[int, ...], ranks: list[int], pieces: list[Piec
 def _assign(
     world: int, keys: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str],
     sharded: Sequence[bool], planned: list[_Planned], names: list[str], layouts: dict[tuple, list[Layout]],
-    aliases: dict[str, str] | None,
+    aliases: dict[str, str] | None, compact: bool = False,
 ) -> SavePlan:
     """Give each shared piece a writer, then build the metadata and the table of who writes what."""
     writes = np.zeros((world, len(keys)), dtype=bool)
     extra: dict[int, tuple[list[int], list[Piece]]] = {}  # key index -> shared pieces' writers and pieces
+    fixed_load = np.zeros(world, dtype=np.int64)
+    for i, answer in enumerate(planned):
+        if answer.fixed:
+            size = itemsize(dtypes[i])
+            option = min(answer.fixed, key=lambda o: int(fixed_load[[rank for rank, _ in o]].sum()))
+            extra[i] = ([rank for rank, _ in option], [piece for _, piece in option])
+            for rank, piece in option:
+                fixed_load[rank] += piece.numel * size
     shared = [(n * itemsize(dtypes[i]), keys[i], i, piece, holders)
               for i, answer in enumerate(planned) for n, piece, holders in answer.held]
     if shared:
         # Longest first, each to its least-loaded holder (the lowest rank among equals):
         # balanced within one largest piece.
-        load = np.zeros(world, dtype=np.int64)
+        load = fixed_load.copy()
         for i, answer in enumerate(planned):
             if len(answer.writers):
                 load[answer.writers] += answer.numels * itemsize(dtypes[i])
@@ -306,11 +346,24 @@ def _assign(
         else:
             writers = answer.writers
         writes[writers, i] = True
+        rule = None
+        if compact:
+            rule = layout.memo.get("rule", _UNKNOWN)
+            if rule is _UNKNOWN:
+                rule = layout.memo["rule"] = detect_rule(
+                    layout.shape, layout.names, layout.flat, layout.local_shape, layout.global_offset
+                )
         tensors[key] = TensorStorageMetadata.model_construct(
-            shape=shapes[i], is_sharded=sharded[i], dtype=dtypes[i], shard_spec_per_file=ShardSpecs(layout)
+            shape=shapes[i], is_sharded=sharded[i], dtype=dtypes[i], shard_spec_per_file=ShardSpecs(layout, rule=rule)
         )
-    metadata = new_metadata(tensors, world_size=world, aliases=dict(aliases or {}))
+    metadata = new_metadata(
+        tensors, world_size=world, aliases=dict(aliases or {}),
+        format_version=FORMAT_VERSION if compact else LEGACY_FORMAT_VERSION,
+    )
     return SavePlan(metadata, tuple(keys), writes, extra)
+
+
+_UNKNOWN = object()
 
 
 def _split(

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from ..checksums import ALGORITHM, crc32c
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
-from ..format.layout import METADATA_FILENAME, is_rank_filename
+from ..format.layout import CHECKSUMS_KEY, METADATA_FILENAME, is_rank_filename
 from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from ..format.safetensors_header import SafetensorsHeader
 from ..planning.overlap import Range
@@ -86,18 +86,27 @@ def verify_checkpoint(
             f"{storage.join(METADATA_FILENAME)}: unknown checksum algorithm {metadata.checksum_algorithm!r} "
             f"(expected {ALGORITHM!r}); checksums not checked"
         )
-    headers = _read_headers(storage, metadata, problems)
+    cache = HeaderCache(storage, metadata.file_ids)
+    headers = _read_headers(storage, metadata, problems, cache)
     chunks: list[_Chunk] = []
+    in_files: dict[str, dict[str, tuple[int, ...]]] = {}  # format 2: each file's own checksums
+    if metadata.checksums_in_files and metadata.checksum_chunk_bytes and use_checksums:
+        for name in headers:
+            try:
+                in_files[name] = cache.checksums(name, metadata.checksum_chunk_bytes)
+            except (CorruptCheckpointError, OSError) as ex:
+                problems.append(_one_line(ex))
     for key, meta in metadata.tensors.items():
-        problems.extend(_check_tensor(storage, metadata, key, meta, headers, chunks, use_checksums))
+        problems.extend(_check_tensor(storage, metadata, key, meta, headers, chunks, use_checksums, in_files))
     problems.extend(_read_everything(storage, chunks, make_progress, num_threads))
     return problems
 
 
-def _read_headers(storage: Storage, metadata: StorageMetadata, problems: list[str]) -> dict[str, SafetensorsHeader]:
+def _read_headers(
+    storage: Storage, metadata: StorageMetadata, problems: list[str], cache: HeaderCache
+) -> dict[str, SafetensorsHeader]:
     """Steps 2 and 3: the header of every listed file that has a sound one."""
     listed = metadata.files()
-    cache = HeaderCache(storage, metadata.file_ids)
     good: dict[str, SafetensorsHeader] = {}
     placed: dict[str, set[str]] = {name: set() for name in listed}
     for key, meta in metadata.tensors.items():
@@ -119,7 +128,7 @@ def _read_headers(storage: Storage, metadata: StorageMetadata, problems: list[st
             pos = max(pos, end)
         if pos < size:
             problems.append(f"{where}: bytes [{pos}, {size}) after the last tensor belong to no tensor")
-        for key in sorted(set(header.entries) - placed[name]):
+        for key in sorted(set(header.entries) - placed[name] - {CHECKSUMS_KEY}):
             problems.append(f"{where}: holds tensor {key!r}, which metadata.json does not place in this file")
     try:
         names = storage.list()
@@ -139,6 +148,7 @@ def _check_tensor(
     headers: dict[str, SafetensorsHeader],
     chunks: list[_Chunk],
     use_checksums: bool,
+    in_files: dict[str, dict[str, tuple[int, ...]]] | None = None,
 ) -> list[str]:
     """Steps 4 and 5 for one tensor; queues the reads of step 6."""
     problems: list[str] = []
@@ -172,6 +182,8 @@ def _check_tensor(
             problems.append(f"{where}: tensor {key!r} is stored with shape {list(entry.shape)}, not flat [{numel}]")
         nbytes = numel * size
         crcs = spec.checksums if use_checksums else None
+        if in_files is not None and name in in_files:
+            crcs = in_files[name].get(key)
         if crcs is not None:
             want = -(-nbytes // chunk_bytes) if chunk_bytes else None
             if want is None:

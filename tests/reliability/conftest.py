@@ -34,6 +34,22 @@ def template(tmp_path_factory) -> rel_helpers.Template:
     return rel_helpers.Template(str(root), rel_helpers.values(results)[0])
 
 
+@pytest.fixture(scope="session")
+def compact_template(tmp_path_factory) -> rel_helpers.Template:
+    """The template's checkpoint in format 2 (shard rules, checksums in the rank files)."""
+    root = tmp_path_factory.mktemp("compact_template")
+    results = rel_helpers.run_group(rel_helpers.save_template, 3, str(root), True, timeout=180)
+    return rel_helpers.Template(str(root), rel_helpers.values(results)[0])
+
+
+@pytest.fixture
+def compact_ckpt(compact_template, tmp_path) -> rel_helpers.Copy:
+    """A private copy of the format-2 template."""
+    dst = tmp_path / "run" / "step10"
+    shutil.copytree(compact_template.root, dst)
+    return rel_helpers.Copy(str(dst), compact_template.expected)
+
+
 @pytest.fixture
 def ckpt(template, tmp_path) -> rel_helpers.Copy:
     """A private copy of the template: ``top`` (model/ and optim/), ``model``, ``optim``, ``flat``."""

@@ -12,6 +12,8 @@ import pytest
 
 import rel_helpers
 import torch
+
+from checkpointer.engine import save as engine_save
 from hostile import edit_metadata
 
 import checkpointer
@@ -98,9 +100,11 @@ def rechunk(path: str, chunk_bytes: int) -> None:
         json.dump(meta, f)
 
 
-def test_verify_with_checksums_of_small_chunks(tmp_path):
+def test_verify_with_checksums_of_small_chunks(tmp_path, monkeypatch):
     """Many chunks per piece (the chunk size is read from metadata.json): each one is checked.
-    The metadata is rewritten with CRC32C per 4 KiB chunk, computed here from the file's bytes."""
+    The metadata is rewritten with CRC32C per 4 KiB chunk, computed here from the file's bytes
+    (format 1, whose metadata.json lists the checksums)."""
+    monkeypatch.setattr(engine_save, "COMPACT_METADATA", False)
     path = str(tmp_path / "ckpt")
     Checkpointer().save(path, {"big": torch.arange(300_000, dtype=torch.float32)})
     rechunk(path, 4096)
@@ -120,6 +124,7 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
     from checkpointer.engine import checks as rankfile
     from checkpointer.engine import reads
 
+    monkeypatch.setattr(engine_save, "COMPACT_METADATA", False)  # format 1: checksums in metadata.json
     sizes = {"a": 300_000, "b": 5_000, "c": 70_001}
     saved = {k: torch.arange(n, dtype=torch.float32) * 0.5 for k, n in sizes.items()}
     path = str(tmp_path / "ckpt")

@@ -113,11 +113,17 @@ def zeros_local(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def save_template(rank: int, world_size: int, root: str) -> dict[str, dict[str, torch.Tensor]]:
-    """Every rank: save an FSDP2 model + AdamW to ``root`` and a flat state dict to ``root/flat``."""
+def save_template(rank: int, world_size: int, root: str, compact: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """Every rank: save an FSDP2 model + AdamW to ``root`` and a flat state dict to ``root/flat``.
+
+    ``compact=False`` (the hostile tests' template): format 1, every piece listed in
+    ``metadata.json`` with its checksums, which those tests edit; ``True``: format 2 (rules)."""
     from dist_helpers import build_model, build_optim, model_full_state, train
 
     from checkpointer import Checkpointer, save_model_and_optim_state
+    from checkpointer.engine import save as engine_save
+
+    engine_save.COMPACT_METADATA = compact
 
     model = build_model(world_size)
     optim = build_optim(model, "adamw")

@@ -47,6 +47,7 @@ def parse(doc) -> StorageMetadata:
 
 
 def reference_json(md: StorageMetadata) -> bytes:
+    """The JSON pydantic writes: the verbose form (a save plan's compact form goes through ``verbose()``)."""
     return json.dumps(md.model_dump(exclude_none=False), separators=(",", ":")).encode()
 
 
@@ -140,7 +141,11 @@ def test_save_plan_metadata_round_trips():
         ])
     plan = build_save_plan(descs)
     md = plan.metadata
-    assert md.to_json_bytes() == reference_json(md)
+    assert md.verbose().to_json_bytes() == reference_json(md)
+    assert parse_metadata(md.verbose().to_json_bytes(), where=WHERE) == md
+    compact = json.loads(md.to_json_bytes())  # the same pieces, as shard rules
+    assert compact["tensors"]["w"]["shard_rule"] == {"form": "box", "cuts": [[0, 2]], "files": [0, [[1, 10, 1]]]}
+    assert "shard_spec_per_file" not in compact["tensors"]["b"]
     assert parse_metadata(md.to_json_bytes(), where=WHERE) == md
     assert md.files() == sorted(rank_filename(r) for r in range(11))  # ranks 10.. hold no rows
     assert sum(len(keys) for keys in plan.keys_per_rank) == 11

@@ -16,8 +16,22 @@ from checkpointer.engine.load import read_full_onto
 from checkpointer.storage.local import LocalStorage
 
 
+@pytest.fixture(params=["verbose", "compact"])
+def saved(tmp_path, request, monkeypatch):
+    """Saved in both forms."""
+    return _save(tmp_path, monkeypatch, request.param == "compact")
+
+
 @pytest.fixture()
-def saved(tmp_path):
+def saved_verbose(tmp_path, monkeypatch):
+    """Saved in format 1, whose listed pieces the tests edit."""
+    return _save(tmp_path, monkeypatch, False)
+
+
+def _save(tmp_path, monkeypatch, compact: bool):
+    from checkpointer.engine import save as engine_save
+
+    monkeypatch.setattr(engine_save, "COMPACT_METADATA", compact)
     gen = torch.Generator().manual_seed(2)
     state = {
         "w": torch.randn(37, 11, generator=gen),
@@ -44,7 +58,8 @@ def test_full_tensors_onto_a_device_equal_the_saved_ones(saved, verify):
 
 
 @pytest.mark.parametrize("offsets_too", [False, True], ids=["pieces-do-not-cover-it", "files-do-not-hold-it"])
-def test_a_shape_the_files_do_not_hold_is_refused_before_allocating(saved, monkeypatch, offsets_too):
+def test_a_shape_the_files_do_not_hold_is_refused_before_allocating(saved_verbose, monkeypatch, offsets_too):
+    saved = saved_verbose
     path, _ = saved
     huge = [1 << 40, 11]
     meta_file = os.path.join(path, "metadata.json")
@@ -69,7 +84,8 @@ def test_a_shape_the_files_do_not_hold_is_refused_before_allocating(saved, monke
     assert allocated == []
 
 
-def test_headers_are_checked_before_a_box_is_expanded(saved, monkeypatch):
+def test_headers_are_checked_before_a_box_is_expanded(saved_verbose, monkeypatch):
+    saved = saved_verbose
     """A box of 2**20 rows that the file does not hold is refused before its ranges (one per row)
     are listed: the old order built a million ranges, and for 2**24 rows took 50 s and 5 GiB."""
     import checkpointer.planning.pieces as plan  # where pieces are expanded into ranges
