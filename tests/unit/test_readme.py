@@ -96,7 +96,7 @@ def test_command_line_examples_parse(argv):
 
 
 def test_there_are_examples_of_every_command():
-    assert {argv[0] for argv in command_lines()} == {"inspect", "verify", "unshard", "convert"}
+    assert {argv[0] for argv in command_lines()} == {"inspect", "verify", "unshard", "convert", "prune"}
 
 
 def settings_the_package_reads() -> dict[str, list[str]]:
