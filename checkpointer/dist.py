@@ -41,7 +41,7 @@ __all__ = [
     "broadcast_bytes",
     "gather_bytes",
     "all_reduce_min",
-    "all_equal",
+    "all_equal_and_least",
     "agree",
     "agree_after",
     "barrier",
@@ -255,14 +255,15 @@ def all_reduce_min(value: int, group: Any = None) -> int:
     return int(t.item())
 
 
-def all_equal(value: int) -> bool:
-    """Whether every rank passed the same ``value`` (one all-reduce; ``|value| < 2**63``)."""
+def all_equal_and_least(value: int, pick: int) -> tuple[bool, int]:
+    """Whether every rank passed the same ``value``, and the least ``pick`` of any rank (one
+    all-reduce; ``|value| < 2**63``)."""
     if not is_distributed():
-        return True
+        return True, pick
     arrival = _Arrival()
-    t = torch.tensor([value, -value], dtype=torch.int64, device=_device())
+    t = torch.tensor([value, -value, pick], dtype=torch.int64, device=_device())
     _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), "all-reduce", arrival)
-    return int(t[0].item()) == -int(t[1].item())
+    return int(t[0].item()) == -int(t[1].item()), int(t[2].item())
 
 
 def barrier() -> None:

@@ -233,6 +233,7 @@ class PlannedSave:
     fingerprint: str
     lock: bytes | None = None  # rank 0: the lock file this save wrote
     copies: dict[str, int] = field(default_factory=dict)  # key -> the rank writing the piece this one holds too
+    save_id: str | None = None  # format 2: the id of every file of this save, when planning agreed on one
 
     def local_pieces(self) -> list[tuple[str, LocalTensor]]:
         return [(key, self.described[key]) for key in self.keys]
@@ -285,9 +286,10 @@ def reuse_cached_plans(
     if ok:
         digest = hashlib.sha256(",".join(str(hit.plan_id) for hit in hits if hit is not None).encode())
         plan_id = int.from_bytes(digest.digest()[:7], "little")
-    if dist.all_equal(plan_id) and plan_id >= 0:
+    same, save_id = dist.all_equal_and_least(plan_id, secrets.randbits(62))  # the save's file id comes along
+    if same and plan_id >= 0:
         return [
-            PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, lock, hit.copies)
+            PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, lock, hit.copies, f"{save_id:016x}")
             for (storage, d), hit, lock in zip(targets, hits, locks)
             if hit is not None
         ]
@@ -349,7 +351,9 @@ def write_and_commit(
     compact = (metadata.format_version or 0) >= FORMAT_VERSION
     # Format 2: one id for every file of this save (the least of the ranks' random picks), so
     # metadata.json names it once; and each file holds its own checksums.
-    save_id = f"{dist.all_reduce_min(secrets.randbits(62), group=group):016x}" if compact else None
+    save_id = None
+    if compact:
+        save_id = planned.save_id or f"{dist.all_reduce_min(secrets.randbits(62), group=group):016x}"
 
     def write() -> None:
         nonlocal crcs, file_id, hashing
@@ -401,10 +405,7 @@ def write_and_commit(
 
 
 def save_state_dict(
-    storage: Storage,
-    state_dict: Mapping[str, Any],
-    *,
-    save_overwrite: bool = False,
+    storage: Storage, state_dict: Mapping[str, Any], *, save_overwrite: bool = False,
     cache: dict[str, SavePlanCache] | None = None,
 ) -> tuple[StorageMetadata, list[str]]:
     """Save on every rank. Returns the metadata and the files this rank created."""
@@ -413,8 +414,7 @@ def save_state_dict(
 
 @contextlib.contextmanager
 def _released_unless_committed(planned: list[PlannedSave], start: int) -> Iterator[None]:
-    """On a failure in the block, rank 0 releases the locks of ``planned[start:]`` (which no
-    commit will release), and the failure goes on."""
+    """On a failure in the block, release the locks of ``planned[start:]``; the failure goes on."""
     done = False
     try:
         yield
@@ -426,15 +426,12 @@ def _released_unless_committed(planned: list[PlannedSave], start: int) -> Iterat
 
 
 def save_state_dicts(
-    targets: list[tuple[Storage, Mapping[str, Any]]],
-    *,
-    save_overwrite: bool = False,
+    targets: list[tuple[Storage, Mapping[str, Any]]], *, save_overwrite: bool = False,
     cache: dict[str, SavePlanCache] | None = None,
 ) -> list[tuple[StorageMetadata, list[str]]]:
-    """Save several state dicts as one save, on every rank: every target is planned and locked
-    (an old checkpoint in each retired) before any rank writes, then each is written and
-    committed in order, so the last target's commit is the whole save's. The synchronous
-    twin of :meth:`~checkpointer.engine.async_save.AsyncSaver.save`, with the same steps."""
+    """Several state dicts as one save, on every rank: all planned and locked before any rank
+    writes, then each written and committed in order (the last commit is the save's), as
+    :meth:`~checkpointer.engine.async_save.AsyncSaver.save` does in the background."""
     described = [(storage, describe_for_save(sd)) for storage, sd in targets]
     planned = None
     if cache is not None:

@@ -72,10 +72,10 @@ def test_inspect_table_top_level_covers_model_and_optim(ckpts, capsys):
     total = model.splitlines()[-1]
     nbytes = sum(t.numel() * 4 for k, t in ckpts.ws3_full.items() if k != "head.weight")
     assert total == (
-        f"total: 6 tensors (+1 tied), {nbytes} B ({nbytes} bytes) in 3 files; format version 1, saved with world size 3"
+        f"total: 6 tensors (+1 tied), {nbytes} B ({nbytes} bytes) in 3 files; format version 2, saved with world size 3"
     )
     assert "state.up.weight.__exp_avg" in optim
-    assert optim.splitlines()[-1].endswith("format version 1, saved with world size 3")
+    assert optim.splitlines()[-1].endswith("format version 2, saved with world size 3")
 
 
 def test_inspect_json_top_level_has_both_parts(ckpts, capsys):

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+from dist_helpers import read_metadata_listed
 import torch
 from cli_helpers import cli
 from safetensors.torch import save_file
@@ -52,7 +53,7 @@ def test_quiet_prints_nothing_when_sound(ckpts, capsys):
 def test_flipped_byte(ckpts, capsys, tmp_path, ws):
     dir = copy(os.path.join(ckpts.ws1 if ws == 1 else ckpts.ws3, "model"), tmp_path)
     file = f"rank_{ws - 1}.safetensors"
-    meta = json.loads(open(os.path.join(dir, "metadata.json")).read())
+    meta = read_metadata_listed(dir)
     key = next(k for k, t in sorted(meta["tensors"].items()) if file in t["shard_spec_per_file"])
     pos = byte_offset(dir, file, key) + 5
     with open(os.path.join(dir, file), "r+b") as f:

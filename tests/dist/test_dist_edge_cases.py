@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from dist_helpers import (
+    read_metadata_listed,
     assert_local_same,
     assert_same,
     build_model,
@@ -102,8 +103,7 @@ def test_ranks_holding_different_keys(run_distributed, tmp_path):
     assert torch.equal(full["shared"], torch.arange(24.0).reshape(6, 4))
     for rank in range(3):
         assert torch.equal(full[f"stage{rank}"], torch.full((rank + 2,), float(rank + 1)))
-    with open(os.path.join(ckpt, "metadata.json")) as f:
-        tensors = json.load(f)["tensors"]
+    tensors = read_metadata_listed(ckpt)["tensors"]
     for rank in range(3):
         assert list(tensors[f"stage{rank}"]["shard_spec_per_file"]) == [f"rank_{rank}.safetensors"]
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from dist_helpers import build_model, build_optim, catch, model_full_state, to_layout, train
+from dist_helpers import build_model, build_optim, catch, metadata_form, model_full_state, to_layout, train
 
 import checkpointer
 from checkpointer import (
@@ -31,8 +31,9 @@ def flat_state(world_size: int) -> dict[str, torch.Tensor]:
     return {"alpha_weight": to_layout(full["alpha_weight"], layout), "beta_bias": full["beta_bias"]}
 
 
-def _save_flat(rank, world_size, ckpt):
-    Checkpointer().save(ckpt, flat_state(world_size))
+def _save_flat(rank, world_size, ckpt, compact=True):
+    with metadata_form(compact):
+        Checkpointer().save(ckpt, flat_state(world_size))
     return True
 
 
@@ -65,6 +66,15 @@ def flat_ckpt(run_distributed, tmp_path):
     ckpt = str(tmp_path / "flat")
     run_distributed(_save_flat, 2, ckpt)
     assert sorted(os.listdir(ckpt)) == ["metadata.json", "rank_0.safetensors", "rank_1.safetensors"]
+    return ckpt
+
+
+@pytest.fixture
+def listed_ckpt(run_distributed, tmp_path):
+    """The same in format 1 (every piece listed file by file), for tests that edit those lists
+    (hostile shard rules: ``reliability/test_hostile_rules.py``)."""
+    ckpt = str(tmp_path / "flat")
+    run_distributed(_save_flat, 2, ckpt, False)
     return ckpt
 
 
@@ -228,11 +238,12 @@ def _model_mismatch(rank, world_size, ckpt):
     return catch(load_model_and_optim_state, ckpt, other, build_optim(other, "adamw"))
 
 
-def _save_model(rank, world_size, ckpt):
+def _save_model(rank, world_size, ckpt, compact=True):
     model = build_model(world_size)
     optim = build_optim(model, "adamw")
     train(model, optim, range(1))
-    save_model_and_optim_state(ckpt, model, optim)
+    with metadata_form(compact):
+        save_model_and_optim_state(ckpt, model, optim)
     return True
 
 
@@ -374,25 +385,25 @@ def _edit_metadata(ckpt, edit):
         json.dump(meta, f)
 
 
-def test_metadata_that_does_not_cover_a_tensor(run_distributed, flat_ckpt):
+def test_metadata_that_does_not_cover_a_tensor(run_distributed, listed_ckpt):
     """One file's piece of a sharded tensor is dropped from metadata: loading must not leave a hole."""
-    _edit_metadata(flat_ckpt, lambda m: m["tensors"]["alpha_weight"]["shard_spec_per_file"].pop("rank_1.safetensors"))
-    results = run_distributed(_try_all_loads, 3, flat_ckpt, timeout=60)
+    _edit_metadata(listed_ckpt, lambda m: m["tensors"]["alpha_weight"]["shard_spec_per_file"].pop("rank_1.safetensors"))
+    results = run_distributed(_try_all_loads, 3, listed_ckpt, timeout=60)
     for what in ("load", "unshard"):
         check_all_raised([r[what] for r in results], checkpointer.CorruptCheckpointError, "alpha_weight")
 
 
-def test_metadata_naming_a_file_outside_the_checkpoint(run_distributed, flat_ckpt):
+def test_metadata_naming_a_file_outside_the_checkpoint(run_distributed, listed_ckpt):
     def edit(m):
         specs = m["tensors"]["beta_bias"]["shard_spec_per_file"]
         specs["../rank_0.safetensors"] = specs.pop(next(iter(specs)))
 
-    _edit_metadata(flat_ckpt, edit)
-    results = run_distributed(_try_all_loads, 2, flat_ckpt, timeout=60)
+    _edit_metadata(listed_ckpt, edit)
+    results = run_distributed(_try_all_loads, 2, listed_ckpt, timeout=60)
     check_all_raised([r["load"] for r in results], checkpointer.CorruptCheckpointError, "../rank_0.safetensors")
 
 
-def test_overlapping_pieces_in_metadata(run_distributed, flat_ckpt):
+def test_overlapping_pieces_in_metadata(run_distributed, listed_ckpt):
     """Two files claiming the same elements (and none claiming others) do not add up."""
 
     def edit(m):
@@ -403,8 +414,8 @@ def test_overlapping_pieces_in_metadata(run_distributed, flat_ckpt):
             specs["rank_1.safetensors"][field] = first[field]
         specs["rank_1.safetensors"].pop("checksums", None)
 
-    _edit_metadata(flat_ckpt, edit)
-    results = run_distributed(_try_all_loads, 2, flat_ckpt, timeout=60)
+    _edit_metadata(listed_ckpt, edit)
+    results = run_distributed(_try_all_loads, 2, listed_ckpt, timeout=60)
     check_all_raised([r["load"] for r in results], checkpointer.CorruptCheckpointError, "alpha_weight")
 
 
@@ -446,7 +457,7 @@ def test_hostile_pickle_in_param_group_is_refused(run_distributed, tmp_path):
     from safetensors.torch import load_file, save_file
 
     ckpt = str(tmp_path / "ckpt")
-    run_distributed(_save_model, 1, ckpt)
+    run_distributed(_save_model, 1, ckpt, False)  # format 1: the file's checksums in metadata.json
     marker = str(tmp_path / "pwned")
     optim_dir = os.path.join(ckpt, "optim")
     evil = torch.frombuffer(bytearray(pickle.dumps({"lr": _Evil(marker)}, protocol=2)), dtype=torch.uint8)

@@ -12,6 +12,7 @@ from dist_helpers import (
     files_under,
     normalize_created,
     read_metadata_json,
+    read_metadata_listed,
     stored_numel_per_key,
     to_layout,
     train,
@@ -59,17 +60,18 @@ def test_save_returns_the_files_each_rank_created(run_distributed, tmp_path, wor
                 numel *= d
             assert stored.get(key, 0) == numel, f"{sub}/{key}: {stored.get(key, 0)} elements stored for {numel}"
     # The replicated buffer is held by one file only.
-    assert len(read_metadata_json(os.path.join(ckpt, "model"))["tensors"]["scale"]["shard_spec_per_file"]) == 1
-    # metadata.json lists every rank file's id, the one in that file's header, each different.
+    assert len(read_metadata_listed(os.path.join(ckpt, "model"))["tensors"]["scale"]["shard_spec_per_file"]) == 1
+    # metadata.json names the save's file id once; every rank file of the save has it in its header.
     from safetensors import safe_open
 
+    save_ids = set()
     for sub in ("model", "optim"):
-        ids = read_metadata_json(os.path.join(ckpt, sub))["file_ids"]
-        names = sorted(n for n in os.listdir(os.path.join(ckpt, sub)) if n.startswith("rank_"))
-        assert sorted(ids) == names and len(set(ids.values())) == len(names)
-        for name in names:
+        meta = read_metadata_json(os.path.join(ckpt, sub))
+        assert meta.get("file_ids") is None and len(meta["file_id"]) == 16
+        save_ids.add(meta["file_id"])
+        for name in sorted(n for n in os.listdir(os.path.join(ckpt, sub)) if n.startswith("rank_")):
             with safe_open(os.path.join(ckpt, sub, name), "pt") as f:
-                assert f.metadata() == {"checkpointer_file_id": ids[name]}
+                assert f.metadata() == {"checkpointer_file_id": meta["file_id"]}
 
 
 def _save_replicated(rank, world_size, ckpt):
@@ -89,7 +91,7 @@ def test_replicated_tensors_written_once(run_distributed, tmp_path):
     ckpt = str(tmp_path / "flat")
     per_rank = run_distributed(_save_replicated, 4, ckpt)
     check_created(per_rank, ckpt)
-    meta = read_metadata_json(ckpt)["tensors"]
+    meta = read_metadata_listed(ckpt)["tensors"]
     stored = stored_numel_per_key(ckpt)
     assert stored == {"rep_plain": 30, "rep_shard0": 21, "sharded": 40, "int_scalar": 1}, stored
     assert len(meta["rep_plain"]["shard_spec_per_file"]) == 1

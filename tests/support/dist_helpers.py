@@ -287,12 +287,16 @@ def stored_numel_per_key(ckpt_dir: str) -> dict[str, int]:
     """How many elements of each key the rank files hold in total (counting duplicates)."""
     from safetensors import safe_open
 
+    from checkpointer.format.layout import CHECKSUMS_KEY
+
     totals: dict[str, int] = {}
     for name in sorted(os.listdir(ckpt_dir)):
         if not name.endswith(".safetensors"):
             continue
         with safe_open(os.path.join(ckpt_dir, name), framework="pt") as f:
             for key in f.keys():
+                if key == CHECKSUMS_KEY:  # the file's own checksums, not a saved tensor
+                    continue
                 n = 1
                 for d in f.get_slice(key).get_shape():
                     n *= d
@@ -303,6 +307,26 @@ def stored_numel_per_key(ckpt_dir: str) -> dict[str, int]:
 def read_metadata_json(ckpt_dir: str) -> dict[str, Any]:
     with open(os.path.join(ckpt_dir, "metadata.json")) as f:
         return json.load(f)
+
+
+@contextlib.contextmanager
+def metadata_form(compact: bool) -> Iterator[None]:
+    """Saves inside write format 2 (``compact``, the default) or format 1 (every piece listed)."""
+    from checkpointer.engine import save as engine_save
+
+    before, engine_save.COMPACT_METADATA = engine_save.COMPACT_METADATA, compact
+    try:
+        yield
+    finally:
+        engine_save.COMPACT_METADATA = before
+
+
+def read_metadata_listed(ckpt_dir: str) -> dict[str, Any]:
+    """``metadata.json`` with every tensor's pieces listed file by file (shard rules expanded)."""
+    from checkpointer.format.metadata import parse_metadata
+
+    with open(os.path.join(ckpt_dir, "metadata.json"), "rb") as f:
+        return json.loads(parse_metadata(f.read(), where=ckpt_dir).verbose().to_json_bytes())
 
 
 def barrier() -> None:
