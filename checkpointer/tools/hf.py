@@ -28,7 +28,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +106,9 @@ class HFSource(TensorSource):
             return True
         return bool(_listed_safetensors(storage))
 
-    def __init__(self, where: Where, **_options: object):
+    def __init__(self, where: Where, *, wanted: Callable[[str], bool] | None = None, **_options: object):
+        """Read the index and the headers of ``where``'s files; with ``wanted``, an index's shards
+        that hold no key it accepts are not opened (their keys are in :attr:`all_keys` only)."""
         self.aliases: dict[str, str] = {}
         self.skipped: list[str] = []
         storage = where.storage
@@ -124,6 +126,11 @@ class HFSource(TensorSource):
             if not files:
                 raise CorruptCheckpointError(f"{storage.url}: no {INDEX_NAME} and no .safetensors file")
         what = "safetensors file" if index is None else f"shard listed in {INDEX_NAME}"
+        self.all_keys: list[str] | None = None
+        if index is not None:
+            self.all_keys = [k for keys in index.values() for k in keys]
+            if wanted is not None:
+                files = [name for name in files if any(wanted(k) for k in index[name])]
         self._headers: dict[str, HeaderCache] = {}
         self._stored: dict[str, StoredTensor] = {}
         for name in files:
@@ -142,6 +149,10 @@ class HFSource(TensorSource):
                 if key in self._stored:
                     raise CorruptCheckpointError(f"{storage.join(name)}: tensor {key!r} is also in {self._stored[key].url}")
                 self._stored[key] = _stored(key, file_storage, file_name, entries[key])
+
+    def keys(self) -> list[str]:
+        """Every key the checkpoint holds: the index's (shards not opened included), else the files'."""
+        return list(self._stored) if self.all_keys is None else list(self.all_keys)
 
     @property
     def files(self) -> list[str]:
