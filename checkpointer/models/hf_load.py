@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from .. import dist
 from ..engine.checkpointer import load_parts
+from ..engine.reader import HEADER_BYTES_FIELD
 from ..errors import CheckpointMismatchError, CorruptCheckpointError
 from ..format.dtypes import DTYPE_CODES, READABLE_CODES
 from ..format.layout import METADATA_FILENAME
@@ -112,13 +113,15 @@ def load_hf(
                              "reading the Hugging Face checkpoint")
     desc = json.loads(dist.share_from(0, lambda: json.dumps(found).encode(), "reading the Hugging Face checkpoint"))
     if is_hf_url(src):  # a rank on another node fetches into its own cache
-        seen = all(os.path.exists(os.path.join(url, file)) for _, url, file, _, _ in desc["tensors"])
+        seen = all(os.path.exists(os.path.join(url, file)) for _, url, file, *_ in desc["tensors"])
         desc = dist.agree_after(lambda: desc if seen else _describe(src, wanted), "fetching the Hugging Face checkpoint")
     where = src
     by_storage: dict[str, dict[str, tuple[str, str, tuple[int, ...]]]] = {}
-    stored = {key: (url, file, code, tuple(shape)) for key, url, file, code, shape in desc["tensors"]}
-    for key, (url, file, code, shape) in stored.items():
-        by_storage.setdefault(url, {})[key] = (file, code, shape)
+    header_bytes: dict[str, dict[str, int]] = {}
+    stored = {key: (url, file, code, tuple(shape)) for key, url, file, code, shape, _ in desc["tensors"]}
+    for key, url, file, code, shape, data_start in desc["tensors"]:
+        by_storage.setdefault(url, {})[key] = (file, code, tuple(shape))
+        header_bytes.setdefault(url, {})[file] = data_start
     urls = list(by_storage)
     storages = [open_storage(url) for url in urls]
     result = LoadResult()
@@ -157,7 +160,7 @@ def load_hf(
                 local_data(dest).copy_(local_data(buffer))
         casts.clear()
 
-    metadatas = [_metadata(by_storage[url], where) for url in urls]
+    metadatas = [_metadata(by_storage[url], header_bytes[url], where) for url in urls]
     load_parts(storages, state_dicts, finish=finish, strategy=strategy, metadatas=metadatas)  # type: ignore[arg-type]
     return result
 
@@ -188,20 +191,23 @@ def _destination(name: str, key: str, value: Any, code: str, dtype: torch.dtype 
     return buffer
 
 
-def _metadata(tensors: Mapping[str, tuple[str, str, tuple[int, ...]]], where: str) -> StorageMetadata:
-    """One storage's Hugging Face files as a checkpoint: each tensor one piece in one file."""
+def _metadata(tensors: Mapping[str, tuple[str, str, tuple[int, ...]]], header_bytes: Mapping[str, int],
+              where: str) -> StorageMetadata:
+    """One storage's Hugging Face files as a checkpoint: each tensor one piece in one file (each
+    file's header read in one exact read, its size known)."""
     out: dict[str, TensorStorageMetadata] = {}
     for key, (file, code, shape) in tensors.items():
         if code not in DTYPE_CODES:
             raise CheckpointMismatchError(f"{where}: {key!r} is stored as {code}, which a model load cannot take")
         spec = TensorShardSpec(local_shape=shape, global_offset=(0,) * len(shape))
         out[key] = TensorStorageMetadata(shape=shape, is_sharded=False, dtype=code, shard_spec_per_file={file: spec})
-    return StorageMetadata(tensors=out)
+    files = {file for file, _, _ in tensors.values()}
+    return StorageMetadata(tensors=out, **{HEADER_BYTES_FIELD: {f: n for f, n in header_bytes.items() if f in files}})
 
 
 def _describe(src: str, wanted: Callable[[str], bool]) -> dict[str, Any]:
     """Every key of ``src`` and where each wanted tensor is: ``{"keys": [...], "tensors":
-    [[key, storage URL, file, dtype code, shape], ...]}``."""
+    [[key, storage URL, file, dtype code, shape, header size of the file], ...]}``."""
     path = fetch_hf(src, wanted) if is_hf_url(src) else src
     cls, found = detect(path)
     if cls is not HFSource:
@@ -211,6 +217,6 @@ def _describe(src: str, wanted: Callable[[str], bool]) -> dict[str, Any]:
     for key, _, _ in source.entries():
         if wanted(key):
             s = source.locate(key)
-            tensors.append([key, s.storage.url, s.file, s.dtype, list(s.shape)])
+            tensors.append([key, s.storage.url, s.file, s.dtype, list(s.shape), s.data_start])
     return {"keys": source.keys(), "tensors": tensors}
 

@@ -76,6 +76,8 @@ class StoredTensor:
     shape: tuple[int, ...]
     start: int
     end: int
+    data_start: int = 0
+    """Where the file's data area begins: its header is bytes ``[0, data_start)``."""
 
     @property
     def url(self) -> str:
@@ -138,7 +140,8 @@ class HFSource(TensorSource):
             if index is not None:
                 check_shard(file_storage, file_name, storage.join(name))
             headers = self._headers.setdefault(file_storage.url, HeaderCache(file_storage, what=what))
-            entries = headers.get(file_name).entries
+            header = headers.get(file_name)
+            entries = header.entries
             wanted = index[name] if index is not None else list(entries)
             missing = [k for k in wanted if k not in entries]
             if missing:
@@ -148,7 +151,7 @@ class HFSource(TensorSource):
             for key in sorted(wanted, key=lambda k: entries[k].start):
                 if key in self._stored:
                     raise CorruptCheckpointError(f"{storage.join(name)}: tensor {key!r} is also in {self._stored[key].url}")
-                self._stored[key] = _stored(key, file_storage, file_name, entries[key])
+                self._stored[key] = _stored(key, file_storage, file_name, entries[key], header.data_start)
 
     def keys(self) -> list[str]:
         """Every key the checkpoint holds: the index's (shards not opened included), else the files'."""
@@ -189,8 +192,8 @@ class HFSource(TensorSource):
             yield LazyTensor(key, stored.shape, dtype_from_code(stored.dtype), read)
 
 
-def _stored(key: str, storage: Storage, name: str, entry: HeaderEntry) -> StoredTensor:
-    return StoredTensor(key, storage, name, entry.dtype, tuple(entry.shape), entry.start, entry.end)
+def _stored(key: str, storage: Storage, name: str, entry: HeaderEntry, data_start: int) -> StoredTensor:
+    return StoredTensor(key, storage, name, entry.dtype, tuple(entry.shape), entry.start, entry.end, data_start)
 
 
 def _numel(stored: StoredTensor) -> int:

@@ -10,38 +10,50 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB, POSITIONS, EMBED, LAYERS, HEADS = 96, 32, 32, 2, 2
 
 
-def tiny_config(**overrides):
+@dataclass(frozen=True)
+class Dims:
+    vocab: int = 96
+    positions: int = 32
+    embed: int = 32
+    layers: int = 2
+    heads: int = 2
+
+
+TINY = Dims()
+LARGER = Dims(vocab=4096, positions=64, embed=128, layers=2, heads=4)
+"""About 3.7 MB of fp32: each rank's share dwarfs the requests' own bytes (the byte-counting test)."""
+
+
+def tiny_config(dims: Dims = TINY):
     import transformers
 
-    options = dict(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=EMBED, n_layer=LAYERS, n_head=HEADS,
-                   bos_token_id=0, eos_token_id=0)
-    options.update(overrides)
-    return transformers.GPT2Config(**options)
+    return transformers.GPT2Config(vocab_size=dims.vocab, n_positions=dims.positions, n_embd=dims.embed,
+                                   n_layer=dims.layers, n_head=dims.heads, bos_token_id=0, eos_token_id=0)
 
 
-def hf_gpt2(seed: int = 0, **overrides):
+def hf_gpt2(seed: int = 0, dims: Dims = TINY):
     """A tiny ``GPT2LMHeadModel`` with random weights (biases and norms too), in eval mode."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.GPT2LMHeadModel(tiny_config(**overrides))
+    model = transformers.GPT2LMHeadModel(tiny_config(dims))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1)
     return model.eval()
 
 
-def save_hf(model, path: str, *, sharded: bool) -> str:
-    """``save_pretrained(safe_serialization=True)``, as one file or in shards of about 16 KB."""
-    options = {"max_shard_size": "16KB"} if sharded else {}
+def save_hf(model, path: str, *, sharded: bool, max_shard_size: str = "16KB") -> str:
+    """``save_pretrained(safe_serialization=True)``, as one file or in shards of ``max_shard_size``."""
+    options = {"max_shard_size": max_shard_size} if sharded else {}
     model.save_pretrained(path, safe_serialization=True, **options)
     return path
 
@@ -68,17 +80,17 @@ def gpt2_key_map(key: str) -> str | None:
     return None
 
 
-def own_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def own_to_hf(state: dict[str, torch.Tensor], dims: Dims = TINY) -> dict[str, torch.Tensor]:
     """An :class:`OwnGPT2` state by Hugging Face names (the tied head dropped)."""
     back = {}
-    for key in hf_gpt2_names():
+    for key in hf_gpt2_names(dims):
         back[key] = state[gpt2_key_map(key)]
     return back
 
 
-def hf_gpt2_names() -> list[str]:
+def hf_gpt2_names(dims: Dims = TINY) -> list[str]:
     names = ["transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"]
-    for i in range(LAYERS):
+    for i in range(dims.layers):
         for part in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             names += [f"transformer.h.{i}.{part}.weight", f"transformer.h.{i}.{part}.bias"]
     return names
@@ -97,20 +109,22 @@ class Conv1D(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dims: Dims):
         super().__init__()
-        self.ln1 = nn.LayerNorm(EMBED)
-        self.qkv = Conv1D(EMBED, 3 * EMBED)
-        self.attn_out = Conv1D(EMBED, EMBED)
-        self.ln2 = nn.LayerNorm(EMBED)
-        self.mlp_in = Conv1D(EMBED, 4 * EMBED)
-        self.mlp_out = Conv1D(4 * EMBED, EMBED)
+        e = dims.embed
+        self.heads = dims.heads
+        self.ln1 = nn.LayerNorm(e)
+        self.qkv = Conv1D(e, 3 * e)
+        self.attn_out = Conv1D(e, e)
+        self.ln2 = nn.LayerNorm(e)
+        self.mlp_in = Conv1D(e, 4 * e)
+        self.mlp_out = Conv1D(4 * e, e)
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(EMBED, dim=2)
-        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // HEADS)
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
         att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
         x = x + self.attn_out((att @ v).transpose(1, 2).reshape(b, t, c))
         return x + self.mlp_out(F.gelu(self.mlp_in(self.ln2(x)), approximate="tanh"))
@@ -119,13 +133,13 @@ class Block(nn.Module):
 class OwnGPT2(nn.Module):
     """GPT-2 under other names; ``head.weight`` is ``tok.weight`` (tied, as in GPT-2)."""
 
-    def __init__(self):
+    def __init__(self, dims: Dims = TINY):
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, EMBED)
-        self.pos = nn.Embedding(POSITIONS, EMBED)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(EMBED)
-        self.head = nn.Linear(EMBED, VOCAB, bias=False)
+        self.tok = nn.Embedding(dims.vocab, dims.embed)
+        self.pos = nn.Embedding(dims.positions, dims.embed)
+        self.blocks = nn.ModuleList(Block(dims) for _ in range(dims.layers))
+        self.norm = nn.LayerNorm(dims.embed)
+        self.head = nn.Linear(dims.embed, dims.vocab, bias=False)
         self.head.weight = self.tok.weight
 
     def forward(self, ids):
