@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from ..errors import CheckpointError
 from ..storage.local import LocalStorage
-from .hf import INDEX_NAME, SINGLE_NAME, read_hf_index
+from .hf import INDEX_NAME, SINGLE_NAME, read_hf_index, resolve
 
 __all__ = ["is_hf_url", "parse_hf_url", "fetch_hf", "HFUrl"]
 
@@ -73,7 +73,7 @@ def fetch_hf(url: str, wanted: Callable[[str], bool] | None = None) -> str:
     if index_path is None:
         return os.path.dirname(_cached(f"{folder}/{SINGLE_NAME}", url, missing=f"neither {INDEX_NAME} nor {SINGLE_NAME}"))
     snapshot = os.path.dirname(index_path)
-    index = read_hf_index(LocalStorage(snapshot), INDEX_NAME, where=f"{folder}/{INDEX_NAME}")
+    index = read_hf_index(*resolve(LocalStorage(snapshot), INDEX_NAME), where=f"{folder}/{INDEX_NAME}")
     for name, keys in index.items():
         if wanted is None or any(wanted(k) for k in keys):
             _cached(f"{folder}/{name}", url)
