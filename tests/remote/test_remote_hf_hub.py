@@ -36,14 +36,18 @@ def hub(tmp_path):
     server.close()
 
 
-def _run(server: HubServer, home: str, mode: str, url: str, out: str, world: int = 1) -> dict:
+def _env(server: HubServer, home: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     env.update(HF_ENDPOINT=server.url, HF_HOME=home, HF_HUB_DISABLE_TELEMETRY="1", NO_PROXY="127.0.0.1,localhost",
                PYTHONPATH=os.pathsep.join([ROOT, SUPPORT]), HF_HUB_DISABLE_XET="1")
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         env.pop(var, None)
+    return env
+
+
+def _run(server: HubServer, home: str, mode: str, url: str, out: str, world: int = 1) -> dict:
     proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "hub_workers.py"), mode, url, out, str(world)],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=_env(server, home), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
@@ -84,6 +88,24 @@ def test_hf_url_fetches_what_the_model_needs_once(hub, tmp_path):
         assert server.gets() == [], (mode, server.gets())
         assert all(torch.equal(got["tensors"][k], v) for k, v in expected.items()), mode
     assert os.path.isdir(os.path.join(home, "hub", "models--tiny-org--tiny-gpt2", "blobs"))  # the standard cache
+
+    # The command line: inspect and convert read hf:// from the cache too.
+    server.clear()
+    cmd = [sys.executable, "-m", "checkpointer"]
+    proc = subprocess.run(cmd + ["inspect", f"hf://{REPO}", "--json"], env=_env(server, home), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout)
+    assert info["num_tensors"] == len(expected) and info["format"] == "hf"
+    converted = str(tmp_path / "converted")
+    proc = subprocess.run(cmd + ["convert", f"hf://{REPO}", converted, "--to", "checkpointer", "-q"],
+                          env=_env(server, home), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert server.gets() == []
+    from checkpointer import lazy_load
+
+    back = dict(lazy_load(converted))
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
 
 
 def test_hf_url_at_a_revision_and_missing_repositories(hub, tmp_path):
