@@ -88,3 +88,30 @@ def test_bytes_fetched_per_rank(backend, run_distributed, proxies, tmp_path, sha
             described = prefixes + index if rank == 0 else 0  # rank 0 describes the checkpoint for all
             limit = SLACK * share + headers + described
             assert got <= limit, f"{strategy}: rank {rank} fetched {got:,} bytes, over {limit:,.0f}: {report}"
+
+
+def load_fsdp_from_url(rank, world_size, url):
+    from torch.distributed.fsdp import fully_shard
+
+    model = zero_(OwnGPT2())
+    m = mesh((world_size,))
+    fully_shard(model, mesh=m)
+    load_model_and_optim_state(url, model, key_map=gpt2_key_map)
+    return own_to_hf({k: full(v) for k, v in model.state_dict().items()})
+
+
+def test_over_http(run_distributed, file_server, proxies, tmp_path, loopback_env):
+    """http(s) cannot list a directory: the index is found by name, a single file by its URL."""
+    model = hf_gpt2(seed=6)
+    save_hf(model, str(tmp_path / "served" / "sharded"), sharded=True)
+    save_hf(model, str(tmp_path / "served" / "one"), sharded=False)
+    server = file_server(str(tmp_path / "served"))
+    state = model.state_dict()
+    for url in (f"{server.url}/sharded", f"{server.url}/one", f"{server.url}/one/model.safetensors"):
+        for loaded in run_distributed(load_fsdp_from_url, 2, url):
+            assert all(torch.equal(loaded[k], state[k]) for k in hf_gpt2_names()), url
+    # ranged reads only: no rank fetches a whole shard
+    proxy = proxies(server.url)
+    run_distributed(load_fsdp_from_url, 2, f"{proxy.url}/one")
+    gets = [s for s in proxy.seen if s.method == "GET" and s.path.endswith(".safetensors")]
+    assert gets and all(s.headers.get("Range", "").startswith("bytes=") for s in gets)
