@@ -14,12 +14,14 @@
    in-place load (default or two-stage) then reads only each rank's byte ranges, checking every
    file's header against that description as it does for its own rank files.
 5. Tensors stored in another dtype than ``dtype`` are read into buffers of the stored dtype,
-   sharded like their destinations, and cast into place once every read is done.
+   sharded like their destinations, and cast into place once their reads are done: in batches
+   of about :data:`CAST_BATCH_BYTES` per rank, one load each after the first.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,7 +33,7 @@ from .. import dist
 from ..engine.checkpointer import load_parts
 from ..engine.reader import HEADER_BYTES_FIELD
 from ..errors import CheckpointMismatchError, CorruptCheckpointError
-from ..format.dtypes import DTYPE_CODES, READABLE_CODES
+from ..format.dtypes import DTYPE_CODES, READABLE_CODES, itemsize
 from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from ..sharding import local_data, with_sharding_of
@@ -47,7 +49,10 @@ from .load_result import LoadResult
 from .names import model_state_dict
 from .strict import difference_message, keys_to_load
 
-__all__ = ["KeyMap", "load_hf", "is_hf_checkpoint", "map_name"]
+__all__ = ["KeyMap", "load_hf", "is_hf_checkpoint", "map_name", "CAST_BATCH_BYTES"]
+
+CAST_BATCH_BYTES = 256 << 20
+"""The most bytes of stored-dtype buffers (per rank, about) a load casting with ``dtype=`` holds."""
 
 KeyMap = Mapping[str, "str | None"] | Callable[[str], "str | None"] | None
 """Checkpoint name -> model name: a dict (names it does not list keep their own), or a callable;
@@ -98,9 +103,11 @@ def load_hf(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     strategy: str = "default",
+    cast_batch_bytes: int = CAST_BATCH_BYTES,
 ) -> LoadResult:
     """Fill ``model`` in place from the Hugging Face checkpoint ``src`` (see the module docstring).
-    Every rank calls it together."""
+    Every rank calls it together. Tensors cast on load go through buffers of about
+    ``cast_batch_bytes`` per rank at a time (one load each batch after the first)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, not {dtype!r}")
     model_state = model_state_dict(model)
@@ -126,6 +133,7 @@ def load_hf(
     storages = [open_storage(url) for url in urls]
     result = LoadResult()
     casts: list[tuple[str, Any, Any]] = []  # (key, destination, buffer of the stored dtype)
+    batches: list[list[tuple[int, str, Any, str]]] = []  # tensors to cast, a load each after the first
 
     def state_dicts(metadatas: list[StorageMetadata]) -> list[dict[str, Any]]:
         result.missing_keys.clear()
@@ -148,10 +156,23 @@ def load_hf(
         result.missing_keys.extend(missing)
         result.unexpected_keys.extend(unexpected)
         out: list[dict[str, Any]] = [{} for _ in urls]
+        to_cast: list[tuple[int, str, Any, str]] = []
         for name, value in to_load.items():
             key = model_of[name]
             url, _, code, _ = stored[key]
-            out[urls.index(url)][key] = _destination(name, key, value, code, dtype, where, casts)
+            if _needs_cast(name, key, value, code, dtype, where):
+                to_cast.append((urls.index(url), key, value, code))
+            else:
+                out[urls.index(url)][key] = value
+        batches[:] = _cast_batches(to_cast, {k: v[3] for k, v in stored.items()}, cast_batch_bytes)
+        return _with_buffers(out, batches.pop(0) if batches else [])
+
+    def _with_buffers(out: list[dict[str, Any]], batch: list[tuple[int, str, Any, str]]) -> list[dict[str, Any]]:
+        """``out`` with a buffer of the stored dtype, sharded like its destination, for each of ``batch``."""
+        for i, key, value, code in batch:
+            buffer = with_sharding_of(torch.empty_like(local_data(value), dtype=READABLE_CODES[code]), value)
+            casts.append((key, value, buffer))
+            out[i][key] = buffer
         return out
 
     def finish() -> None:
@@ -162,13 +183,17 @@ def load_hf(
 
     metadatas = [_metadata(by_storage[url], header_bytes[url], where) for url in urls]
     load_parts(storages, state_dicts, finish=finish, strategy=strategy, metadatas=metadatas)  # type: ignore[arg-type]
+    while batches:  # the same batches on every rank: they are cut by global sizes
+        batch = batches.pop(0)
+        load_parts(storages, lambda _, batch=batch: _with_buffers([{} for _ in urls], batch), finish=finish,
+                   strategy=strategy, metadatas=metadatas)  # type: ignore[arg-type]
     return result
 
 
-def _destination(name: str, key: str, value: Any, code: str, dtype: torch.dtype | None, where: str,
-                 casts: list[tuple[str, Any, Any]]) -> Any:
-    """What the engine fills for model key ``name`` (checkpoint key ``key``, stored as ``code``):
-    the model's tensor itself, or with ``dtype``, a buffer of the stored dtype sharded like it."""
+def _needs_cast(name: str, key: str, value: Any, code: str, dtype: torch.dtype | None, where: str) -> bool:
+    """Whether model key ``name`` (checkpoint key ``key``, stored as ``code``) is read through a
+    buffer of the stored dtype and cast; a dtype that differs without ``dtype=``, or a
+    destination not of ``dtype``, is refused."""
     have = local_data(value).dtype
     stored = READABLE_CODES.get(code)
     if dtype is None:
@@ -177,18 +202,33 @@ def _destination(name: str, key: str, value: Any, code: str, dtype: torch.dtype 
                 f"dtype mismatch for {name!r}: {where} stores {key!r} as {code} ({stored}), the model has {have}. "
                 f"Pass dtype={have} to cast on load"
             )
-        return value
+        return False
     if have != dtype:
         raise CheckpointMismatchError(
             f"dtype={dtype} casts on load into tensors of that dtype, but the model's {name!r} is {have}"
         )
     if stored == dtype:
-        return value
+        return False
     if code not in DTYPE_CODES:
         raise CheckpointMismatchError(f"{where}: {key!r} is stored as {code}, which cannot be cast on load")
-    buffer = with_sharding_of(torch.empty_like(local_data(value), dtype=stored), value)
-    casts.append((name, value, buffer))
-    return buffer
+    return True
+
+
+def _cast_batches(to_cast: list[tuple[int, str, Any, str]], shapes: Mapping[str, tuple[int, ...]],
+                  budget: int) -> list[list[tuple[int, str, Any, str]]]:
+    """``to_cast`` in batches whose buffers hold about ``budget`` bytes per rank (by global sizes
+    over the world size, so that every rank cuts the same batches)."""
+    world = max(1, dist.get_world_size())
+    batches: list[list[tuple[int, str, Any, str]]] = []
+    held = budget
+    for item in to_cast:
+        size = math.prod(shapes[item[1]]) * itemsize(item[3]) // world
+        if held + size > budget and (not batches or batches[-1]):
+            batches.append([])
+            held = 0
+        batches[-1].append(item)
+        held += size
+    return batches
 
 
 def _metadata(tensors: Mapping[str, tuple[str, str, tuple[int, ...]]], header_bytes: Mapping[str, int],

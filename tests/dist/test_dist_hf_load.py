@@ -16,6 +16,7 @@ from dist_helpers import catch, full, mesh
 from hf_helpers import OwnGPT2, gpt2_key_map, hf_gpt2, hf_gpt2_names, own_to_hf, save_hf, zero_
 
 from checkpointer import load_model_and_optim_state
+from checkpointer.models.hf_load import load_hf
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
@@ -165,6 +166,9 @@ def refusals_and_options(rank, world_size, path, bf16_path):
     out["no_cast"] = catch(load_model_and_optim_state, bf16_path, fp32, key_map=gpt2_key_map)
     load_model_and_optim_state(bf16_path, fp32, key_map=gpt2_key_map, dtype=torch.float32)
     out["cast_up"] = own_to_hf({k: full(v) for k, v in fp32.state_dict().items()})
+    batched = _own_fsdp(world_size)  # buffers of 4 KiB at a time: one load per few tensors
+    load_hf(bf16_path, batched, key_map=gpt2_key_map, dtype=torch.float32, cast_batch_bytes=4096, strategy="two_stage")
+    out["cast_batched"] = own_to_hf({k: full(v) for k, v in batched.state_dict().items()})
     bf16 = _own_fsdp(world_size).to(torch.bfloat16)
     load_model_and_optim_state(path, bf16, key_map=gpt2_key_map, dtype=torch.bfloat16, strategy="two_stage")
     out["cast_down"] = own_to_hf({k: full(v) for k, v in bf16.state_dict().items()})
@@ -197,6 +201,7 @@ def test_refusals_on_every_rank_and_load_options(written, run_distributed, tmp_p
         for key, tensor in bf16_expected.items():
             assert out["cast_up"][key].dtype == torch.float32
             assert torch.equal(out["cast_up"][key], tensor.float()), key
+            assert torch.equal(out["cast_batched"][key], tensor.float()), key
             assert out["cast_down"][key].dtype == torch.bfloat16
             assert torch.equal(out["cast_down"][key], tensor), key
         assert out["wrong_dest"]["type"] == "CheckpointMismatchError" and "bfloat16" in out["wrong_dest"]["msg"]
