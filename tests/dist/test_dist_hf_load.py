@@ -2,7 +2,7 @@
 
 A tiny ``GPT2LMHeadModel`` is written with ``save_pretrained(safe_serialization=True)``, as one
 file and in shards. It loads with ``key_map`` into a GPT-2-shaped model of our own under FSDP2
-at 1, 2 and 3 ranks (both strategies), under tensor parallelism, and unmapped into a
+at 1, 2 and 3 ranks (both strategies), under tensor parallelism (1-D and 2-D meshes), and unmapped into a
 ``GPT2LMHeadModel`` under FSDP2, whose logits must then be the original's bit for bit. Then the
 refusals (an optimizer, key differences with ``strict``, a dtype without ``dtype=``), each on
 every rank, and what ``strict=False``, a skipping ``key_map`` and ``dtype=`` do.
@@ -75,32 +75,39 @@ def test_gpt2_into_our_fsdp2_model(written, run_distributed, world_size):
                 assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
 
 
-def load_own_tp(rank, world_size, path, strategy):
-    """Our model with every weight a DTensor: Conv1D weights by column, embeddings by row, the
-    rest replicated (read once and shared under two_stage)."""
+def load_own_tp(rank, world_size, path, strategy, shape):
+    """Our model with every weight a DTensor: on a 1-D mesh, Conv1D weights by column, embeddings
+    by row, the rest replicated (read once and shared under two_stage); on a 2-D mesh, matrices
+    cut both ways ([Shard(0), Shard(1)]), vectors by the first mesh dimension."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    m = mesh((world_size,))
+    m = mesh(shape)
     model = zero_(OwnGPT2())
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for pname, p in list(module.named_parameters(recurse=False)):
             if module is model.head:
                 continue
-            if pname == "weight" and p.dim() == 2:
-                placement = Shard(0) if isinstance(module, torch.nn.Embedding) else Shard(1)
+            if len(shape) == 2:
+                placements = [Shard(0), Shard(1)] if p.dim() == 2 else [Shard(0), Replicate()]
+            elif pname == "weight" and p.dim() == 2:
+                placements = [Shard(0) if isinstance(module, torch.nn.Embedding) else Shard(1)]
             else:
-                placement = Replicate()
-            setattr(module, pname, torch.nn.Parameter(distribute_tensor(p.detach(), m, [placement])))
+                placements = [Replicate()]
+            setattr(module, pname, torch.nn.Parameter(distribute_tensor(p.detach(), m, placements)))
     model.head.weight = model.tok.weight
     load_model_and_optim_state(path, model, key_map=gpt2_key_map, strategy=strategy)
     return own_to_hf({k: full(v) for k, v in model.state_dict().items()})
 
 
-def test_gpt2_into_tensor_parallel_model(written, run_distributed):
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["tp", "2d"])
+def test_gpt2_into_tensor_parallel_model(written, run_distributed, shape):
     model, dirs = written
     expected = _reference(model)
     for strategy in ("default", "two_stage"):
-        for loaded in run_distributed(load_own_tp, 2, dirs["sharded"], strategy, timeout=240):
+        world_size = 1
+        for n in shape:
+            world_size *= n
+        for loaded in run_distributed(load_own_tp, world_size, dirs["sharded"], strategy, shape, timeout=240):
             for key, tensor in expected.items():
                 assert torch.equal(loaded[key], tensor), (strategy, key)
 

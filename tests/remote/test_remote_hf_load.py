@@ -90,6 +90,41 @@ def test_bytes_fetched_per_rank(backend, run_distributed, proxies, tmp_path, sha
             assert got <= limit, f"{strategy}: rank {rank} fetched {got:,} bytes, over {limit:,.0f}: {report}"
 
 
+def load_replicated_from_store(rank, world_size, envs, url, strategy):
+    """Our GPT-2 unsharded on every rank (every rank needs every byte): the full state."""
+    model = zero_(OwnGPT2(LARGER))
+    with remote_env(envs, rank):
+        load_model_and_optim_state(url, model, key_map=gpt2_key_map, strategy=strategy)
+    return own_to_hf({k: v.detach().clone() for k, v in model.state_dict().items()}, LARGER)
+
+
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+def test_two_stage_reads_each_byte_once(backend, run_distributed, proxies, tmp_path):
+    """A replicated model at 3 ranks: the default strategy fetches the checkpoint 3 times, two_stage
+    once in all (each piece read by one rank and broadcast), headers and rank 0's description aside."""
+    model = hf_gpt2(seed=5, dims=LARGER)
+    local = save_hf(model, str(tmp_path / "hf"), sharded=True, max_shard_size="1MB")
+    url = backend.url("hf")
+    for name in os.listdir(local):
+        with open(os.path.join(local, name), "rb") as f:
+            backend.put(url, name, f.read())
+    files = [n for n in os.listdir(local) if n.endswith(".safetensors")]
+    overhead = sum(min(64 << 10, os.path.getsize(os.path.join(local, n))) for n in files) * 4 + (64 << 10)
+    state = model.state_dict()
+    full_bytes = sum(state[k].numel() * state[k].element_size() for k in hf_gpt2_names(LARGER))
+    fetched = {}
+    for strategy in ("default", "two_stage"):
+        per_rank = [proxies(backend.endpoint) for _ in range(3)]
+        results = run_distributed(load_replicated_from_store, 3, [backend.env(p.url) for p in per_rank], url, strategy,
+                                  timeout=240)
+        for loaded in results:
+            assert all(torch.equal(loaded[k], state[k]) for k in hf_gpt2_names(LARGER))
+        fetched[strategy] = sum(p.bytes_out for p in per_rank)
+    print(f"\nreplicated at 3 ranks, checkpoint {full_bytes:,} B: fetched {fetched}")
+    assert fetched["default"] >= 3 * full_bytes
+    assert full_bytes <= fetched["two_stage"] <= SLACK * full_bytes + overhead, fetched
+
+
 def load_fsdp_from_url(rank, world_size, url):
     from torch.distributed.fsdp import fully_shard
 
