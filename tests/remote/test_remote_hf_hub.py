@@ -2,7 +2,7 @@
 temporary ``HF_HOME``.
 
 Each load runs in a fresh process (``huggingface_hub`` reads the settings when imported): the
-first downloads the index and only the shards holding keys the model takes; a second load, and
+first downloads the index and only the shards holding keys the model takes (``HF_TOKEN`` sent); a second load, and
 ``lazy_load``, download nothing more (the server sees ``HEAD`` requests only, and no ``GET`` of a
 file already cached); the result is the transformers model's tensors bit for bit, alone and at
 2 ranks under FSDP2. A missing repository is a ``FileNotFoundError`` naming the URL.
@@ -36,18 +36,19 @@ def hub(tmp_path):
     server.close()
 
 
-def _env(server: HubServer, home: str) -> dict[str, str]:
+def _env(server: HubServer, home: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     env.update(HF_ENDPOINT=server.url, HF_HOME=home, HF_HUB_DISABLE_TELEMETRY="1", NO_PROXY="127.0.0.1,localhost",
                PYTHONPATH=os.pathsep.join([ROOT, SUPPORT]), HF_HUB_DISABLE_XET="1")
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         env.pop(var, None)
+    env.update(extra)
     return env
 
 
-def _run(server: HubServer, home: str, mode: str, url: str, out: str, world: int = 1) -> dict:
+def _run(server: HubServer, home: str, mode: str, url: str, out: str, world: int = 1, **env: str) -> dict:
     proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "hub_workers.py"), mode, url, out, str(world)],
-                          env=_env(server, home), capture_output=True, text=True, timeout=300)
+                          env=_env(server, home, **env), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
@@ -111,8 +112,9 @@ def test_hf_url_fetches_what_the_model_needs_once(hub, tmp_path):
 def test_hf_url_at_a_revision_and_missing_repositories(hub, tmp_path):
     server, model, _ = hub
     home = str(tmp_path / "hf_home")
-    got = _run(server, home, "load", f"hf://{REPO}@v1.0", str(tmp_path / "rev.pt"))
+    got = _run(server, home, "load", f"hf://{REPO}@v1.0", str(tmp_path / "rev.pt"), HF_TOKEN="hf_test_token")
     assert all(p.startswith(f"/{REPO}/resolve/v1.0/") for p in server.gets())
+    assert server.tokens and set(server.tokens) == {"Bearer hf_test_token"}  # the token setting is sent
     state = model.state_dict()
     assert all(torch.equal(got["tensors"][k], state[k]) for k in hf_gpt2_names())
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}

@@ -4,7 +4,8 @@
 (a local folder) at any revision, with the headers the hub sends: ``ETag`` (the file's sha256,
 as for LFS files), ``X-Repo-Commit`` (one fixed commit per repository), ``Content-Length``. A
 missing file is a 404 with ``X-Error-Code: EntryNotFound``, a missing repository one with
-``RepoNotFound``. Every request is recorded as ``(method, path)``.
+``RepoNotFound``. Every request is recorded as ``(method, path)``, and its ``Authorization``
+header in :attr:`tokens`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class HubServer:
     def __init__(self, repos: dict[str, str]):
         self.repos = repos
         self.requests: list[tuple[str, str]] = []
+        self.tokens: list[str | None] = []
         self._lock = threading.Lock()
         hub = self
 
@@ -57,6 +59,7 @@ class HubServer:
         path = unquote(handler.path.split("?", 1)[0])
         with self._lock:
             self.requests.append(("GET" if body else "HEAD", path))
+            self.tokens.append(handler.headers.get("Authorization"))
         parts = path.strip("/").split("/")
         if len(parts) < 5 or parts[2] != "resolve":
             return self._error(handler, 404, "RepoNotFound")
