@@ -1,4 +1,4 @@
-"""A Hugging Face checkpoint on S3 (moto_server) loads into an FSDP2 model fetching only each
+"""A Hugging Face checkpoint on S3 (moto_server) and GCS (the emulator) loads into an FSDP2 model fetching only each
 rank's byte ranges: at most 1.05 times the bytes of its local pieces, plus the headers of the
 files it reads (each in one exact read). Rank 0 also describes the checkpoint for every rank:
 it reads the index and a 64 KiB prefix of each shard (a header is read whole in one request
@@ -52,7 +52,7 @@ def _header_bytes(path: str) -> int:
         return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
-@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+@pytest.mark.parametrize("backend", ["s3", "gcs"], indirect=True)
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 def test_bytes_fetched_per_rank(backend, run_distributed, proxies, tmp_path, sharded):
     model = hf_gpt2(seed=4, dims=LARGER)
