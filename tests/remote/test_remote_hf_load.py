@@ -1,6 +1,6 @@
-"""A Hugging Face checkpoint on S3 (moto_server) and GCS (the emulator) loads into an FSDP2 model fetching only each
-rank's byte ranges: at most 1.05 times the bytes of its local pieces, plus the headers of the
-files it reads (each in one exact read). Rank 0 also describes the checkpoint for every rank:
+"""A Hugging Face checkpoint on S3 (moto_server) and GCS (the emulator) loads into an FSDP2 model
+fetching only each rank's byte ranges: at most 1.05 times the bytes of its local pieces, plus the
+headers of the files it reads (each in one exact read). Rank 0 also describes the checkpoint for every rank:
 it reads the index and a 64 KiB prefix of each shard (a header is read whole in one request
 where it fits there).
 
