@@ -19,6 +19,7 @@ from .engine.checkpointer import Checkpointer, Strategy
 from .engine.async_save import WatchedFuture
 from .engine.commit import claim_parts
 from .engine.locate import newest_checkpoint
+from .models.hf_load import KeyMap, is_hf_checkpoint, load_hf
 from .models.load_result import LoadResult
 from .models.names import model_state_dict
 from .models.train_state import TRAIN_PART, PerRank, RNGState, load_train_state, train_state_dict
@@ -168,8 +169,11 @@ def load_model_and_optim_state(
     strict: bool = True,
     validate: bool = True,
     strategy: Strategy = "default",
+    key_map: KeyMap = None,
+    dtype: torch.dtype | None = None,
 ) -> LoadResult:
-    """Load ``dir/model`` (and ``dir/optim``, and the training state) in place, whatever topology saved them.
+    """Load ``dir/model`` (and ``dir/optim``, and the training state) in place, whatever topology saved them,
+    or a Hugging Face checkpoint into the model.
 
     Tensors already allocated in the model and optimizer are filled one at a time; missing
     optimizer state is allocated. Every rank calls it together.
@@ -195,11 +199,20 @@ def load_model_and_optim_state(
     by stepping a new optimizer of its class over small stand-in parameters; where that fails,
     the optimizer's own state keys if it has state; else it is not judged).
 
+    ``dir`` may instead be a Hugging Face checkpoint, detected as ``lazy_load`` detects it: a
+    directory with ``model.safetensors.index.json`` and its shards, a directory holding a
+    ``.safetensors`` file, or one such file (local, ``s3://``, ``gs://``, ``http(s)://``), or
+    ``hf://ORG/NAME[@REVISION]`` (the index and the shards the model needs are fetched into the
+    Hugging Face cache through cached-path, honouring ``HF_ENDPOINT``, ``HF_HOME`` and the token
+    settings, and reused later). The model is filled in place whatever its sharding; each rank
+    reads only its pieces' byte ranges. ``optim`` and ``train_state`` must be None then.
+
     Args:
         dir: the directory :func:`save_model_and_optim_state` wrote (path or URL), e.g. what
-            :func:`latest_checkpoint` returns (check it for None first).
+            :func:`latest_checkpoint` returns (check it for None first); or a Hugging Face
+            checkpoint (above).
         model: the model to fill, sharded any way.
-        optim: its optimizer, or None to load the model only.
+        optim: its optimizer, or None to load the model only (None for a Hugging Face checkpoint).
         train_state: objects to fill from ``dir/train``, by the keys they were saved under
             (``load_state_dict`` is called on each; other values need not be passed). Every
             saved value is in the result's ``train_state`` either way. A key the checkpoint
@@ -214,6 +227,13 @@ def load_model_and_optim_state(
             OLMo-core compatibility; the proof is always on.
         strategy: ``"default"`` (every rank reads what it needs) or ``"two_stage"`` (each piece
             several ranks need is read once and broadcast).
+        key_map: Hugging Face checkpoints only: checkpoint names to model names, a dict (names it
+            does not list keep their own) or a callable returning the model's name, or None to
+            skip that checkpoint key. Tied parameters count once (an ``lm_head.weight`` tied to
+            the embedding the file holds is not missing).
+        dtype: Hugging Face checkpoints only: cast every checkpoint tensor to this dtype as it is
+            loaded (the model's tensors must have it). Without it, a dtype that differs is a
+            ``CheckpointMismatchError``.
 
     Returns:
         A :class:`LoadResult`; its ``missing_keys`` and ``unexpected_keys`` are empty after a
@@ -224,6 +244,8 @@ def load_model_and_optim_state(
         IncompleteCheckpointError: no ``metadata.json`` (the message names the directory meant
             when ``dir`` is a run directory or one level off).
         CorruptCheckpointError: the files are damaged or disagree with the metadata.
+        ValueError: ``optim`` or ``train_state`` given for a Hugging Face checkpoint, or
+            ``key_map`` or ``dtype`` for this library's (raised on every rank, before any read).
         CheckpointMismatchError: with ``strict``, a key of the model or optimizer the checkpoint
             lacks or a checkpoint key they lack (the message names the difference, at most 10
             keys of each side); in both modes, a shape or dtype that differs, another number of
@@ -237,8 +259,24 @@ def load_model_and_optim_state(
         # fine-tuning: the saved body, a new head, a new optimizer
         result = checkpointer.load_model_and_optim_state(ckpt, model, optim, strict=False)
         print(result.missing_keys)     # ['head.weight', 'head.bias', 'optim:head.weight', ...]
+        # starting from a Hugging Face model (its names mapped to the model's)
+        checkpointer.load_model_and_optim_state("hf://openai-community/gpt2", model,
+                                                key_map=lambda k: k.removeprefix("transformer."))
     """
     dir = path_arg(dir).rstrip("/")
+    if is_hf_checkpoint(dir):
+        if optim is not None or train_state is not None:
+            given = "optim" if optim is not None else "train_state"
+            raise ValueError(
+                f"{dir} is a Hugging Face checkpoint, which holds model weights only: pass {given}=None "
+                "(and build the optimizer's state by training)"
+            )
+        return load_hf(dir, model, key_map=key_map, dtype=dtype, strict=strict, strategy=strategy)
+    if key_map is not None or dtype is not None:
+        raise ValueError(
+            f"key_map and dtype are for Hugging Face checkpoints; {dir} is a checkpoint of this library "
+            "(it loads by the model's own names and dtypes)"
+        )
     storages = [_part(dir, "model")] + ([_part(dir, "optim")] if optim is not None else [])
     result = load_model_and_optim(storages, model, optim, model_state_dict(model), strict=strict, strategy=strategy)
     result.train_state = load_train_state(_part(dir, TRAIN_PART), train_state, result.missing_keys)

@@ -237,10 +237,11 @@ def render_table(parts: list[tuple[str, dict[str, Any]]]) -> str:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         tied = f" (+{info['num_aliases']} tied)" if info["num_aliases"] else ""
         nfiles = len(info["files"])
+        origin = ("Hugging Face safetensors" if info.get("format") == "hf"
+                  else f"format version {version}, saved with world size {world}")
         lines.append(
             f"total: {info['num_tensors']} tensors{tied}, {format_bytes(info['total_bytes'])} "
-            f"({info['total_bytes']} bytes) in {nfiles} file{'s' if nfiles != 1 else ''}; "
-            f"format version {version}, saved with world size {world}"
+            f"({info['total_bytes']} bytes) in {nfiles} file{'s' if nfiles != 1 else ''}; {origin}"
         )
         blocks.append("\n".join([f"checkpoint: {head}", *lines]))
     return "\n\n".join(blocks)

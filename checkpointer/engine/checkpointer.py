@@ -214,10 +214,13 @@ def load_parts(
     finish: Callable[[], None] | None = None,
     strategy: Strategy = "default",
     verify: bool = False,
+    metadatas: Sequence[StorageMetadata] | None = None,
 ) -> None:
     """Load several checkpoints (a model's and its optimizer's) in place as one load, whatever the
     strategy: ``state_dicts(metadatas)`` gives the state dict to fill from each (the one plan
     function), ``finish()`` runs once every tensor is filled (the one finish function).
+    ``metadatas``: each storage's, when known already (the same on every rank: a Hugging Face
+    checkpoint described as one), instead of its ``metadata.json``.
 
     ``"default"``: one metadata broadcast, one pool of reads, nothing written before every rank
     has planned every part. ``"two_stage"``: every rank plans every part, then each part is
@@ -228,9 +231,9 @@ def load_parts(
     for storage in storages:
         wait_for_writes_into(storage.url)
     if strategy == "default" or not dist.is_distributed():
-        load_state_dicts(storages, state_dicts, finish=finish, verify=verify)
+        load_state_dicts(storages, state_dicts, metadatas=metadatas, finish=finish, verify=verify)
         return
-    metadatas = read_metadatas(storages)
+    metadatas = list(metadatas) if metadatas is not None else read_metadatas(storages)
     with dist.phase("load"), torch.no_grad():
         planned = list(state_dicts(metadatas))
     for storage, metadata, state_dict in zip(storages, metadatas, planned, strict=True):

@@ -40,8 +40,11 @@ class HeaderCache:
     """
 
     def __init__(self, storage: Storage, file_ids: Mapping[str, str] | None = None, *,
-                 what: str = f"rank file listed in {METADATA_FILENAME}"):
+                 what: str = f"rank file listed in {METADATA_FILENAME}", header_bytes: Mapping[str, int] | None = None):
+        """``header_bytes``: each file's header size where known (``8 + length``), read in one
+        exact read instead of a speculative 64 KiB prefix."""
         self._given = storage
+        self.header_bytes = header_bytes or {}
         self.storage = storage.pinned()
         self.file_ids = file_ids or {}
         self.what = what  # what a file is, for the error when one is missing
@@ -93,7 +96,8 @@ class HeaderCache:
             return cached
         where = self.storage.join(name)
         size = _file_size(self.storage, name, self.what)
-        prefix = read_with(self.storage, name, lambda: self.storage.read(name, 0, min(size, _SPECULATIVE_HEADER)), self.what)
+        first = self.header_bytes.get(name, _SPECULATIVE_HEADER)
+        prefix = read_with(self.storage, name, lambda: self.storage.read(name, 0, min(size, first)), self.what)
         n = header_length(prefix, where=where, file_size=size)
         if PREFIX_BYTES + n <= len(prefix):
             header_json = prefix[PREFIX_BYTES : PREFIX_BYTES + n]

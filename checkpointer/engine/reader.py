@@ -24,7 +24,21 @@ from ..storage.base import Storage
 from .checks import HeaderCache, check_files_hold, checksums_for
 from .reads import ReadJob, execute_reads
 
-__all__ = ["CheckpointReader"]
+__all__ = ["CheckpointReader", "HEADER_BYTES_FIELD", "header_bytes_of"]
+
+HEADER_BYTES_FIELD = "header_bytes"
+"""An extra field of metadata built in memory, never written: ``{file: header size}`` of files
+whose headers were read already (a Hugging Face checkpoint described by rank 0), so that each
+rank reads a header in one exact read."""
+
+
+def header_bytes_of(metadata: StorageMetadata) -> dict[str, int] | None:
+    """The :data:`HEADER_BYTES_FIELD` of ``metadata`` when it is well formed, else None (a hint:
+    a wrong size costs one more read, never a wrong header)."""
+    hint = (metadata.model_extra or {}).get(HEADER_BYTES_FIELD)
+    if isinstance(hint, dict) and all(isinstance(k, str) and type(v) is int and v >= 8 for k, v in hint.items()):
+        return hint
+    return None
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """Memory for a whole tensor of a shape and dtype (a new tensor, or a reused buffer)."""
@@ -47,7 +61,7 @@ class CheckpointReader:
     def __init__(self, storage: Storage, metadata: StorageMetadata, *, num_threads: int | None = None):
         self.storage = storage
         self.metadata = metadata
-        self.headers = HeaderCache(storage, metadata.file_ids)
+        self.headers = HeaderCache(storage, metadata.file_ids, header_bytes=header_bytes_of(metadata))
         self.num_threads = num_threads
 
     def meta(self, key: str) -> tuple[str, TensorStorageMetadata]:

@@ -1,1 +1,2 @@
-"""Model and optimizer helpers: how a model's state is named, and how an optimizer's is laid out."""
+"""Model and optimizer helpers: how a model's state is named, how an optimizer's is laid out, and
+how a Hugging Face checkpoint fills a model (:mod:`.hf_load`)."""

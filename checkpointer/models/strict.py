@@ -32,6 +32,7 @@ __all__ = [
     "listing",
     "difference_message",
     "model_keys_to_load",
+    "keys_to_load",
     "optim_class_name",
     "check_optim_kind",
 ]
@@ -72,8 +73,15 @@ def model_keys_to_load(
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """The model keys to fill, the model keys the checkpoint lacks (in the model's order), and
     the checkpoint keys the model lacks (sorted). Tied keys and aliases count once."""
-    aliases = metadata.aliases or {}
-    in_checkpoint = set(metadata.tensors) | set(aliases)
+    return keys_to_load(model_state, metadata.tensors, metadata.aliases or {})
+
+
+def keys_to_load(
+    model_state: Mapping[str, Any], saved: Iterable[str], aliases: Mapping[str, str]
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """:func:`model_keys_to_load` for any checkpoint: ``saved`` its keys (by model name) and
+    ``aliases`` its names saved once under another (``{alias: saved_key}``)."""
+    in_checkpoint = set(saved) | set(aliases)
     _, tied = describe_state_dict(model_state, action="load")  # key -> the first key sharing its memory
     groups: dict[str, list[str]] = {}
     for key in model_state:

@@ -5,7 +5,8 @@ reads what a path points at.
    a local path by what is there (a missing one is ``FileNotFoundError``); a URL as a directory
    first, then as a file, or the other way round when its name ends like a checkpoint file
    (``.safetensors``, ``.pt``, ``.pth``, ``.bin``). Remote storage reads through
-   :class:`~checkpointer.tools.gathered.GatheredReads`.
+   :class:`~checkpointer.tools.gathered.GatheredReads`. An ``hf://`` URL is fetched into the
+   Hugging Face cache first (:func:`~checkpointer.tools.hub.fetch_hf`) and read from there.
 2. Each source in :data:`SOURCES` is asked, in order, whether it ``supports`` it; the first
    that does reads it (files are recognised by their first bytes, not their names).
 3. When none does: a directory holding a save's files but no ``metadata.json`` is an
@@ -29,6 +30,7 @@ from .checkpoint_tensors import OursSource
 from .dcp import DCPSource
 from .gathered import GatheredReads
 from .hf import HFSource
+from .hub import fetch_hf, is_hf_url
 from .sources import TensorSource, Where
 from .torch_files import TorchSource
 
@@ -63,6 +65,8 @@ def detect(path: str | os.PathLike[str] | Storage) -> Found:
         storage = path if path.is_local() or isinstance(path, GatheredReads) else GatheredReads(path)
         return _in_dir(Where(storage)) or _nothing(storage)
     url = path_arg(path)
+    if is_hf_url(url):  # fetched whole into the Hugging Face cache, then read from there
+        url = fetch_hf(url)
     local = local_path(url)
     if local is not None:
         local = os.path.expanduser(local)

@@ -28,7 +28,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +76,8 @@ class StoredTensor:
     shape: tuple[int, ...]
     start: int
     end: int
+    data_start: int = 0
+    """Where the file's data area begins: its header is bytes ``[0, data_start)``."""
 
     @property
     def url(self) -> str:
@@ -106,7 +108,9 @@ class HFSource(TensorSource):
             return True
         return bool(_listed_safetensors(storage))
 
-    def __init__(self, where: Where, **_options: object):
+    def __init__(self, where: Where, *, wanted: Callable[[str], bool] | None = None, **_options: object):
+        """Read the index and the headers of ``where``'s files; with ``wanted``, an index's shards
+        that hold no key it accepts are not opened (their keys are in :attr:`all_keys` only)."""
         self.aliases: dict[str, str] = {}
         self.skipped: list[str] = []
         storage = where.storage
@@ -124,6 +128,11 @@ class HFSource(TensorSource):
             if not files:
                 raise CorruptCheckpointError(f"{storage.url}: no {INDEX_NAME} and no .safetensors file")
         what = "safetensors file" if index is None else f"shard listed in {INDEX_NAME}"
+        self.all_keys: list[str] | None = None
+        if index is not None:
+            self.all_keys = [k for keys in index.values() for k in keys]
+            if wanted is not None:
+                files = [name for name in files if any(wanted(k) for k in index[name])]
         self._headers: dict[str, HeaderCache] = {}
         self._stored: dict[str, StoredTensor] = {}
         for name in files:
@@ -131,7 +140,8 @@ class HFSource(TensorSource):
             if index is not None:
                 check_shard(file_storage, file_name, storage.join(name))
             headers = self._headers.setdefault(file_storage.url, HeaderCache(file_storage, what=what))
-            entries = headers.get(file_name).entries
+            header = headers.get(file_name)
+            entries = header.entries
             wanted = index[name] if index is not None else list(entries)
             missing = [k for k in wanted if k not in entries]
             if missing:
@@ -141,7 +151,11 @@ class HFSource(TensorSource):
             for key in sorted(wanted, key=lambda k: entries[k].start):
                 if key in self._stored:
                     raise CorruptCheckpointError(f"{storage.join(name)}: tensor {key!r} is also in {self._stored[key].url}")
-                self._stored[key] = _stored(key, file_storage, file_name, entries[key])
+                self._stored[key] = _stored(key, file_storage, file_name, entries[key], header.data_start)
+
+    def keys(self) -> list[str]:
+        """Every key the checkpoint holds: the index's (shards not opened included), else the files'."""
+        return list(self._stored) if self.all_keys is None else list(self.all_keys)
 
     @property
     def files(self) -> list[str]:
@@ -178,8 +192,8 @@ class HFSource(TensorSource):
             yield LazyTensor(key, stored.shape, dtype_from_code(stored.dtype), read)
 
 
-def _stored(key: str, storage: Storage, name: str, entry: HeaderEntry) -> StoredTensor:
-    return StoredTensor(key, storage, name, entry.dtype, tuple(entry.shape), entry.start, entry.end)
+def _stored(key: str, storage: Storage, name: str, entry: HeaderEntry, data_start: int) -> StoredTensor:
+    return StoredTensor(key, storage, name, entry.dtype, tuple(entry.shape), entry.start, entry.end, data_start)
 
 
 def _numel(stored: StoredTensor) -> int:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..format.dtypes import itemsize
-from ..format.metadata import StorageMetadata
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from ..storage import open_storage
 from ..storage.base import Storage
 from ..engine.load import read_metadata
 from ..engine.locate import checkpoint_parts
+from .detect import detect
+from .hf import HFSource
+from .hub import is_hf_url
+from .sources import Where
 
 __all__ = ["describe_metadata", "describe_parts"]
 
@@ -54,8 +60,47 @@ def describe_metadata(url: str, metadata: StorageMetadata) -> dict[str, Any]:
 
 def describe_parts(dir: str | Storage) -> list[tuple[str, dict[str, Any]]]:
     """``[(part, description)]``: one entry ``("", ...)`` for a checkpoint directory, or
-    ``("model", ...)`` and ``("optim", ...)`` for the top-level directory of a model save."""
+    ``("model", ...)`` and ``("optim", ...)`` for the top-level directory of a model save; one
+    entry ``("", ...)`` for Hugging Face safetensors (``hf://`` too: fetched into the cache)."""
+    if is_hf_url(dir):
+        return [("", _describe_hf(dir))]
+    storage = open_storage(dir)
+    try:
+        parts = checkpoint_parts(storage)
+    except IncompleteCheckpointError:
+        if _hf_directory(storage):
+            return [("", _describe_hf(dir))]
+        raise
     out = []
-    for name, storage in checkpoint_parts(open_storage(dir)):
+    for name, storage in parts:
         out.append((name, describe_metadata(storage.url, read_metadata(storage, no_dist=True))))
     return out
+
+
+def _hf_directory(storage: Storage) -> bool:
+    """Whether ``storage`` is a directory of Hugging Face safetensors (a file given as a
+    directory is not: ``inspect`` takes directories)."""
+    if storage.is_local() and not os.path.isdir(storage.url):
+        return False
+    try:
+        return HFSource.supports(Where(storage))
+    except (OSError, ValueError):
+        return False
+
+
+def _describe_hf(dir: str | Storage) -> dict[str, Any]:
+    """A Hugging Face checkpoint described as a checkpoint of whole tensors, one file each."""
+    cls, where = detect(dir)
+    if cls is not HFSource:
+        raise CorruptCheckpointError(f"{where.shown}: not a checkpoint of this library nor Hugging Face safetensors")
+    source = HFSource(where)
+    tensors = {}
+    for key, shape, code in source.entries():
+        stored = source.locate(key)
+        spec = TensorShardSpec.model_construct(local_shape=shape, global_offset=(0,) * len(shape), checksums=None,
+                                               flattened_offsets=None)
+        tensors[key] = TensorStorageMetadata.model_construct(
+            shape=shape, is_sharded=False, dtype=code, shard_spec_per_file={stored.file: spec})
+    info = describe_metadata(source.url, StorageMetadata.model_construct(tensors=tensors, aliases=None))
+    info["format"] = "hf"
+    return info

@@ -26,7 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 FUNCTIONS = {
     "save_model_and_optim_state": "f(dir, model, optim, *, train_state=None, save_overwrite=False)",
     # strategy: API.md's "Two-stage loading" names load_model_and_optim_state(..., strategy="two_stage").
-    "load_model_and_optim_state": 'f(dir, model, optim=None, *, train_state=None, strict=True, validate=True, strategy="default")',
+    # key_map, dtype: API.md's "Starting from a Hugging Face model".
+    "load_model_and_optim_state": (
+        'f(dir, model, optim=None, *, train_state=None, strict=True, validate=True, strategy="default", '
+        "key_map=None, dtype=None)"
+    ),
     "unshard_model_state": "f(dir, *, device=None, rank0_only=False, no_dist=False)",
     "unshard_optim_state": "f(dir, *, device=None, rank0_only=False, no_dist=False)",
     "async_save_model_and_optim_state": "f(dir, model, optim, *, train_state=None, save_overwrite=False)",

@@ -1,0 +1,101 @@
+"""``hf://`` URLs: Hugging Face Hub repositories, fetched into the standard cache through cached-path.
+
+``hf://ORG/NAME[@REVISION][/PATH]`` names a repository (at a branch, tag or commit; ``main``
+by default), or a folder or one ``.safetensors`` file in it. :func:`fetch_hf` makes it local:
+
+1. a ``PATH`` ending in ``.safetensors`` is fetched alone;
+2. otherwise the folder's ``model.safetensors.index.json`` is fetched; a repository without one
+   is read from its ``model.safetensors``;
+3. with an index, the shards it lists are fetched, only those holding a key ``wanted`` accepts
+   (all of them when ``wanted`` is None);
+4. the result is the snapshot folder (or file) in the cache, links into its ``blobs/``, which
+   :class:`~checkpointer.tools.hf.HFSource` reads as a local Hugging Face directory.
+
+cached-path hands ``hf://`` to ``huggingface_hub``, so the standard settings apply: ``HF_ENDPOINT``
+(a mirror), ``HF_HOME`` / ``HF_HUB_CACHE`` (where the cache is), ``HF_TOKEN`` (private repositories),
+``HF_HUB_OFFLINE``. A file already in the cache is not downloaded again (one ``HEAD`` request
+checks its revision).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from ..errors import CheckpointError
+from ..storage.local import LocalStorage
+from .hf import INDEX_NAME, SINGLE_NAME, read_hf_index, resolve
+
+__all__ = ["is_hf_url", "parse_hf_url", "fetch_hf", "HFUrl"]
+
+HFUrl = tuple[str, str | None, str]
+"""``(repo id, revision or None, path inside the repository or "")``."""
+
+
+def is_hf_url(url: object) -> bool:
+    """Whether ``url`` is an ``hf://`` URL."""
+    return isinstance(url, str) and url[:5].lower() == "hf://"
+
+
+def parse_hf_url(url: str) -> HFUrl:
+    """``hf://ORG/NAME[@REVISION][/PATH]`` as ``(ORG/NAME, REVISION or None, PATH)``.
+
+    Raises:
+        ValueError: not of that form.
+    """
+    parts = url[5:].strip("/").split("/")
+    if len(parts) < 2 or not parts[0] or not parts[1] or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{url!r} is not a Hugging Face URL of the form hf://ORG/NAME[@REVISION][/PATH]")
+    name, _, revision = parts[1].partition("@")
+    if not name or (_ and not revision):
+        raise ValueError(f"{url!r}: empty repository name or revision (hf://ORG/NAME[@REVISION][/PATH])")
+    return f"{parts[0]}/{name}", revision or None, "/".join(parts[2:])
+
+
+def fetch_hf(url: str, wanted: Callable[[str], bool] | None = None) -> str:
+    """The local path (a snapshot folder or file in the cache) of the Hugging Face checkpoint at
+    ``url``, its files fetched as the module docstring says.
+
+    Args:
+        url: ``hf://ORG/NAME[@REVISION][/PATH]``.
+        wanted: which checkpoint keys are needed; shards holding none of them are not fetched.
+
+    Raises:
+        FileNotFoundError: no such repository, revision or file (naming the URL).
+        OSError: the hub could not be reached, naming the URL.
+    """
+    repo, revision, path = parse_hf_url(url)
+    base = f"hf://{repo}" + (f"@{revision}" if revision else "")
+    if path.lower().endswith(".safetensors"):
+        return _cached(f"{base}/{path}", url)
+    folder = f"{base}/{path}" if path else base
+    index_path = _cached(f"{folder}/{INDEX_NAME}", url, missing_ok=True)
+    if index_path is None:
+        return os.path.dirname(_cached(f"{folder}/{SINGLE_NAME}", url, missing=f"neither {INDEX_NAME} nor {SINGLE_NAME}"))
+    snapshot = os.path.dirname(index_path)
+    index = read_hf_index(*resolve(LocalStorage(snapshot), INDEX_NAME), where=f"{folder}/{INDEX_NAME}")
+    for name, keys in index.items():
+        if wanted is None or any(wanted(k) for k in keys):
+            _cached(f"{folder}/{name}", url)
+    return snapshot
+
+
+def _cached(file_url: str, url: str, *, missing_ok: bool = False, missing: str | None = None) -> str | None:
+    """``cached_path(file_url)`` as a str; the hub's errors as builtin ones naming ``url``."""
+    from cached_path import cached_path
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        return str(cached_path(file_url, quiet=True))
+    except (hub_errors.EntryNotFoundError, hub_errors.RevisionNotFoundError,
+            hub_errors.RepositoryNotFoundError) as ex:
+        if missing_ok and isinstance(ex, hub_errors.EntryNotFoundError):
+            return None
+        what = missing or file_url
+        raise FileNotFoundError(f"{url}: no Hugging Face checkpoint there ({what} not found: {type(ex).__name__})") from ex
+    except (hub_errors.HfHubHTTPError, OSError) as ex:
+        if isinstance(ex, FileNotFoundError) and missing_ok:
+            return None
+        raise OSError(f"{url}: cannot fetch {file_url} from the Hugging Face hub ({ex})") from ex
+    except (ValueError, CheckpointError) as ex:
+        raise OSError(f"{url}: cannot fetch {file_url} from the Hugging Face hub ({ex})") from ex

@@ -1,0 +1,126 @@
+"""``hf://`` through cached-path against a hub on 127.0.0.1 (``HF_ENDPOINT``), cached under a
+temporary ``HF_HOME``.
+
+Each load runs in a fresh process (``huggingface_hub`` reads the settings when imported): the
+first downloads the index and only the shards holding keys the model takes (``HF_TOKEN`` sent); a second load, and
+``lazy_load``, download nothing more (the server sees ``HEAD`` requests only, and no ``GET`` of a
+file already cached); the result is the transformers model's tensors bit for bit, alone and at
+2 ranks under FSDP2. A missing repository is a ``FileNotFoundError`` naming the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hf_helpers import hf_gpt2, hf_gpt2_names, save_hf
+from hub_server import HubServer
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SUPPORT = os.path.join(ROOT, "tests", "support")
+REPO = "tiny-org/tiny-gpt2"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    model = hf_gpt2(seed=8)
+    folder = save_hf(model, str(tmp_path / "repo"), sharded=True)
+    server = HubServer({REPO: folder})
+    yield server, model, folder
+    server.close()
+
+
+def _env(server: HubServer, home: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(HF_ENDPOINT=server.url, HF_HOME=home, HF_HUB_DISABLE_TELEMETRY="1", NO_PROXY="127.0.0.1,localhost",
+               PYTHONPATH=os.pathsep.join([ROOT, SUPPORT]), HF_HUB_DISABLE_XET="1")
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        env.pop(var, None)
+    env.update(extra)
+    return env
+
+
+def _run(server: HubServer, home: str, mode: str, url: str, out: str, world: int = 1, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "hub_workers.py"), mode, url, out, str(world)],
+                          env=_env(server, home, **env), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def _shards_with(folder: str, wanted) -> set[str]:
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    return {name for key, name in weight_map.items() if wanted(key)}
+
+
+def test_hf_url_fetches_what_the_model_needs_once(hub, tmp_path):
+    server, model, folder = hub
+    home = str(tmp_path / "hf_home")
+    expected = {k: v for k, v in model.state_dict().items() if k in hf_gpt2_names()}
+    resolve = f"/{REPO}/resolve/main/"
+
+    # Block 1 skipped: only the index and the shards holding other keys are downloaded.
+    got = _run(server, home, "load_skip", f"hf://{REPO}", str(tmp_path / "skip.pt"))
+    needed = _shards_with(folder, lambda k: ".h.1." not in k)
+    assert needed != _shards_with(folder, lambda k: True)  # some shard holds block 1 only
+    assert sorted(server.gets()) == sorted([resolve + "model.safetensors.index.json"] + [resolve + n for n in needed])
+    assert got["missing"] and all(k.startswith("blocks.1.") for k in got["missing"])
+    for key, tensor in expected.items():
+        if ".h.1." not in key:
+            assert torch.equal(got["tensors"][key], tensor), key
+
+    # The whole model at 2 ranks: only the shards not fetched yet are downloaded, once.
+    server.clear()
+    got = _run(server, home, "load", f"hf://{REPO}", str(tmp_path / "all.pt"), world=2)
+    rest = _shards_with(folder, lambda k: True) - needed
+    assert sorted(server.gets()) == sorted(resolve + n for n in rest)
+    assert all(torch.equal(got["tensors"][k], v) for k, v in expected.items())
+
+    # Everything cached: a load and lazy_load download nothing.
+    for mode in ("load", "lazy"):
+        server.clear()
+        got = _run(server, home, mode, f"hf://{REPO}", str(tmp_path / f"{mode}.pt"))
+        assert server.gets() == [], (mode, server.gets())
+        assert all(torch.equal(got["tensors"][k], v) for k, v in expected.items()), mode
+    assert os.path.isdir(os.path.join(home, "hub", "models--tiny-org--tiny-gpt2", "blobs"))  # the standard cache
+
+    # The command line: inspect and convert read hf:// from the cache too.
+    server.clear()
+    cmd = [sys.executable, "-m", "checkpointer"]
+    proc = subprocess.run(cmd + ["inspect", f"hf://{REPO}", "--json"], env=_env(server, home), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout)
+    assert info["num_tensors"] == len(expected) and info["format"] == "hf"
+    converted = str(tmp_path / "converted")
+    proc = subprocess.run(cmd + ["convert", f"hf://{REPO}", converted, "--to", "checkpointer", "-q"],
+                          env=_env(server, home), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert server.gets() == []
+    from checkpointer import lazy_load
+
+    back = dict(lazy_load(converted))
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+
+
+def test_hf_url_at_a_revision_and_missing_repositories(hub, tmp_path):
+    server, model, _ = hub
+    home = str(tmp_path / "hf_home")
+    got = _run(server, home, "load", f"hf://{REPO}@v1.0", str(tmp_path / "rev.pt"), HF_TOKEN="hf_test_token")
+    assert all(p.startswith(f"/{REPO}/resolve/v1.0/") for p in server.gets())
+    assert server.tokens and set(server.tokens) == {"Bearer hf_test_token"}  # the token setting is sent
+    state = model.state_dict()
+    assert all(torch.equal(got["tensors"][k], state[k]) for k in hf_gpt2_names())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=server.url, HF_HOME=home, PYTHONPATH=os.pathsep.join([ROOT, SUPPORT]))
+    code = ("import checkpointer, torch\n"
+            "try:\n    checkpointer.load_model_and_optim_state('hf://nobody/nothing', torch.nn.Linear(2, 2))\n"
+            "except FileNotFoundError as e:\n    print('FNF', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "FNF hf://nobody/nothing" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -1,0 +1,77 @@
+"""The Hugging Face load's arguments and detection, in one process (plain modules).
+
+``key_map`` as a dict (unlisted names keep their own, None skips) or a callable (a non-str answer
+is a ``TypeError``); ``hf://`` URLs parsed or refused; a directory told apart from this library's
+checkpoints; ``key_map``/``dtype`` refused for this library's checkpoints; a plain model filled
+from ``safetensors.torch.save_file`` output (a tied head not missing, a tensor of another shape
+refused by name). Sharded models, transformers, remote storage: ``dist/test_dist_hf_load.py``
+and ``remote/test_remote_hf_*.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+import checkpointer
+from checkpointer import CheckpointMismatchError
+from checkpointer.models.hf_load import is_hf_checkpoint, map_name
+from checkpointer.tools.hub import parse_hf_url
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.embed.weight
+        self.norm = nn.LayerNorm(4)
+
+
+def test_map_name():
+    assert map_name(None, "a.b") == "a.b"
+    mapping = {"model.embed": "embed", "drop.me": None}
+    assert [map_name(mapping, k) for k in ("model.embed", "drop.me", "other")] == ["embed", None, "other"]
+    assert map_name(lambda k: k.removeprefix("model."), "model.x") == "x"
+    with pytest.raises(TypeError, match="'k'"):
+        map_name(lambda k: 3, "k")
+
+
+def test_parse_hf_url():
+    assert parse_hf_url("hf://org/name") == ("org/name", None, "")
+    assert parse_hf_url("hf://org/name@v1.0") == ("org/name", "v1.0", "")
+    assert parse_hf_url("hf://org/name@abc/sub/model.safetensors") == ("org/name", "abc", "sub/model.safetensors")
+    for bad in ("hf://org", "hf://org/", "hf://org/name@", "hf://org/../x", "hf://org/name/../../etc"):
+        with pytest.raises(ValueError):
+            parse_hf_url(bad)
+
+
+def test_detection_and_arguments(tmp_path):
+    model = Tied()
+    torch.manual_seed(0)
+    state = {"embed.weight": torch.randn(10, 4), "norm.weight": torch.randn(4), "norm.bias": torch.randn(4)}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(state, str(hf / "model.safetensors"))
+    ours = str(tmp_path / "ours")
+    checkpointer.save_model_and_optim_state(ours, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert is_hf_checkpoint(str(hf)) and is_hf_checkpoint(str(hf / "model.safetensors"))
+    assert is_hf_checkpoint("hf://org/name")
+    assert not is_hf_checkpoint(ours) and not is_hf_checkpoint(os.path.join(ours, "model"))
+    assert not is_hf_checkpoint(str(tmp_path / "nowhere"))
+
+    for options in ({"key_map": {"a": "b"}}, {"dtype": torch.float32}):
+        with pytest.raises(ValueError, match="Hugging Face"):
+            checkpointer.load_model_and_optim_state(ours, model, **options)
+
+    result = checkpointer.load_model_and_optim_state(str(hf), model)  # out.weight is tied: not missing
+    assert (result.missing_keys, result.unexpected_keys) == ([], [])
+    assert torch.equal(model.out.weight, state["embed.weight"]) and torch.equal(model.norm.bias, state["norm.bias"])
+
+    save_file({**state, "norm.bias": torch.zeros(5)}, str(hf / "model.safetensors"))
+    with pytest.raises(CheckpointMismatchError, match="norm.bias"):
+        checkpointer.load_model_and_optim_state(str(hf), Tied())
