@@ -1,48 +1,56 @@
-"""Planning at scale, simulated without processes: a 70B-like model over 1,024 and 8,192 ranks.
+"""Metadata and planning at scale (issue 27), simulated without processes: a 70B-like model in
+FSDP2, HSDP and TP+FSDP layouts over 1,024, 8,192 and 16,384 ranks.
 
-Calls the pure planning functions the engine runs, on inputs shaped like a real FSDP2 run:
+For each (layout, world size, part: model or optim) case, in its own process under an
+address-space limit (``--mem-limit-gb``), the pure functions the engine runs, on inputs shaped
+like the real run (every rank's pieces as the engine all-gathers them):
 
-* every rank at save: decoding every rank's pieces from the bytes the engine all-gathers
-  (one shared structure, one int64 array per rank) and ``build_save_plan`` on them, for the
-  model directory (723 parameters) and the optimizer directory (AdamW: ``exp_avg`` and
-  ``exp_avg_sq`` sharded like their parameter, ``step`` a replicated scalar, plus
-  ``num_param_groups``, ``param_group0``, ``state_keys``); parameters are ``Shard(0)``
-  boxes with ``torch.chunk`` semantics (ranks past the rows hold empty pieces);
-* ``StorageMetadata.to_json_bytes`` (rank 0 at save; every other rank makes the same plan
-  and keeps it) and ``parse_metadata`` (every rank at load): the size of ``metadata.json``
-  and the time to read it;
-* ``build_load_plan`` for every key, for one rank, after a world-size change (1024 -> 768,
-  8192 -> 6144) and without one: what each rank does at load. Timed for a few sample ranks
-  (first, middle, last); every rank plans in parallel, so the per-rank time is the wall time,
-  and ranks x per-rank is the total CPU time.
+1. **first save, every rank**: the bytes it receives to plan (every rank's payload, as
+   ``engine.save._pieces_payload`` makes it: rank 0 sends the structure, the others a digest and
+   their piece numbers), then decoding them and ``build_save_plan`` (format 2: shard rules);
+2. **rank 0 at commit**: the committed metadata (``checksums_in_files``, one ``file_id``) as
+   ``metadata.json`` text: its size and the time to make it;
+3. **load, every rank**: read ``metadata.json`` from a file, ``parse_metadata``, and
+   ``build_load_plan`` of every key for one rank after a world-size change (x0.75, the same
+   layout), timed for the first, middle and last rank; the extra memory is tracemalloc's peak over
+   the same steps (run again, apart from the timing).
 
-Then, for the goal's measure, the planning alone with all 80 layers at every world size: the
-save plan, and the load plans on the metadata it made (no ``metadata.json`` text, whose size
-keeps the cases above to a subset of layers at 8,192 ranks).
+At 1,024 ranks the same cases also run in format 1 (every piece listed, with its checksums and
+each file's id), for reference: ``metadata.json`` size and parse time.
 
-Each (world size, directory) case runs in its own process under an address-space limit
-(``--mem-limit-gb``), so a case that needs too much memory reports it instead of taking the
-machine down. Goals (report only): planning < 2 s at 1,024 ranks, < 20 s at 8,192.
+Layouts (rank order as ``init_device_mesh`` gives it, outer mesh dim first):
+
+* ``fsdp2``: mesh (W,), every parameter ``Shard(0)``;
+* ``hsdp``: mesh (W/64, 64), ``(Replicate, Shard(0))``: 64-way sharding, W/64 replicas;
+* ``tp_fsdp``: mesh (W/8, 8), 8-way tensor parallel: embedding, q/k/v, gate/up and the head
+  ``Shard(0)`` over TP (column-parallel), o and down ``Shard(1)`` (row-parallel), norms replicated
+  over TP; FSDP2 over the outer dim shards dim 0 of each TP piece (``_StridedShard``).
+
+CPU seconds (single-threaded, the least of ``--repeat`` runs: the machine is shared, and a shared
+machine only adds time). Goals (issue 27, per part): metadata.json <= 8 MB and < 1.5x growth
+from 1,024 to 16,384 ranks; rank-0 metadata work <= 1 s; load read + parse + plan <= 1 s and
+<= 64 MiB per rank; first-save bytes received per rank <= 4 MB.
 
 Usage::
 
-    python benchmarks/plan_scale.py                       # 1024 and 8192 ranks, both directories
-    python benchmarks/plan_scale.py --ranks 1024 --profile
+    python benchmarks/plan_scale.py                             # every case (about 15 minutes)
+    python benchmarks/plan_scale.py --ranks 1024 --layouts fsdp2 --parts model
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
 import json
 import math
-import pstats
+import os
+import random
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -51,12 +59,16 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 HIDDEN, FFN, LAYERS, VOCAB, KV = 8192, 28672, 80, 128256, 1024  # Llama-3-70B: 64 heads, 8 KV heads x 128
+HSDP_SHARD, TP = 64, 8
+LAYOUTS = ("fsdp2", "hsdp", "tp_fsdp")
+ROW_PARALLEL = ("o_proj", "down_proj")
+GOALS = {"metadata_mb": 8.0, "growth": 1.5, "save_s": 1.0, "load_s": 1.0, "load_mib": 64.0, "received_mb": 4.0}
 
 
-def llama70b_params(layers: int = LAYERS) -> list[tuple[str, tuple[int, ...]]]:
-    """The parameters of a Llama-3-70B-like model; ``layers`` < 80 keeps the first ``layers`` blocks."""
+def llama70b_params() -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters of a Llama-3-70B-like model (723 tensors)."""
     params = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for i in range(layers):
+    for i in range(LAYERS):
         p = f"model.layers.{i}"
         params += [
             (f"{p}.self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
@@ -73,353 +85,370 @@ def llama70b_params(layers: int = LAYERS) -> list[tuple[str, tuple[int, ...]]]:
     return params
 
 
-def shard0_box(shape: tuple[int, ...], world: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """FSDP2 ``Shard(0)``: ``torch.chunk`` of dim 0 (as ``checkpointer.sharding.dtensor_box``)."""
-    chunk = math.ceil(shape[0] / world)
-    start = min(rank * chunk, shape[0])
-    end = min(start + chunk, shape[0])
-    return (end - start, *shape[1:]), (start, *([0] * (len(shape) - 1)))
+def _chunk(n, parts, index):
+    """``torch.chunk`` of ``n`` into ``parts``: (start, length) of chunk ``index`` (numpy arrays ok)."""
+    import numpy as np
+
+    size = -(-n // parts)
+    start = np.minimum(index * size, n)
+    return start, np.minimum(start + size, n) - start
 
 
-def rank_pieces(params, world: int, rank: int):
-    from checkpointer.planning.plan import Piece
+def boxes(layout: str, name: str, shape: tuple[int, ...], world: int, ranks):
+    """Each rank's box of one parameter: (local shape per dim, offset per dim), arrays over ``ranks``."""
+    import numpy as np
 
-    return [Piece(local_shape=ls, global_offset=go) for ls, go in (shard0_box(shape, world, rank) for _, shape in params)]
+    ones = np.ones_like(ranks)
+    local = [ones * s for s in shape]
+    offset = [ranks * 0 for _ in shape]
+    if layout == "fsdp2":
+        offset[0], local[0] = _chunk(shape[0], world, ranks)
+    elif layout == "hsdp":
+        shard = min(HSDP_SHARD, world)
+        offset[0], local[0] = _chunk(shape[0], shard, ranks % shard)
+    else:
+        dp, tp = ranks // TP, ranks % TP
+        outer = world // TP
+        if len(shape) == 1:  # norms: replicated over TP, FSDP over dim 0
+            offset[0], local[0] = _chunk(shape[0], outer, dp)
+        elif any(k in name for k in ROW_PARALLEL):
+            offset[1], local[1] = _chunk(shape[1], TP, tp)
+            offset[0], local[0] = _chunk(shape[0], outer, dp)
+        else:  # column-parallel: TP cuts dim 0, FSDP cuts each TP piece's rows again
+            t_start, t_len = _chunk(shape[0], TP, tp)
+            size = -(-t_len // outer)
+            d_start = np.minimum(dp * size, t_len)
+            offset[0], local[0] = t_start + d_start, np.minimum(d_start + size, t_len) - d_start
+    return local, offset
 
 
-def columns_for(directory: str, params, world: int) -> list:
-    """Every rank's pieces as the engine sends them to rank 0 (``RankPieces``: one shared
-    structure, one int64 array per rank), built for all ranks at once."""
+def part_keys(part: str, params) -> list[tuple[str, tuple[int, ...], str, bool, str | None]]:
+    """``(key, shape, dtype, sharded, parameter)`` of a part, in the engine's sorted-key order for optim."""
+    if part == "model":
+        return [(n, s, "F32", True, n) for n, s in params]
+    names = [n for n, _ in params]
+    group_bytes = len(json.dumps({"lr": 1e-4, "betas": [0.9, 0.95], "_param_names": names})) + 200
+    out = [("num_param_groups", (), "I64", False, None), ("param_group0", (group_bytes,), "U8", False, None),
+           ("state_keys", (40,), "U8", False, None)]
+    out += [(f"state.{n}.__step", (), "F32", False, None) for n in names]
+    for n, s in params:
+        out += [(f"state.{n}.__{k}", s, "F32", True, n) for k in ("exp_avg", "exp_avg_sq")]
+    return out
+
+
+def columns_for(layout: str, part: str, params, world: int) -> list:
+    """Every rank's pieces as the engine sends them (``RankPieces``: one shared structure, one
+    int64 row per rank), built for all ranks at once."""
     import numpy as np
 
     from checkpointer.planning.pieces import BOX, RankPieces, Structure
 
-    keys, shapes, dtypes, sharded, kinds = [], [], [], [], []
-    if directory == "optim":
-        # OLMo's flat layout, sorted keys as the engine gives them
-        names = [n for n, _ in params]
-        group_bytes = len(json.dumps({"lr": 1e-4, "betas": [0.9, 0.95], "_param_names": names})) + 200
-        for key, shape, dtype in [("num_param_groups", (), "I64"), ("param_group0", (group_bytes,), "U8"),
-                                  ("state_keys", (40,), "U8")] + [(f"state.{n}.__step", (), "F32") for n in names]:
-            keys.append(key), shapes.append(shape), dtypes.append(dtype), sharded.append(False), kinds.append(1)
-        for n, shape in params:
-            for state in ("exp_avg", "exp_avg_sq"):
-                keys.append(f"state.{n}.__{state}"), shapes.append(shape), dtypes.append("F32")
-                sharded.append(True), kinds.append(BOX)
-    else:
-        for n, shape in params:
-            keys.append(n), shapes.append(shape), dtypes.append("F32"), sharded.append(True), kinds.append(BOX)
-    structure = Structure(keys, shapes, dtypes, sharded, kinds)
+    keys = part_keys(part, params)
+    structure = Structure([k for k, *_ in keys], [s for _, s, *_ in keys], [d for _, _, d, *_ in keys],
+                          [sh for *_, sh, _ in keys], [BOX if p else 1 for *_, p in keys])
+    shapes = dict(params)
     values = np.zeros((world, structure.width), dtype=np.int64)
     ranks = np.arange(world, dtype=np.int64)
-    for i, (shape, kind) in enumerate(zip(shapes, kinds)):
+    for i, (key, shape, _, _, param) in enumerate(keys):
         lo, _ = structure.span(i)
-        if kind == 1:  # replicated: the whole tensor, flat
+        if param is None:  # replicated: the whole tensor, flat
             values[:, lo + 1] = math.prod(shape)
             continue
-        chunk = -(-shape[0] // world)  # torch.chunk of dim 0
-        start = np.minimum(ranks * chunk, shape[0])
-        values[:, lo] = np.minimum(start + chunk, shape[0]) - start
-        values[:, lo + 1 : lo + len(shape)] = shape[1:]
-        values[:, lo + len(shape)] = start
+        local, offset = boxes(layout, param, shapes[param], world, ranks)
+        for d in range(len(shape)):
+            values[:, lo + d] = local[d]
+            values[:, lo + len(shape) + d] = offset[d]
     return [RankPieces(structure, row) for row in values]
 
 
+def wanted_for(layout: str, part: str, params, world: int, rank: int, metadata) -> dict:
+    """What ``rank`` of ``world`` loads, per key: a box (``Piece``) or the whole tensor."""
+    import numpy as np
+
+    from checkpointer.planning.pieces import Piece
+
+    shapes = dict(params)
+    out = {}
+    for key, shape, _, _, param in part_keys(part, params):
+        if param is None:
+            numel = metadata.tensors[key].numel
+            out[key] = [(0, numel)] if numel else []
+            continue
+        local, offset = boxes(layout, param, shapes[param], world, np.array([rank]))
+        out[key] = Piece(local_shape=tuple(int(x[0]) for x in local), global_offset=tuple(int(x[0]) for x in offset))
+    return out
+
+
 def payloads_for(columns: list) -> list[bytes]:
-    """What each rank sends (``checkpointer.engine.save``'s wire form: rank 0 sends the structure)."""
     from checkpointer.engine.save import _pieces_payload
 
     return [_pieces_payload(c, {}, with_structure=r == 0) for r, c in enumerate(columns)]
 
 
-def decoded_on_rank0(payloads: list[bytes], own_structure) -> list:
-    """A rank's decoding of the gathered payloads, as the engine does it (it knows its own structure)."""
+def plan_from(payloads: list[bytes], own, compact: bool):
+    """A rank's decoding of the gathered payloads and its save plan, as ``engine.save._plan_from``."""
     from checkpointer.engine.save import _parse_pieces
-
-    known = {own_structure.digest: own_structure}
-    return [_parse_pieces(p, known)[0] for p in payloads]
-
-
-def wanted_for(directory: str, params, world: int, rank: int, metadata) -> dict[str, list]:
-    """The ranges each key's destination on ``rank`` of ``world`` holds (what plan_local_loads asks for)."""
-    from checkpointer.planning.pieces import piece_ranges
-
-    out = {}
-    pieces = rank_pieces(params, world, rank)
-    for (name, shape), piece in zip(params, pieces):
-        keys = [name] if directory == "model" else [f"state.{name}.__exp_avg", f"state.{name}.__exp_avg_sq"]
-        for k in keys:
-            out[k] = piece_ranges(piece, shape)
-    if directory == "optim":
-        for key, meta in metadata.tensors.items():
-            if key not in out:
-                out[key] = [(0, meta.numel)] if meta.numel else []
-    return out
-
-
-class Clock:
-    """Wall and CPU seconds (the machine is shared: CPU time is what a dedicated core would take)."""
-
-    def __enter__(self):
-        self.w, self.c = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.w
-        self.cpu = time.process_time() - self.c
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def run_case(world: int, directory: str, target: int, samples: int, profile: bool, layers: int, repeat: int = 1,
-             planning_only: bool = False) -> dict:
-    from checkpointer.format.metadata import parse_metadata
     from checkpointer.planning.plan import build_save_plan
-    from checkpointer.planning.load_plan import build_load_plan
 
-    params = llama70b_params(layers)
-    full_keys = len(columns_for(directory, llama70b_params(LAYERS), 1)[0].structure.keys)
-    out: dict = {"world": world, "dir": directory, "target_world": target, "layers": layers}
-    prof = cProfile.Profile() if profile else None
+    known = {own.digest: own}
+    return build_save_plan([_parse_pieces(p, known)[0] for p in payloads], compact=compact)
 
-    def clocked(fn):
-        gc.collect()
-        if prof:
-            prof.enable()
-        with Clock() as c:
-            value = fn()
-        if prof:
-            prof.disable()
-        return value, c
 
-    def timed_steps(steps) -> list:
-        """Run the steps in order (each gets the values of the ones before), ``repeat`` times
-        from scratch; record each step's least CPU time (a shared machine only ever adds time).
-        Returns the values of the last run."""
-        best: dict[str, Clock] = {}
-        values: list = []
-        for _ in range(repeat):
-            values = value = None
-            values = []
-            for name, fn in steps:
-                value, c = clocked(lambda: fn(*values))
-                values.append(value)
-                if name not in best or c.cpu < best[name].cpu:
-                    best[name] = c
-        for name, c in best.items():
-            out[name + "_s"] = c.cpu
-            out[name + "_wall_s"] = c.wall
-        return values
-
-    with Clock() as c:
-        columns = columns_for(directory, params, world)
-        payloads = payloads_for(columns)
-        own = columns[0].structure
-        columns = None
-    out["describe_s"] = c.cpu
-    out["descs"] = len(own.keys) * world
-    out["keys"] = len(own.keys)
-    out["payload_bytes_per_rank"] = len(payloads[0])
-    out["scale"] = full_keys / out["keys"]
-
-    if planning_only:
-        return _planning_only(out, directory, params, world, target, payloads, own, clocked, repeat)
-
-    # Commit (rank 0, after the writes): every piece's CRC32C per 16 MiB chunk goes into the
-    # metadata it planned, which is dumped again; loads parse that final metadata.json.
-    import random
-
+def committed_json(plan, compact: bool, crcs=None) -> bytes:
+    """Rank 0 at commit: the metadata as ``engine.save.write_and_commit`` completes it, as text."""
     from checkpointer.checksums import ALGORITHM, CHUNK_BYTES
+
+    metadata = plan.metadata
+    if compact:
+        metadata = metadata.model_copy(update={
+            "checksum_algorithm": ALGORITHM, "checksum_chunk_bytes": CHUNK_BYTES,
+            "checksums_in_files": True, "file_id": "0123456789abcdef",
+        })
+    else:
+        metadata = metadata.with_checksums(crcs, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
+        metadata = metadata.with_file_ids({name: f"{i:016x}" for i, name in enumerate(metadata.files())})
+    return metadata.to_json_bytes()
+
+
+def random_crcs(plan) -> dict:
+    from checkpointer.checksums import CHUNK_BYTES
     from checkpointer.format.dtypes import itemsize
 
     rng = random.Random(0)
     crcs: dict[str, dict[str, list[int]]] = {}
-    for key, meta in build_save_plan(decoded_on_rank0(payloads, own)).metadata.tensors.items():
+    for key, meta in plan.metadata.tensors.items():
         size = itemsize(meta.dtype)
-        for f in meta.shard_spec_per_file:
-            chunks = -(-meta.shard_spec_per_file[f].local_numel * size // CHUNK_BYTES)
-            crcs.setdefault(f, {})[key] = [rng.getrandbits(32) for _ in range(chunks)]
-
-    # Rank 0 at save, each run from scratch: plan, dump, checksums into the planned metadata, dump.
-    plan, data, _, final = timed_steps([
-        ("save_plan", lambda: build_save_plan(decoded_on_rank0(payloads, own))),
-        ("metadata_json", lambda plan: plan.metadata.to_json_bytes()),
-        ("with_checksums", lambda plan, _: plan.metadata.with_checksums(crcs, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)),
-        ("metadata_json_final", lambda _p, _d, committed: committed.to_json_bytes()),
-    ])
-    out["specs"] = sum(len(m.shard_spec_per_file) for m in plan.metadata.tensors.values())
-    out["metadata_bytes"] = len(data)
-    out["metadata_bytes_final"] = len(final)
-    payloads = plan = crcs = None  # type: ignore[assignment]
-    data = None  # type: ignore[assignment]
-    # Every rank at load.
-    timed_steps([("parse_metadata_final", lambda: parse_metadata(final, where="metadata.json"))])
-
-    def load_plans(new_world: int, label: str, n: int) -> None:
-        ranks = sorted({0, new_world // 2, new_world - 1})
-        ranks = ranks[:1] if n <= 1 else ([ranks[0], ranks[len(ranks) // 2]] if n == 2 else ranks)
-        cpu, wall, items = [], [], []
-        for r in ranks:
-            best = None
-            for _ in range(repeat):
-                metadata = None
-                metadata = parse_metadata(final, where="metadata.json")  # nothing cached from another plan
-                wanted = wanted_for(directory, params, new_world, r, metadata)
-                reads, c = clocked(
-                    lambda: sum(len(build_load_plan(key, metadata.tensors[key], rs).items) for key, rs in wanted.items())
-                )
-                if best is None or c.cpu < best.cpu:
-                    best = c
-            cpu.append(best.cpu)
-            wall.append(best.wall)
-            items.append(reads)
-        out[f"load_plan_{label}_s_per_rank"] = cpu
-        out[f"load_plan_{label}_wall_s_per_rank"] = wall
-        out[f"load_plan_{label}_ranks"] = ranks
-        out[f"load_plan_{label}_reads"] = items
-
-    load_plans(target, "reshard", samples)
-    load_plans(world, "same", 1)
-    out["peak_rss_mib"] = peak_rss_mib()
-    if prof:
-        sio = io.StringIO()
-        pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(20)
-        out["profile"] = sio.getvalue()
-    return out
+        for f, spec in meta.shard_spec_per_file.items():
+            crcs.setdefault(f, {})[key] = [rng.getrandbits(32) for _ in range(-(-spec.local_numel * size // CHUNK_BYTES))]
+    return crcs
 
 
-def _planning_only(out, directory, params, world, target, payloads, own, clocked, repeat) -> dict:
-    """The save plan, then one rank's load plans on the metadata it made (as a rank's parse
-    would give them: what the planner derives from a layout is forgotten before each rank)."""
-    from checkpointer.planning.plan import build_save_plan
+def cpu_best(fn, repeat: int):
+    """``(value of the last run, least CPU seconds, its wall seconds)`` over ``repeat`` runs."""
+    best = None
+    value = None
+    for _ in range(repeat):
+        value = None
+        gc.collect()
+        w, c = time.perf_counter(), time.process_time()
+        value = fn()
+        c, w = time.process_time() - c, time.perf_counter() - w
+        if best is None or c < best[0]:
+            best = (c, w)
+    return value, best[0], best[1]
+
+
+def run_case(layout: str, part: str, world: int, compact: bool, repeat: int, shrink: float) -> dict:
+    from checkpointer.format.metadata import parse_metadata
     from checkpointer.planning.load_plan import build_load_plan
 
-    best = None
-    for _ in range(repeat):
-        plan, c = clocked(lambda: build_save_plan(decoded_on_rank0(payloads, own)))
-        best = c if best is None or c.cpu < best.cpu else best
-    out["save_plan_s"], out["save_plan_wall_s"] = best.cpu, best.wall
-    metadata = plan.metadata
-    out["specs"] = sum(len(m.shard_spec_per_file) for m in metadata.tensors.values())
-    for label, new_world in (("reshard", target), ("same", world)):
-        ranks = sorted({0, new_world // 2, new_world - 1})
-        cpu = []
+    params = llama70b_params()
+    out: dict = {"layout": layout, "part": part, "world": world, "format": 2 if compact else 1}
+    columns = columns_for(layout, part, params, world)
+    own = columns[0].structure
+    payloads = payloads_for(columns)
+    columns = None
+    out["keys"] = len(own.keys)
+    out["received_bytes"] = sum(len(p) for p in payloads)  # every rank receives every payload (its own too)
+    plan, out["plan_s"], out["plan_wall_s"] = cpu_best(lambda: plan_from(payloads, own, compact), repeat)
+    payloads = None
+    crcs = None if compact else random_crcs(plan)
+    data, out["commit_json_s"], out["commit_json_wall_s"] = cpu_best(lambda: committed_json(plan, compact, crcs), repeat)
+    out["metadata_bytes"] = len(data)
+    out["rules"] = sum(1 for m in plan.metadata.tensors.values() if getattr(m.shard_spec_per_file, "rule", None) is not None)
+    out["explicit_specs"] = sum(len(m.shard_spec_per_file) for m in plan.metadata.tensors.values()
+                                if getattr(m.shard_spec_per_file, "rule", None) is None)
+    plan = crcs = None
+    gc.collect()
+    with tempfile.NamedTemporaryFile(prefix="plan_scale_", suffix=".json", delete=False) as f:
+        f.write(data)
+        path = f.name
+    data = None
+    try:
+        target = max(1, int(round(world * shrink)))
+        target -= target % (TP if layout == "tp_fsdp" else 1)
+        out["target_world"] = target
+
+        def load(rank: int) -> int:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+            metadata = parse_metadata(raw, where="metadata.json")
+            raw = None
+            wanted = wanted_for(layout, part, params, target, rank, metadata)
+            return sum(len(build_load_plan(key, metadata.tensors[key], w).items) for key, w in wanted.items())
+
+        ranks = sorted({0, target // 2, target - 1})
+        out["load_ranks"] = ranks
+        out["load_s"], out["load_wall_s"], out["load_reads"] = [], [], []
         for r in ranks:
-            wanted = wanted_for(directory, params, new_world, r, metadata)
-            best = None
-            for _ in range(repeat):
-                for meta in metadata.tensors.values():
-                    meta.shard_spec_per_file.layout.memo.pop("source_index", None)
-                _, c = clocked(lambda: [build_load_plan(key, metadata.tensors[key], rs) for key, rs in wanted.items()])
-                best = c if best is None or c.cpu < best.cpu else best
-            cpu.append(best.cpu)
-        out[f"load_plan_{label}_s_per_rank"] = cpu
-        out[f"load_plan_{label}_ranks"] = ranks
-    out["peak_rss_mib"] = peak_rss_mib()
-    out["planning_only"] = True
+            reads, c, w = cpu_best(lambda: load(r), repeat)
+            out["load_s"].append(c)
+            out["load_wall_s"].append(w)
+            out["load_reads"].append(reads)
+        if compact:
+            out["load_mib"] = []
+            for r in ranks:
+                gc.collect()
+                tracemalloc.start()
+                load(r)
+                out["load_mib"].append(tracemalloc.get_traced_memory()[1] / 2**20)
+                tracemalloc.stop()
+    finally:
+        os.unlink(path)
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
 def child(args) -> int:
     limit = int(args.mem_limit_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    case = dict(layout=args.case_layout, part=args.case_part, world=args.case_world, compact=args.case_format == 2)
     try:
-        res = run_case(args.case_world, args.case_dir, args.case_target, args.samples, args.profile, args.case_layers,
-                       args.repeat, args.case_planning_only)
+        res = run_case(**case, repeat=args.repeat, shrink=args.shrink)
     except MemoryError:
-        res = {"world": args.case_world, "dir": args.case_dir, "error": f"MemoryError under a {args.mem_limit_gb:g} GiB address-space limit",
-               "peak_rss_mib": peak_rss_mib()}
+        res = {**case, "format": args.case_format, "error": f"MemoryError under a {args.mem_limit_gb:g} GiB limit"}
     print("RESULT " + json.dumps(res))
     return 0
 
 
-def fmt(v, spec=".2f") -> str:
-    return "–" if v is None else format(v, spec)
+def mb(n: float) -> str:
+    return f"{n / 1e6:.2f}" if n < 1e7 else f"{n / 1e6:.0f}"
+
+
+def met(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def header_lines(args) -> list[str]:
+    """The commit measured, the date and the machine (benchmarks/results/HISTORY.md asks for them)."""
+    import platform
+
+    import torch
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return [
+        f"- commit: `{commit}`{dirty}",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
+        f"- machine: {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.machine()}, torch {torch.__version__} "
+        "(shared with other jobs: CPU times, not wall times, are reported)",
+        f"- command: `python benchmarks/plan_scale.py {' '.join(sys.argv[1:])}`".replace(" `", " `", 1),
+        "",
+    ]
+
+
+def render(results: list[dict], args) -> str:
+    params = llama70b_params()
+    ok = [r for r in results if "error" not in r]
+    two = [r for r in ok if r["format"] == 2]
+    one = {(r["layout"], r["part"], r["world"]): r for r in ok if r["format"] == 1}
+    lines = [
+        "# Metadata and planning at scale (70B-like model, simulated)\n",
+        *header_lines(args),
+        f"{len(params)} parameters (Llama-3-70B shapes); optimizer part {len(part_keys('optim', params))} keys "
+        "(AdamW exp_avg, exp_avg_sq sharded like their parameter, step replicated). Layouts: `fsdp2` (Shard(0) over "
+        f"every rank), `hsdp` ({HSDP_SHARD}-way Shard(0), the rest replicas), `tp_fsdp` ({TP}-way TP: column-parallel "
+        "Shard(0), row-parallel Shard(1), norms replicated; FSDP2 over the outer mesh dim cuts each TP piece's rows). "
+        f"CPU seconds, the least of {args.repeat} runs (single-threaded, machine shared; wall times in plan_scale.json). "
+        f"Load: a world-size change to x{args.shrink:g} in the same layout, the worst of the first, middle and last rank.\n",
+        "Columns: **received** = bytes each rank receives to plan its first save (every rank's pieces, all-gathered); "
+        "**plan** = decoding them + `build_save_plan` (every rank); **commit** = rank 0 making metadata.json's text; "
+        "**save rank 0** = plan + commit; **load** = read + parse + load plan per rank; **load MiB** = tracemalloc peak of the same.\n",
+        "| layout | part | ranks | metadata.json MB | x vs 1,024 | rules / explicit specs | received MB | plan s | commit s "
+        "| save rank 0 s | load s | load MiB | format 1 metadata.json MB | format 1 parse + plan s |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = {(r["layout"], r["part"]): r["metadata_bytes"] for r in two if r["world"] == min(x["world"] for x in two)}
+    for r in sorted(two, key=lambda r: (LAYOUTS.index(r["layout"]), r["part"], r["world"])):
+        ref = one.get((r["layout"], r["part"], r["world"]))
+        growth = r["metadata_bytes"] / base[(r["layout"], r["part"])] if (r["layout"], r["part"]) in base else float("nan")
+        lines.append(
+            f"| {r['layout']} | {r['part']} | {r['world']:,} | {mb(r['metadata_bytes'])} | {growth:.2f} | "
+            f"{r['rules']} / {r['explicit_specs']:,} | {mb(r['received_bytes'])} | {r['plan_s']:.2f} | "
+            f"{r['commit_json_s']:.3f} | {r['plan_s'] + r['commit_json_s']:.2f} | {max(r['load_s']):.3f} | "
+            f"{max(r['load_mib']):.1f} | {mb(ref['metadata_bytes']) if ref else '–'} | "
+            f"{format(max(ref['load_s']), '.2f') if ref else '–'} |")
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['layout']} | {r['part']} | {r['world']:,} | format {r['format']}: {r['error']} |" + " |" * 10)
+    lines += ["", "## Goals (issue 27, per part, every layout and world size above)", "",
+              "| goal | worst case | met |", "|---|---|---|"]
+
+    def worst(field, fn):
+        r = max(two, key=fn)
+        return f"{fn(r):.3g} ({r['layout']} {r['part']} at {r['world']:,})"
+
+    if two:
+        rows = [
+            ("metadata.json <= 8 MB", worst("metadata", lambda r: r["metadata_bytes"] / 1e6),
+             all(r["metadata_bytes"] <= GOALS["metadata_mb"] * 1e6 for r in two)),
+            ("growth 1,024 -> 16,384 < 1.5x", worst("growth", lambda r: r["metadata_bytes"] / base.get((r["layout"], r["part"]), r["metadata_bytes"])),
+             all(r["metadata_bytes"] < GOALS["growth"] * base.get((r["layout"], r["part"]), r["metadata_bytes"]) for r in two)),
+            ("save, rank 0 metadata work <= 1 s", worst("save", lambda r: r["plan_s"] + r["commit_json_s"]),
+             all(r["plan_s"] + r["commit_json_s"] <= GOALS["save_s"] for r in two)),
+            ("load, read + parse + plan <= 1 s per rank", worst("load", lambda r: max(r["load_s"])),
+             all(max(r["load_s"]) <= GOALS["load_s"] for r in two)),
+            ("load, <= 64 MiB extra per rank", worst("mem", lambda r: max(r["load_mib"])),
+             all(max(r["load_mib"]) <= GOALS["load_mib"] for r in two)),
+            ("first save, <= 4 MB received per rank", worst("recv", lambda r: r["received_bytes"] / 1e6),
+             all(r["received_bytes"] <= GOALS["received_mb"] * 1e6 for r in two)),
+        ]
+        lines += [f"| {g} | {w} | {met(m)} |" for g, w, m in rows]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default="1024,8192", help="world sizes to plan for (default 1024,8192)")
+    ap.add_argument("--ranks", default="1024,8192,16384", help="world sizes (default 1024,8192,16384)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"layouts (default {','.join(LAYOUTS)})")
+    ap.add_argument("--parts", default="model,optim", help="parts (default model,optim)")
+    ap.add_argument("--format1-ranks", default="1024", help="world sizes also run in format 1, for reference (default 1024)")
     ap.add_argument("--shrink", type=float, default=0.75, help="load at this fraction of the world size (default 0.75)")
-    ap.add_argument("--dirs", default="model,optim", help="directories to plan (default model,optim)")
-    ap.add_argument("--samples", type=int, default=2, help="ranks whose resharding load plans are timed (1-3, default 2)")
-    ap.add_argument("--full-layers-up-to", type=int, default=1024,
-                    help="plan all 80 layers up to this world size; above it, a subset of layers holding the same "
-                         "number of pieces as 1024 ranks x 80 layers, times scaled by keys (default 1024)")
-    ap.add_argument("--linearity-check", action="store_true",
-                    help="also plan the model directory at the smallest world size with the subset of layers, "
-                         "to check that scaling by keys holds")
-    ap.add_argument("--mem-limit-gb", type=float, default=12.0, help="address-space limit per case (default 12)")
-    ap.add_argument("--timeout-s", type=float, default=1800, help="limit per case")
-    ap.add_argument("--no-planning-only", action="store_true",
-                    help="skip the cases that plan all 80 layers at every world size without metadata.json")
-    ap.add_argument("--profile", action="store_true", help="cProfile the planning calls; print the top functions")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="run each step this many times from scratch and report the least CPU time (default 3); "
-                         "each load plan starts from a fresh parse (a rank plans once)")
+    ap.add_argument("--repeat", type=int, default=2, help="least CPU time of this many runs (default 2)")
+    ap.add_argument("--mem-limit-gb", type=float, default=10.0, help="address-space limit per case (default 10)")
+    ap.add_argument("--timeout-s", type=float, default=1200, help="limit per case")
     ap.add_argument("--out", default=str(HERE / "results"), help="where plan_scale.json/.md go")
+    ap.add_argument("--case-layout", help=argparse.SUPPRESS)
+    ap.add_argument("--case-part", help=argparse.SUPPRESS)
     ap.add_argument("--case-world", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--case-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--case-target", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--case-layers", type=int, default=LAYERS, help=argparse.SUPPRESS)
-    ap.add_argument("--case-planning-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--case-format", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.case_world:
         return child(args)
 
-    params = llama70b_params()
-    n_params = sum(math.prod(s) for _, s in params)
-    print(f"70B-like layout: {len(params)} parameters, {n_params / 1e9:.1f} B elements; "
-          f"optimizer: {3 * len(params) + 3} keys", flush=True)
     worlds = [int(x) for x in args.ranks.split(",")]
-    cases = []
-    for world in worlds:
-        layers = LAYERS if world <= args.full_layers_up_to else max(2, round(LAYERS * args.full_layers_up_to / world))
-        for d in args.dirs.split(","):
-            cases.append((world, d, layers, False))
-    if args.linearity_check and any(l < LAYERS for _, _, l, _ in cases):
-        sub = min(l for _, _, l, _ in cases)
-        cases.append((min(worlds), "model", sub, False))
-    if not args.no_planning_only:
-        cases += [(world, d, LAYERS, True) for world in worlds for d in args.dirs.split(",")]
-
+    f1 = {int(x) for x in args.format1_ranks.split(",") if x}
+    cases = [(lay, part, w, fmt) for lay in args.layouts.split(",") for part in args.parts.split(",")
+             for w in worlds for fmt in ((2, 1) if w in f1 else (2,))]
     results = []
-    for world, d, layers, planning_only in cases:
-        target = max(1, int(round(world * args.shrink)))
-        cmd = [sys.executable, __file__, "--case-world", str(world), "--case-dir", d, "--case-target", str(target),
-               "--case-layers", str(layers), "--samples", str(args.samples), "--mem-limit-gb", str(args.mem_limit_gb),
-               "--repeat", str(args.repeat)]
-        cmd += ["--profile"] if args.profile else []
-        cmd += ["--case-planning-only"] if planning_only else []
+    for layout, part, world, fmt in cases:
+        cmd = [sys.executable, __file__, "--case-layout", layout, "--case-part", part, "--case-world", str(world),
+               "--case-format", str(fmt), "--repeat", str(args.repeat), "--shrink", str(args.shrink),
+               "--mem-limit-gb", str(args.mem_limit_gb)]
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            res = json.loads(line[7:]) if line else {"world": world, "dir": d, "layers": layers, "error": (p.stderr or "no result")[-800:]}
+            res = json.loads(line[7:]) if line else {"error": (p.stderr or "no result")[-600:]}
         except subprocess.TimeoutExpired:
-            res = {"world": world, "dir": d, "layers": layers, "error": f"over {args.timeout_s:.0f} s"}
-        res["wall_s"] = time.time() - t0
+            res = {"error": f"over {args.timeout_s:.0f} s"}
+        res.update(layout=layout, part=part, world=world, format=fmt, case_wall_s=time.time() - t0)
         results.append(res)
         if "error" in res:
-            print(f"{world:>6} {d:>5} ({layers} layers): {res['error']}", flush=True)
-        elif planning_only:
-            print(f"{world:>6} {d:>5} (all {layers} layers, planning only): save plan {res['save_plan_s']:.2f} s CPU, "
-                  f"load plan/rank {max(res['load_plan_reshard_s_per_rank']):.2f} s -> {target}, "
-                  f"{max(res['load_plan_same_s_per_rank']):.2f} s same; peak RSS {res['peak_rss_mib']:.0f} MiB "
-                  f"[case wall {res['wall_s']:.0f} s]", flush=True)
+            print(f"{layout:>8} {part:>5} {world:>6} f{fmt}: {res['error']}", flush=True)
         else:
-            k = res["scale"]
-            print(f"{world:>6} {d:>5} ({layers} layers, x{k:.2f}): save plan {res['save_plan_s'] * k:.2f} s CPU, "
-                  f"metadata {res['metadata_bytes_final'] * k / 1e6:.0f} MB with checksums (dump {res['metadata_json_s'] * k:.2f} s, "
-                  f"parse {res['parse_metadata_final_s'] * k:.2f} s), load plan/rank {max(res['load_plan_reshard_s_per_rank']) * k:.2f} s "
-                  f"-> {target}, {max(res['load_plan_same_s_per_rank']) * k:.2f} s same; peak RSS {res['peak_rss_mib']:.0f} MiB "
-                  f"[case wall {res['wall_s']:.0f} s]", flush=True)
-            if args.profile:
-                print(res["profile"], flush=True)
-
-    report = render(results, args, params, n_params)
+            print(f"{layout:>8} {part:>5} {world:>6} f{fmt}: metadata {mb(res['metadata_bytes'])} MB, received "
+                  f"{mb(res['received_bytes'])} MB, plan {res['plan_s']:.2f} s, commit {res['commit_json_s']:.3f} s, "
+                  f"load {max(res['load_s']):.3f} s" + (f" {max(res['load_mib']):.1f} MiB" if "load_mib" in res else "")
+                  + f", peak RSS {res['peak_rss_mib']:.0f} MiB [{res['case_wall_s']:.0f} s]", flush=True)
+    report = render(results, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_scale.md").write_text(report)
@@ -427,131 +456,6 @@ def main(argv=None) -> int:
         json.dump(results, f, indent=1)
     print(report)
     return 0
-
-
-def render(results, args, params, n_params) -> str:
-    planning = [r for r in results if r.get("planning_only")]
-    results = [r for r in results if not r.get("planning_only")]
-    lines = [
-        "# Planning at scale (70B-like layout, FSDP2 Shard(0), simulated)\n",
-        f"{len(params)} parameters ({n_params / 1e9:.1f} B elements, Llama-3-70B shapes); optimizer directory "
-        f"{3 * len(params) + 3} keys (AdamW exp_avg, exp_avg_sq sharded, step replicated). "
-        "Seconds of CPU time of the pure planning functions (single-threaded; the machine is shared, so CPU time "
-        f"is what a dedicated core takes, the least of {args.repeat} runs; wall times are in plan_scale.json). Every rank makes the save plan "
-        "(from the pieces all ranks sent: the same plan everywhere); rank 0 dumps the metadata; every rank parses "
-        "it at load, and the load plan runs on every rank in "
-        f"parallel, for loading at {args.shrink:g} x the world size ('reshard', max over sampled ranks) and at the "
-        "same world size ('same'). Where fewer than 80 layers were planned (marked), times, metadata size and "
-        "piece counts are scaled by full keys / planned keys: every planning step is a loop over keys.\n",
-        "| ranks | dir | planned | pieces in | specs in metadata | save plan s | dump s "
-        "| add checksums s | dump s (final) | metadata.json MB | parse s (at load) | load plan/rank s (reshard) "
-        "| load plan/rank s (same) | all ranks CPU s (reshard load plan) | peak RSS MiB |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['world']} | {r['dir']} | {r.get('layers')} layers | {r['error'][:200]} |" + " |" * 12)
-            continue
-        k = r["scale"]
-        planned = "all 80 layers" if r["layers"] == LAYERS else f"{r['layers']} layers, x{k:.2f}"
-        tgt = r["target_world"]
-        lines.append(
-            f"| {r['world']} | {r['dir']} | {planned} | {round(r['descs'] * k):,} | {round(r['specs'] * k):,} | "
-            f"{fmt(r['save_plan_s'] * k)} | {fmt(r['metadata_json_s'] * k)} | "
-            f"{fmt(r['with_checksums_s'] * k)} | {fmt(r['metadata_json_final_s'] * k)} | "
-            f"{r['metadata_bytes_final'] * k / 1e6:.0f} | {fmt(r['parse_metadata_final_s'] * k)} | "
-            f"{fmt(max(r['load_plan_reshard_s_per_rank']) * k)} | {fmt(max(r['load_plan_same_s_per_rank']) * k)} | "
-            f"{fmt(sum(r['load_plan_reshard_s_per_rank']) / len(r['load_plan_reshard_s_per_rank']) * k * tgt, '.0f')} | "
-            f"{r['peak_rss_mib']:.0f} |")
-    lines += ["", "Planning per world size (model + optim directories, the full 80-layer model), CPU seconds: "
-              "the save plan on rank 0 (decoding what the ranks sent included) and one rank's load plan "
-              "after the world-size change, the goal's measure; then the cost of the metadata.json the "
-              "format requires (JSON text of every shard spec: dump on rank 0, parse on every rank).", "",
-              "| ranks | save plan (rank 0) | load plan (per rank, reshard) | planning total | goal "
-              "| metadata.json dump + checksums + dump (rank 0) | metadata.json parse (per rank, at load) |",
-              "|---:|---:|---:|---:|---|---:|---:|"]
-    dirs = args.dirs.split(",")
-    for world in sorted({r["world"] for r in results}):
-        by_dir = {}
-        for r in (r for r in results if r["world"] == world and "error" not in r):
-            if r["dir"] not in by_dir or r["layers"] > by_dir[r["dir"]]["layers"]:
-                by_dir[r["dir"]] = r
-        if set(by_dir) != set(dirs):
-            continue
-        rs = list(by_dir.values())
-        save = sum(r["save_plan_s"] * r["scale"] for r in rs)
-        load = sum(max(r["load_plan_reshard_s_per_rank"]) * r["scale"] for r in rs)
-        dump = sum((r["metadata_json_s"] + r["with_checksums_s"] + r["metadata_json_final_s"]) * r["scale"] for r in rs)
-        parse = sum(r["parse_metadata_final_s"] * r["scale"] for r in rs)
-        goal = 2.0 if world <= 1024 else 20.0
-        lines.append(f"| {world} | {save:.2f} | {load:.2f} | {save + load:.2f} | < {goal:g} s | {dump:.1f} | {parse:.1f} |")
-    if planning:
-        lines += ["", "Planning alone, all 80 layers planned at every world size (no scaling), CPU seconds: the "
-                  "save plan on rank 0 (decoding what the ranks sent included), one rank's load plan (max over "
-                  "first, middle and last rank; what it derives from a layout is forgotten before each rank) "
-                  f"after the world-size change (x{args.shrink:g}) and without one.", "",
-                  "| ranks | save plan model | save plan optim | load plan/rank model | load plan/rank optim "
-                  "| load plan/rank, same world size (model + optim) | planning total | vs fewest ranks | goal |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        first = None
-        for world in sorted({r["world"] for r in planning}):
-            rs = {r["dir"]: r for r in planning if r["world"] == world and "error" not in r}
-            if set(rs) != {"model", "optim"}:
-                lines.append(f"| {world} | incomplete | | | | | | | |")
-                continue
-            save = {d: rs[d]["save_plan_s"] for d in rs}
-            load = {d: max(rs[d]["load_plan_reshard_s_per_rank"]) for d in rs}
-            same = sum(max(rs[d]["load_plan_same_s_per_rank"]) for d in rs)
-            total = sum(save.values()) + sum(load.values())
-            first = first or (world, total)
-            growth = f"{total / first[1]:.1f}x time for {world / first[0]:.0f}x ranks"
-            goal = 2.0 if world <= 1024 else 20.0
-            lines.append(f"| {world} | {save['model']:.2f} | {save['optim']:.2f} | {load['model']:.2f} | "
-                         f"{load['optim']:.2f} | {same:.2f} | {total:.2f} | {growth} | < {goal:g} s |")
-    lines += ["", "Totals per world size with the metadata.json work (model + optim directories, the full 80-layer model), CPU seconds:", "",
-              "| ranks | save, rank 0: plan + dump + checksums + dump | save, other ranks: plan "
-              "| load, every rank: parse + load plan (reshard) | largest metadata.json MB | goal |",
-              "|---:|---:|---:|---:|---:|---|"]
-    dirs = args.dirs.split(",")
-    for world in sorted({r["world"] for r in results}):
-        rs = [r for r in results if r["world"] == world and "error" not in r]
-        # The scaling-check case is an extra model-dir row at a world that also has a full one: prefer full.
-        by_dir = {}
-        for r in rs:
-            if r["dir"] not in by_dir or r["layers"] > by_dir[r["dir"]]["layers"]:
-                by_dir[r["dir"]] = r
-        if set(by_dir) != set(dirs):
-            lines.append(f"| {world} | incomplete (see above) | | | | |")
-            continue
-        rs = list(by_dir.values())
-        rank0 = sum((r["save_plan_s"] + r["metadata_json_s"] + r["with_checksums_s"] + r["metadata_json_final_s"])
-                    * r["scale"] for r in rs)
-        others = sum(r["save_plan_s"] * r["scale"] for r in rs)
-        load = sum((r["parse_metadata_final_s"] + max(r["load_plan_reshard_s_per_rank"])) * r["scale"] for r in rs)
-        biggest = max(r["metadata_bytes_final"] * r["scale"] for r in rs)
-        goal = 2.0 if world <= 1024 else 20.0
-        lines.append(f"| {world} | {rank0:.1f} | {others:.1f} | {load:.1f} | {biggest / 1e6:.0f} | < {goal:g} s |")
-    check = [r for r in results if "error" not in r and r["dir"] == "model"]
-    by_world = {}
-    for r in check:
-        by_world.setdefault(r["world"], []).append(r)
-    for world, rs in by_world.items():
-        if len(rs) >= 2:
-            full = max(rs, key=lambda r: r["layers"])
-            sub = min(rs, key=lambda r: r["layers"])
-            lines += ["", f"Scaling check at {world} ranks, model directory: {sub['layers']} layers scaled x{sub['scale']:.2f} "
-                      f"vs all 80 layers: save plan {sub['save_plan_s'] * sub['scale']:.2f} vs {full['save_plan_s']:.2f} s, "
-                      f"parse {sub['parse_metadata_final_s'] * sub['scale']:.2f} vs {full['parse_metadata_final_s']:.2f} s, "
-                      f"load plan/rank {max(sub['load_plan_reshard_s_per_rank']) * sub['scale']:.2f} vs "
-                      f"{max(full['load_plan_reshard_s_per_rank']):.2f} s."]
-    from checkpointer.engine.load import MAX_METADATA_BYTES
-
-    over = [f"{r['world']} ranks, {r['dir']} ({r['metadata_bytes_final'] * r['scale'] / 2**30:.2f} GiB)"
-            for r in results if "error" not in r and r["metadata_bytes_final"] * r["scale"] > MAX_METADATA_BYTES]
-    lines += ["", f"The loader refuses a metadata.json over {MAX_METADATA_BYTES / 2**30:g} GiB "
-              "(checkpointer/engine/load.py MAX_METADATA_BYTES)"
-              + (": over it here: " + "; ".join(over) + "." if over else "; every case here is under it.")]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -55,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     _export_options(p)
     p.add_argument("--keys", metavar="REGEX", help="only tensors whose name matches REGEX (re.search)")
 
-    p = sub.add_parser("convert", parents=[quiet], help="between checkpointer, torch DCP and Hugging Face formats")
+    p = sub.add_parser("convert", parents=[quiet], help="between checkpointer, torch DCP and Hugging Face formats, or to OLMo-core 0.1.0's")
     p.add_argument("src", metavar="SRC", help="the source; its format is detected")
     p.add_argument("dst", metavar="DST", help="where to write")
-    p.add_argument("--to", required=True, choices=("checkpointer", "dcp", "hf"), help="the format to write")
+    p.add_argument("--to", required=True, choices=("checkpointer", "dcp", "hf", "olmo"),
+                   help="the format to write (olmo: the verbose format 1 that ai2-olmo-core 0.1.0 reads)")
     p.add_argument(
         "--allow-pickle",
         action="store_true",
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace a checkpoint already in DST (--to checkpointer or dcp; hf output, as unshard's, "
+        help="replace a checkpoint already in DST (--to checkpointer, dcp or olmo; hf output, as unshard's, "
         "always replaces the files it writes)",
     )
     _export_options(p)
@@ -328,7 +329,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             max_shard_size=_shard_size(args),
             dtype=args.dtype,
             save_overwrite=args.overwrite,
-            make_progress=_progress(args, f"convert to {args.to}", "tensors"),
+            make_progress=_progress(args, f"convert to {args.to}", "files" if args.to == "olmo" else "tensors"),
             notes=note,
         )
     except FileExistsError as ex:

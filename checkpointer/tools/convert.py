@@ -1,5 +1,8 @@
 """``convert SRC DST --to FORMAT``: between this library's checkpoints, torch DCP and Hugging Face safetensors.
 
+``--to olmo`` writes a checkpoint of this library in the verbose form of format 1, which
+ai2-olmo-core 0.1.0 reads (:mod:`~checkpointer.tools.olmo`): the rank files are copied as they are.
+
 The source's format is detected; every conversion streams one tensor at a time. A checkpoint
 of this library converted to ``hf`` is :func:`~checkpointer.export_safetensors`, which spreads
 the shards over the ranks of a process group. The other conversions run on rank 0 while the
@@ -20,11 +23,15 @@ from ..errors import CheckpointError
 from ..storage import open_storage
 from ..storage.base import path_arg
 from .dcp import write_dcp
+from .olmo import write_olmo
 from .ours import write_checkpoint
 
-__all__ = ["FORMATS", "detect_format", "convert"]
+__all__ = ["FORMATS", "TARGETS", "detect_format", "convert"]
 
 FORMATS = ("checkpointer", "dcp", "hf")
+"""The formats convert reads (and writes)."""
+TARGETS = (*FORMATS, "olmo")
+"""The formats convert writes: ``olmo`` only from a checkpoint of this library."""
 
 
 def detect_format(src: str) -> str:
@@ -56,14 +63,15 @@ def convert(
     """Convert ``src`` (format detected) to ``to`` in ``dst``; returns the files this rank wrote.
 
     Args:
-        to: ``"checkpointer"``, ``"dcp"`` or ``"hf"``.
+        to: ``"checkpointer"``, ``"dcp"``, ``"hf"`` or ``"olmo"`` (format 1, which OLMo-core 0.1.0
+            reads; from a checkpoint of this library, or a top-level directory of one).
         allow_pickle: needed to read a DCP source, whose ``.metadata`` is a pickle.
         max_shard_size, dtype: for ``hf`` output, as for :func:`~checkpointer.export_safetensors`.
-        save_overwrite: replace a checkpoint already in ``dst`` (``checkpointer`` and ``dcp``).
+        save_overwrite: replace a checkpoint already in ``dst`` (``checkpointer``, ``dcp`` and ``olmo``).
         notes: called with one-line remarks (entries that were not converted).
     """
-    if to not in FORMATS:
-        raise ValueError(f"unknown target format {to!r}; expected one of {FORMATS}")
+    if to not in TARGETS:
+        raise ValueError(f"unknown target format {to!r}; expected one of {TARGETS}")
     src, dst = path_arg(src, "source"), path_arg(dst, "destination")
     if not src.strip() or not dst.strip():
         raise ValueError("the path is empty (write '.' for the current directory)")
@@ -76,6 +84,11 @@ def convert(
     if fmt == "checkpointer" and to == "hf":
         return export_checkpoint(src, dst, max_shard_size=max_shard_size, dtype=dtype, make_progress=make_progress)
     assert fmt is not None
+    if to == "olmo" and fmt != "checkpointer":
+        raise CheckpointError(
+            f"--to olmo converts checkpoints of this library (or of OLMo-core); {src} holds a {fmt} one: "
+            "convert it --to checkpointer first"
+        )
 
     def alone() -> list[str]:
         if dist.get_rank() != 0:
@@ -86,6 +99,8 @@ def convert(
 
 
 def _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes) -> list[str]:
+    if to == "olmo":
+        return write_olmo(src, dst, save_overwrite=save_overwrite, make_progress=make_progress, notes=notes)
     source = open_source(src, allow_pickle=allow_pickle)
     if source.format != fmt:
         raise CheckpointError(f"{src} changed while it was converted: it held a {fmt} checkpoint, now a {source.format} one")

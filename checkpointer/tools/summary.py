@@ -25,7 +25,10 @@ def describe_metadata(url: str, metadata: StorageMetadata) -> dict[str, Any]:
 
     Tensors keep the metadata's order; ``pieces`` is the number of files holding part of a
     tensor, ``bytes`` its full size. Tied names (aliases) are listed apart and hold no bytes.
+    A tensor is ``checksummed`` when the metadata lists its pieces' checksums or (format 2) says
+    that the rank files hold them; ``verify`` reads them.
     """
+    in_files = bool(metadata.checksums_in_files and metadata.checksum_chunk_bytes)
     tensors = []
     total = 0
     for key, meta in metadata.tensors.items():
@@ -41,7 +44,7 @@ def describe_metadata(url: str, metadata: StorageMetadata) -> dict[str, Any]:
                 "files": list(meta.shard_spec_per_file),
                 "numel": meta.numel,
                 "bytes": nbytes,
-                "checksummed": all(s.checksums is not None for s in meta.shard_spec_per_file.values()),
+                "checksummed": in_files or all(s.checksums is not None for s in meta.shard_spec_per_file.values()),
             }
         )
     return {

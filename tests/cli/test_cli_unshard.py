@@ -219,6 +219,32 @@ def test_export_catches_a_flipped_bit_while_streaming(ckpts, tmp_path, monkeypat
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".model.safetensors")]
 
 
+@pytest.mark.parametrize("block", [None, 100])
+def test_export_and_inspect_of_format2_use_the_checksums_in_the_rank_files(ckpts, tmp_path, capsys, monkeypatch, block):
+    """Format 2 lists no checksums in metadata.json: export reads each file's own (a flipped bit
+    fails), and inspect says every tensor is checksummed."""
+    import shutil
+
+    if block is not None:
+        monkeypatch.setattr(checkpoint_tensors, "_STREAM_BLOCK", block)
+    src = str(tmp_path / "ckpt")
+    shutil.copytree(ckpts.ws3, src)
+    meta = json.loads(open(os.path.join(src, "model", "metadata.json")).read())
+    assert meta["format_version"] == 2 and meta["checksums_in_files"] is True
+    assert all(
+        spec.get("checksums") is None for t in meta["tensors"].values() for spec in t.get("shard_spec_per_file", {}).values()
+    )
+    code, out, _ = cli(capsys, "inspect", os.path.join(src, "model"), "--json")
+    assert code == 0 and all(t["checksummed"] is True for t in json.loads(out)["tensors"])
+    _flip_byte_of(os.path.join(src, "model", "rank_2.safetensors"), "down.weight", 0.5)
+    out_file = str(tmp_path / "model.safetensors")
+    with pytest.raises(checkpointer.CorruptCheckpointError, match="rank_2.safetensors.*checksum mismatch in tensor 'down.weight'"):
+        export_safetensors(src, out_file)
+    assert not os.path.exists(out_file)
+    code, _, err = cli(capsys, "unshard", src, out_file, "-q")
+    assert code == 1 and "checksum mismatch in tensor 'down.weight'" in err, err
+
+
 def test_export_keys_as_a_list_of_names(ckpts, tmp_path):
     """``keys`` may also be the names to export (as a user of ``keys=`` expects), not only a regex."""
     out = str(tmp_path / "two.safetensors")

@@ -12,7 +12,16 @@ it is a pure function) values that share containers, a tree of up to billions of
 few hundred bytes, pickled with every protocol and then mutated byte-wise: each decodes or is a
 CorruptCheckpointError, within a second.
 
+Two more fuzz a real format-2 checkpoint (``compact_template``): its metadata.json's shard rules
+(integers nudged to edge values, cuts and file terms added, dropped or repeated, rules of 10**12
+pieces, another tensor's rule, a rule beside a list), and each rank file's checksums tensor
+(flipped bytes, too few or too many checksums, its header entry changed or gone, what
+metadata.json says of the checksums). Besides the rule, a rule that describes other pieces than
+the original (by a brute-force expansion in the test) is refused by every loader that reads the
+data, and a checksums tensor whose bytes or extent changed by a verifying load.
+
 ``CHECKPOINTER_FUZZ_EXAMPLES`` (default 300) is the number of examples over the first two fuzzers
+(and as many again over the two of format 2)
 (and as many again for the pickle decoder, which takes milliseconds each);
 ``make fuzz`` runs 20000. Hits of bugs already known (each has its own strict-xfail test)
 are counted, not failed; the count of examples run and of known-bug hits is printed at the
@@ -365,3 +374,229 @@ def test_fuzz_param_group_pickle(data):
         assert _tree_size(got, node_budget(len(payload))) <= node_budget(len(payload))
         if payload == raw:
             assert got == value
+
+
+# --------------------------------------------------------------------------------------
+# Format 2: shard rules and the checksums tensor of a real compact checkpoint
+# --------------------------------------------------------------------------------------
+#
+# ``CHECKPOINTER_FUZZ_EXAMPLES`` examples again, two thirds mutating the shard rules of
+# metadata.json, one third a rank file's checksums tensor. Besides the rule above, a rule
+# mutated to describe other pieces than the files hold (by a brute-force expansion here, not the
+# library's) must be refused by every loader that reads the data; and a checksums tensor whose
+# bytes or extent changed must be refused by a verifying load.
+
+DATA_LOADERS = FUZZ_LOADERS - rel_helpers.METADATA_ONLY
+RULE_INTS = [0, 1, -1, 2, 3, 4, 5, 6, 7, 8, 13, 35, 2**22, 2**22 + 1, 2**31 - 1, 2**31, 10**12, 2**63, 2**64]
+RULE_ODD = [True, 1.0, "1", None, [], {}, [1], -0.0]
+_BRUTE_CELLS = 10**5
+_BRUTE_NUMEL = 10**6
+
+
+@pytest.fixture(scope="module")
+def compact_fuzz_copy(compact_template, tmp_path_factory):
+    base = tmp_path_factory.mktemp("fuzz_compact")
+    top = base / "run" / "step10"
+    shutil.copytree(compact_template.root, top)
+    return rel_helpers.Copy(str(top), compact_template.expected), str(base)
+
+
+def rule_pieces(shape: list[int], rule: Any) -> dict[int, tuple[int, ...]] | None:
+    """Brute force: the flat elements of each file's piece, or None when the rule is not one
+    that tiles the tensor with one piece per file (or too large to expand here)."""
+    import math
+
+    import numpy as np
+
+    def ints(*xs: Any) -> bool:
+        return all(type(x) is int for x in xs)
+
+    if type(rule) is not dict or set(rule) != {"form", "cuts", "files"} or rule["form"] not in ("box", "flat"):
+        return None
+    numel = math.prod(shape)
+    if numel == 0 or numel > _BRUTE_NUMEL or (rule["form"] == "box" and not shape):
+        return None
+    extents = [numel] if rule["form"] == "flat" else list(shape)
+    cuts, files = rule["cuts"], rule["files"]
+    if type(cuts) is not list or not all(type(c) is list and len(c) == 2 and ints(*c) for c in cuts):
+        return None
+    dims = [d for d, _ in cuts]
+    if dims != sorted(set(dims)) or not all(0 <= d < len(extents) and 1 <= k <= extents[d] for d, k in cuts):
+        return None
+    counts = [-(-extents[d] // k) for d, k in cuts]
+    if math.prod(counts) > _BRUTE_CELLS:
+        return None
+    if type(files) is not list or len(files) != 2 or not ints(files[0]) or type(files[1]) is not list:
+        return None
+    if not all(type(t) is list and len(t) == 3 and ints(*t) and min(t) >= 1 for t in files[1]) or files[0] < 0:
+        return None
+    index = np.arange(numel).reshape(extents)
+    out: dict[int, tuple[int, ...]] = {}
+    seen = np.zeros(numel, dtype=np.int64)
+    for j, pos in enumerate(np.ndindex(*counts)):
+        box = [slice(None)] * len(extents)
+        for (d, k), p in zip(cuts, pos):
+            box[d] = slice(p * k, min(extents[d], (p + 1) * k))
+        f = files[0] + sum(((j // div) % mod) * mul for div, mod, mul in files[1])
+        if f in out:
+            return None
+        elements = index[tuple(box)].reshape(-1)
+        out[f] = tuple(elements.tolist())
+        seen[elements] += 1
+    return out if bool((seen == 1).all()) else None
+
+
+def mutate_rule(data: st.DataObject, entry: dict, others: list[dict]) -> None:
+    """One mutation of a tensor's ``shard_rule`` (or of how the entry gives it), in place."""
+    rule = entry["shard_rule"]
+    op = data.draw(st.sampled_from(["int", "int", "int", "form", "cut", "cut", "term", "term", "huge", "tree", "other", "both"]))
+    if op == "int" and type(rule) is dict:
+        paths = [p for p in _paths(rule) if type(_parent(rule, p)[p[-1]]) is int]
+        if paths:
+            path = data.draw(st.sampled_from(paths))
+            parent, key = _parent(rule, path), path[-1]
+            v = parent[key]
+            parent[key] = data.draw(st.one_of(
+                st.sampled_from(RULE_INTS), st.sampled_from([v + 1, v - 1, v * 2, v * 2**20, -v]), st.sampled_from(RULE_ODD)
+            ))
+            return
+    if op == "form" and type(rule) is dict:
+        rule["form"] = data.draw(st.sampled_from(["box", "flat", "strided", "", None, ["box"]]))
+    elif op == "cut" and type(rule) is dict and type(rule.get("cuts")) is list:
+        cuts = rule["cuts"]
+        how = data.draw(st.sampled_from(["add", "drop", "dup", "reverse"]))
+        if how == "add":
+            cuts.append([data.draw(st.integers(-1, 3)), data.draw(st.sampled_from(RULE_INTS))])
+        elif how == "drop" and cuts:
+            cuts.pop(data.draw(st.integers(0, len(cuts) - 1)))
+        elif how == "dup" and cuts:
+            cuts.append(list(cuts[-1]))
+        else:
+            cuts.reverse()
+    elif op == "term" and type(rule) is dict and type(rule.get("files")) is list and len(rule["files"]) == 2:
+        terms = rule["files"][1]
+        how = data.draw(st.sampled_from(["add", "drop", "first", "many"]))
+        if how == "add" and type(terms) is list:
+            terms.append([data.draw(st.sampled_from(RULE_INTS)) for _ in range(3)])
+        elif how == "drop" and type(terms) is list and terms:
+            terms.pop()
+        elif how == "many":
+            rule["files"][1] = [[1, 2, 1]] * data.draw(st.sampled_from([2, 8, 9, 1000]))
+        else:
+            rule["files"][0] = data.draw(st.sampled_from(RULE_INTS + RULE_ODD))
+    elif op == "huge":  # every element its own piece, or 10**12 of them
+        dims = data.draw(st.sampled_from(["all", "flat"]))
+        rule.clear() if type(rule) is dict else None
+        entry["shard_rule"] = {
+            "form": "box" if dims == "all" and entry["shape"] else "flat",
+            "cuts": [[d, 1] for d in range(len(entry["shape"]))] if dims == "all" and entry["shape"] else [[0, 1]],
+            "files": [0, [[1, data.draw(st.sampled_from([2**22, 10**12, 2**31 - 1])), 1]]],
+        }
+    elif op == "other" and any("shard_rule" in o for o in others):
+        rules = [o["shard_rule"] for o in others if "shard_rule" in o]
+        entry["shard_rule"] = json.loads(json.dumps(data.draw(st.sampled_from(rules))))
+    elif op == "both":
+        entry["shard_spec_per_file"] = {"rank_0.safetensors": {"flattened_offsets": [[0, 1]]}}
+        if data.draw(st.booleans()):
+            del entry["shard_rule"]
+    else:
+        entry["shard_rule"] = mutate_tree(data, rule) if isinstance(rule, (dict, list)) else data.draw(json_values)
+
+
+@fuzz_settings(EXAMPLES - EXAMPLES // 3)
+@given(data=st.data())
+def test_fuzz_shard_rules(compact_fuzz_copy, data):
+    copy, watched = compact_fuzz_copy
+    part = data.draw(st.sampled_from(["model", "optim", "flat"]), label="part")
+    path = os.path.join(copy.part(part), "metadata.json")
+    with open(path, "rb") as f:
+        original = f.read()
+    tree = json.loads(original)
+    assert tree["format_version"] == 2
+    ruled = sorted(k for k, t in tree["tensors"].items() if "shard_rule" in t)
+    assert ruled, f"{part}: no tensor has a shard rule"
+    keys = data.draw(st.lists(st.sampled_from(ruled), min_size=1, max_size=3, unique=True), label="tensors")
+    before = {k: json.loads(json.dumps(tree["tensors"][k])) for k in keys}
+    for key in keys:
+        mutate_rule(data, tree["tensors"][key], [tree["tensors"][k] for k in ruled if k != key])
+    changed = [
+        k for k in keys
+        if tree["tensors"][k].keys() != before[k].keys()
+        or rule_pieces(before[k]["shape"], tree["tensors"][k].get("shard_rule"))
+        != rule_pieces(before[k]["shape"], before[k]["shard_rule"])
+    ]
+    text = json.dumps(tree).encode()
+    rel_helpers.rewrite(path, text)
+    _count("shard rules")
+    try:
+        calls = {k: v for k, v in rel_helpers.part_loaders(copy, part).items() if k in FUZZ_LOADERS}
+        outcomes = rel_helpers.run_loaders(calls, copy.top, (watched,), hang_s=FUZZ_HANG_S)
+        must = DATA_LOADERS & set(calls) if changed else set()
+        problems = rel_helpers.rule_violations(outcomes, must_raise=must)
+        assert not problems, f"{part}: rules of {keys} mutated (pieces changed: {changed}):\n" + "\n".join(
+            f"{k}: {json.dumps(tree['tensors'][k])[:600]}" for k in keys
+        ) + "\n\n" + "\n\n".join(problems)
+    finally:
+        rel_helpers.rewrite(path, original)
+
+
+@fuzz_settings(EXAMPLES // 3)
+@given(data=st.data())
+def test_fuzz_checksums_tensor(compact_fuzz_copy, data):
+    from checkpointer.format.layout import CHECKSUMS_KEY
+
+    copy, watched = compact_fuzz_copy
+    part = data.draw(st.sampled_from(["model", "optim", "flat"]), label="part")
+    name = data.draw(st.sampled_from(["rank_0.safetensors", "rank_1.safetensors", "rank_2.safetensors"]), label="file")
+    path = os.path.join(copy.part(part), name)
+    meta_path = os.path.join(copy.part(part), "metadata.json")
+    with open(path, "rb") as f:
+        original = f.read()
+    with open(meta_path, "rb") as f:
+        original_meta = f.read()
+    header, body = split_rank_file(path)
+    entry = header[CHECKSUMS_KEY]
+    begin, end = entry["data_offsets"]
+    assert entry["dtype"] == "U8" and end == len(body) and end - begin >= 4
+    op = data.draw(st.sampled_from(["flip", "flip", "shorter", "longer", "entry", "entry", "drop", "rename", "metadata"]), label="op")
+    must: set[str] = set()
+    if op == "flip":  # a stored checksum no longer matches its chunk
+        i = data.draw(st.integers(begin, end - 1))
+        body = body[:i] + bytes([body[i] ^ data.draw(st.integers(1, 255))]) + body[i + 1 :]
+        must = {"load_verify"}
+    elif op in ("shorter", "longer"):  # too few or too many checksums for the file's chunks
+        n = data.draw(st.sampled_from([1, 3, 4, 8, 4096]))
+        n = min(n, end - begin) if op == "shorter" else n
+        body = body[: end - n] if op == "shorter" else body + bytes(n)
+        entry["data_offsets"], entry["shape"] = [begin, len(body)], [len(body) - begin]
+        must = {"load_verify"}
+    elif op == "entry":
+        field = data.draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
+        if field == "dtype":
+            entry["dtype"] = data.draw(st.sampled_from(DTYPES))
+        elif field == "shape":
+            entry["shape"] = data.draw(st.sampled_from([[], [0], [end - begin + 1], [end - begin - 1], [2**62], [4, (end - begin) // 4]]))
+        else:
+            entry["data_offsets"] = [begin + data.draw(st.sampled_from([0, 1, -1, 4])), end + data.draw(st.sampled_from([0, 1, -1, 4]))]
+    elif op in ("drop", "rename"):
+        header.pop(CHECKSUMS_KEY)
+        if op == "rename":
+            header[data.draw(st.sampled_from(["__checkpointer_crc32c", "crc", CHECKSUMS_KEY.upper()]))] = entry
+        else:
+            body = body[:begin]
+        must = {"load_verify"}
+    else:  # what metadata.json says of the checksums
+        meta = json.loads(original_meta)
+        field = data.draw(st.sampled_from(["checksum_chunk_bytes", "checksums_in_files", "checksum_algorithm"]))
+        meta[field] = data.draw(st.one_of(st.sampled_from(RULE_INTS + RULE_ODD), st.sampled_from([False, "crc32", "crc32c"])))
+        rel_helpers.rewrite(meta_path, json.dumps(meta).encode())
+    write_rank_file(path, header, body)
+    _count("checksums tensor")
+    try:
+        calls = {k: v for k, v in rel_helpers.part_loaders(copy, part).items() if k in FUZZ_LOADERS}
+        outcomes = rel_helpers.run_loaders(calls, copy.top, (watched,), hang_s=FUZZ_HANG_S)
+        problems = rel_helpers.rule_violations(outcomes, must_raise=must)
+        assert not problems, f"{part}/{name}: checksums tensor mutated ({op}): {entry}\n\n" + "\n\n".join(problems)
+    finally:
+        rel_helpers.rewrite(path, original)
+        rel_helpers.rewrite(meta_path, original_meta)

@@ -210,10 +210,10 @@ def test_cli_subcommand_arguments(command, positionals, options):
     assert options <= _options(sub)
 
 
-def test_cli_convert_to_is_required_with_the_three_formats(capsys):
+def test_cli_convert_to_is_required_with_the_four_formats(capsys):
     parser = build_parser()
     (to,) = [a for a in _subparsers(parser)["convert"]._actions if "--to" in a.option_strings]
-    assert to.required and tuple(to.choices) == ("checkpointer", "dcp", "hf")
+    assert to.required and tuple(to.choices) == ("checkpointer", "dcp", "hf", "olmo")
     with pytest.raises(SystemExit) as ex:
         parser.parse_args(["convert", "a", "b"])
     assert ex.value.code == 2

@@ -1,0 +1,139 @@
+"""``convert SRC DST --to olmo``: a checkpoint of this library in the verbose form OLMo-core 0.1.0 reads.
+
+Format 2 describes regular layouts by shard rules and keeps the checksums and the file id in the
+rank files; ai2-olmo-core 0.1.0 reads only format 1's ``shard_spec_per_file``, every piece listed
+file by file. The conversion, for each part (``train/``, ``model/``, ``optim/`` of a top-level
+directory, in the order a save commits them, or the one directory given):
+
+1. Read ``metadata.json`` and each rank file's header (its file id checked against the metadata);
+   in format 2, read each file's checksums (its ``__checkpointer_crc32c__`` tensor).
+2. Copy every rank file as it is, byte for byte (a format-1 reader ignores the checksums tensor).
+3. Write ``metadata.json`` last: :meth:`~checkpointer.StorageMetadata.verbose`, ``format_version``
+   1, each piece's checksums and each file's id listed in it.
+
+A format-1 source (ours or OLMo-core's) is copied with its metadata as it is. Rank files are read
+and written in blocks of 64 MiB: nothing holds a whole tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..engine.checks import HeaderCache, read_with
+from ..engine.commit import check_directory, commit_metadata, release_lock
+from ..engine.load import read_metadata
+from ..engine.locate import checkpoint_parts
+from ..errors import CheckpointError
+from ..format.layout import FORMAT_VERSION, LEGACY_FORMAT_VERSION, METADATA_FILENAME
+from ..format.metadata import StorageMetadata
+from ..storage import open_storage
+from ..storage.base import Storage
+
+__all__ = ["write_olmo", "olmo_metadata"]
+
+_BLOCK = 64 << 20
+_COMMIT_ORDER = ("train", "model", "optim")
+
+
+def olmo_metadata(metadata: StorageMetadata, headers: HeaderCache) -> StorageMetadata:
+    """``metadata`` in format 1: every piece listed per file, with its checksums and its file's id
+    (read from the rank files through ``headers`` when the metadata does not list them)."""
+    if (metadata.format_version or 0) < FORMAT_VERSION:
+        return metadata
+    verbose = metadata.verbose()
+    files = verbose.files()
+    if metadata.checksums_in_files and metadata.checksum_chunk_bytes:
+        crcs = {name: headers.checksums(name, metadata.checksum_chunk_bytes) for name in files}
+        verbose = verbose.with_checksums(
+            {name: {key: list(c) for key, c in per_key.items()} for name, per_key in crcs.items()},
+            algorithm=metadata.checksum_algorithm or "crc32c",
+            chunk_bytes=metadata.checksum_chunk_bytes,
+        )
+    ids = {name: metadata.file_ids[name] for name in files} if metadata.file_ids else {}
+    return verbose.with_file_ids(ids).model_copy(
+        update={"format_version": LEGACY_FORMAT_VERSION, "file_id": None, "checksums_in_files": None}
+    )
+
+
+def write_olmo(
+    src: str,
+    dst: str,
+    *,
+    save_overwrite: bool = False,
+    make_progress: Callable[[int, int], Any] | None = None,
+    notes: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Write ``src`` (a checkpoint directory of this library, or a top-level one holding
+    ``model/`` and ``optim/``) to ``dst`` in format 1; returns the files written.
+
+    Raises:
+        FileExistsError: ``dst`` (or one of its parts) holds a checkpoint and ``save_overwrite`` is False.
+        CorruptCheckpointError: a rank file is missing, of another save, or without its checksums.
+    """
+    source, target = open_storage(src), open_storage(dst)
+    if source.url.rstrip("/") == target.url.rstrip("/"):
+        raise CheckpointError(f"convert --to olmo writes a new directory: {dst} is the source itself")
+    parts = dict(checkpoint_parts(source))
+    if "" not in parts and "train" not in parts and source.part("train").exists(METADATA_FILENAME):
+        parts["train"] = source.part("train")
+    names = [name for name in _COMMIT_ORDER if name in parts] or [""]
+    read = [(name, parts[name], read_metadata(parts[name], no_dist=True)) for name in names]
+    for name, _, metadata in read:
+        if metadata.aliases and notes is not None:
+            where = f"{name}/" if name else src
+            notes(f"{where}: {len(metadata.aliases)} tied tensors are saved once under another name "
+                  f"(aliases), which OLMo-core 0.1.0 does not read: it loads them only through this library")
+    total = sum(_total_bytes(storage, metadata) for _, storage, metadata in read)
+    bar = make_progress(total, sum(len(m.files()) for _, _, m in read)) if make_progress else None
+    written: list[str] = []
+    try:
+        for name, storage, metadata in read:
+            written += _convert_part(storage, target.part(name) if name else target, metadata, save_overwrite, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return written
+
+
+def _total_bytes(storage: Storage, metadata: StorageMetadata) -> int:
+    return sum(storage.size(name) for name in metadata.files())
+
+
+def _convert_part(source: Storage, target: Storage, metadata: StorageMetadata, save_overwrite: bool, bar: Any) -> list[str]:
+    headers = HeaderCache(source, metadata.file_ids)
+    try:
+        converted = olmo_metadata(metadata, headers)
+        files = metadata.files()
+        for name in files:
+            headers.get(name)  # every file of this save, before anything is written
+        lock = check_directory(target, save_overwrite, retire_old=True)
+        committed = False
+        try:
+            for name in files:
+                _copy(headers.storage, target, name, bar)
+            commit_metadata(target, converted, lock)
+            committed = True
+        finally:
+            if not committed:
+                release_lock(target, lock)
+    finally:
+        headers.close()
+    return [target.join(name) for name in files] + [target.join(METADATA_FILENAME)]
+
+
+def _copy(source: Storage, target: Storage, name: str, bar: Any) -> None:
+    size = source.size(name)
+    with target.open_writer(name) as writer:
+        at = 0
+        while at < size:
+            end = min(size, at + _BLOCK)
+            block = read_with(source, name, lambda: source.read(name, at, end))
+            if len(block) != end - at:
+                raise CheckpointError(f"{source.join(name)}: changed while it was copied (cut short at {at + len(block)} bytes)")
+            writer.write([memoryview(block)])
+            if bar is not None:
+                bar.advance(len(block), 0)
+            at = end
+        writer.commit()
+    if bar is not None:
+        bar.advance(0, 1)
