@@ -26,7 +26,7 @@ from ..format.dtypes import dtype_from_code
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..sharding import describe, local_data, with_sharding_of
 from ..storage.base import Storage
-from .names import param_names
+from .names import load_hook_copies, param_names
 
 __all__ = ["flatten_optim_state", "load_model_and_optim", "unflatten_optim", "malformed"]
 
@@ -99,6 +99,7 @@ def load_model_and_optim(
         return [model_state, to_fill]
 
     def finish() -> None:
+        load_hook_copies(model, model_state)
         if optim is not None:
             with malformed(optim_dir):
                 optim.load_state_dict(torch_state["optim"])
