@@ -1,0 +1,122 @@
+"""torchtitan 0.3.0's own trainer, saving and resuming through ``checkpointer.integrations.torchtitan``.
+
+Its llama3 debugmodel trains with FSDP on 2 CPU ranks (gloo) under ``torchrun``, launched by
+``tests/support/titan_launcher.py`` (which also holds the CPU shims and the config functions).
+Skipped where torchtitan is not installed: ``make test-torchtitan`` makes a venv that has it.
+
+One module-scoped set of launches (each about 25 s of startup and steps on 2 cores):
+
+- ``reference``: 4 steps uninterrupted, saving every step with ``keep_latest_k=2``;
+- ``stopped``: the same job killed after step 2 (its async save of step 2 done), then
+  ``resumed``: a new launch of the same command, which finds step 2 and trains steps 3-4;
+- ``one_rank``: a world size 1 launch that resumes from (a copy of) the 2-rank step 2 and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
+torch = pytest.importorskip("torch")
+
+import titan_launcher  # noqa: E402  (tests/support; after the skip: it needs torchtitan's tokenizers)
+
+STEPS = 4
+
+
+def _launch(root: Path, name: str, assets: tuple[Path, Path], *, world_size: int = 2, stop: int | None = None,
+            dump_folder: str, extra: list[str] = (), dump_loaded: bool = False) -> dict[str, Path]:
+    out = {"losses": root / f"{name}.losses", "end": root / f"{name}.end.pt", "loaded": root / f"{name}.loaded.pt"}
+    env = {"TITAN_LOSSES": str(out["losses"]), "TITAN_DUMP_END": str(out["end"])}
+    if stop is not None:
+        env["TITAN_STOP_AFTER"] = str(stop)
+    if dump_loaded:
+        env["TITAN_DUMP_LOADED"] = str(out["loaded"])
+    tokenizer, data = assets
+    args = titan_launcher.train_args(tokenizer=tokenizer, data=data, dump=root / dump_folder, steps=STEPS, extra=extra)
+    titan_launcher.launch(world_size, args, env, log=root / f"{name}.log")
+    return out
+
+
+def _losses(path: Path) -> list[tuple[int, float]]:
+    return [tuple(x) for x in json.loads(Path(f"{path}.0").read_text())]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("titan")
+    assets = titan_launcher.write_assets(root / "assets")
+    every_step = ["--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]
+    runs = {"root": root}
+    runs["reference"] = _launch(root, "reference", assets, dump_folder="reference", extra=every_step)
+    async_save = ["--checkpoint.async_mode", "async"]
+    runs["stopped"] = _launch(root, "stopped", assets, stop=2, dump_folder="job", extra=async_save)
+    shutil.copytree(root / "job/checkpoint/step-2", root / "one_rank/checkpoint/step-2")
+    runs["resumed"] = _launch(root, "resumed", assets, dump_folder="job", extra=async_save)
+    runs["one_rank"] = _launch(root, "one_rank", assets, world_size=1, stop=2, dump_folder="one_rank",
+                               dump_loaded=True)
+    return runs
+
+
+def _assert_equal(expected, actual, where: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and expected.dtype == actual.dtype, where
+        assert torch.equal(expected, actual), f"{where} differs"
+    elif isinstance(expected, dict):
+        assert set(expected) == set(actual), f"{where}: keys {sorted(set(expected) ^ set(actual))}"
+        for key in expected:
+            _assert_equal(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), where
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            _assert_equal(e, a, f"{where}[{i}]")
+    else:
+        assert expected == actual, f"{where}: {expected!r} != {actual!r}"
+
+
+def test_a_resumed_job_matches_an_uninterrupted_one_bitwise(runs):
+    reference = _losses(runs["reference"]["losses"])
+    assert [s for s, _ in reference] == [1, 2, 3, 4]
+    assert _losses(runs["stopped"]["losses"]) == reference[:2]
+    assert _losses(runs["resumed"]["losses"]) == reference[2:], "the resumed steps' losses differ"
+    end = torch.load(runs["reference"]["end"], weights_only=True)
+    resumed = torch.load(runs["resumed"]["end"], weights_only=True)
+    assert end["step"] == resumed["step"] == STEPS
+    _assert_equal(end, resumed, "state after step 4")
+
+
+def test_the_checkpoints_are_ordinary_checkpointer_checkpoints(runs):
+    import checkpointer
+
+    job = runs["root"] / "job/checkpoint"
+    assert checkpointer.latest_checkpoint(str(job)) == f"{job}/step-4"
+    stopped_end = torch.load(runs["stopped"]["end"], weights_only=True)
+    full = checkpointer.unshard_model_state(f"{job}/step-2", no_dist=True)
+    # torchtitan saves its fused wqkv as wq/wk/wv; the other parameters are saved as they are.
+    for name, value in stopped_end["model"].items():
+        assert torch.equal(full[name], value), name
+    train = json.loads((job / "step-2/titan/job.json").read_text())
+    assert train["lr_scheduler"] == {"last_epoch": 2}
+    assert train["train_state"]["step"] == 2
+
+
+def test_keep_latest_k_keeps_the_newest_complete_steps(runs):
+    folder = runs["root"] / "reference/checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
+    for step in ("step-3", "step-4"):
+        for part in ("model", "optim"):
+            assert (folder / step / part / "metadata.json").is_file(), (step, part)
+
+
+def test_a_checkpoint_of_two_ranks_loads_exactly_on_one(runs):
+    saved = torch.load(runs["stopped"]["end"], weights_only=True)
+    loaded = torch.load(runs["one_rank"]["loaded"], weights_only=True)
+    for part in ("model", "optimizer", "lr_scheduler"):
+        _assert_equal(saved[part], loaded[part], part)
+    assert loaded["step"] == 2
+    log = (runs["root"] / "one_rank.log").read_text()
+    assert "the data loader was saved at data-parallel size 2, this job has 1" in log
