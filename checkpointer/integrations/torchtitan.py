@@ -13,6 +13,8 @@ switches a job over; the usual ``--checkpoint.*`` flags keep working::
         config.checkpoint = CheckpointerManager.Config(enable=True, interval=500, async_mode="async")
         return config
 
+    torchrun --nproc-per-node 8 -m torchtitan.train --module my_configs --config llama3_8b_checkpointer
+
 What one save writes, in ``{dump_folder}/{checkpoint.folder}/step-{N}/``, in this order:
 
 1. ``titan/``: the LR schedulers, ``train_state`` (and any other state torchtitan hands the

@@ -8,7 +8,8 @@ One module-scoped set of launches (each about 25 s of startup and steps on 2 cor
 
 - ``reference``: 4 steps uninterrupted, saving every step with ``keep_latest_k=2``;
 - ``stopped``: the same job killed after step 2 (its async save of step 2 done), then
-  ``resumed``: a new launch of the same command, which finds step 2 and trains steps 3-4;
+  ``resumed``: a new launch of the same command, which finds step 2 and trains steps 3-4 (and
+  saves its last step as the model alone, in bfloat16: ``last_save_model_only``, ``export_dtype``);
 - ``one_rank``: a world size 1 launch that resumes from (a copy of) the 2-rank step 2 and stops.
 """
 
@@ -31,7 +32,8 @@ STEPS = 4
 def _launch(root: Path, name: str, assets: tuple[Path, Path], *, world_size: int = 2, stop: int | None = None,
             dump_folder: str, extra: list[str] = (), dump_loaded: bool = False) -> dict[str, Path]:
     out = {"losses": root / f"{name}.losses", "end": root / f"{name}.end.pt", "loaded": root / f"{name}.loaded.pt"}
-    env = {"TITAN_LOSSES": str(out["losses"]), "TITAN_DUMP_END": str(out["end"])}
+    out["timings"] = root / f"{name}.timings"
+    env = {"TITAN_LOSSES": str(out["losses"]), "TITAN_DUMP_END": str(out["end"]), "TITAN_TIMINGS": str(out["timings"])}
     if stop is not None:
         env["TITAN_STOP_AFTER"] = str(stop)
     if dump_loaded:
@@ -56,7 +58,8 @@ def runs(tmp_path_factory):
     async_save = ["--checkpoint.async_mode", "async"]
     runs["stopped"] = _launch(root, "stopped", assets, stop=2, dump_folder="job", extra=async_save)
     shutil.copytree(root / "job/checkpoint/step-2", root / "one_rank/checkpoint/step-2")
-    runs["resumed"] = _launch(root, "resumed", assets, dump_folder="job", extra=async_save)
+    last_model_only = ["--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"]
+    runs["resumed"] = _launch(root, "resumed", assets, dump_folder="job", extra=async_save + last_model_only)
     runs["one_rank"] = _launch(root, "one_rank", assets, world_size=1, stop=2, dump_folder="one_rank",
                                dump_loaded=True)
     return runs
@@ -83,6 +86,11 @@ def test_a_resumed_job_matches_an_uninterrupted_one_bitwise(runs):
     assert [s for s, _ in reference] == [1, 2, 3, 4]
     assert _losses(runs["stopped"]["losses"]) == reference[:2]
     assert _losses(runs["resumed"]["losses"]) == reference[2:], "the resumed steps' losses differ"
+    for rank in (0, 1):
+        saves = json.loads(Path(f"{runs['stopped']['timings']}.{rank}").read_text())
+        assert saves["save_steps"] == [2] and saves["returned_future"] == [True], "async_mode=async saved synchronously"
+        saves = json.loads(Path(f"{runs['reference']['timings']}.{rank}").read_text())
+        assert saves["save_steps"] == [1, 2, 3, 4] and saves["returned_future"] == [False] * 4
     end = torch.load(runs["reference"]["end"], weights_only=True)
     resumed = torch.load(runs["resumed"]["end"], weights_only=True)
     assert end["step"] == resumed["step"] == STEPS
@@ -93,7 +101,7 @@ def test_the_checkpoints_are_ordinary_checkpointer_checkpoints(runs):
     import checkpointer
 
     job = runs["root"] / "job/checkpoint"
-    assert checkpointer.latest_checkpoint(str(job)) == f"{job}/step-4"
+    assert checkpointer.latest_checkpoint(str(job)) == f"{job}/step-2", "a model-only step is not a resume point"
     stopped_end = torch.load(runs["stopped"]["end"], weights_only=True)
     full = checkpointer.unshard_model_state(f"{job}/step-2", no_dist=True)
     # torchtitan saves its fused wqkv as wq/wk/wv; the other parameters are saved as they are.
@@ -102,6 +110,18 @@ def test_the_checkpoints_are_ordinary_checkpointer_checkpoints(runs):
     train = json.loads((job / "step-2/titan/job.json").read_text())
     assert train["lr_scheduler"] == {"last_epoch": 2}
     assert train["train_state"]["step"] == 2
+
+
+def test_the_last_step_saves_the_model_alone_in_the_export_dtype(runs):
+    import checkpointer
+
+    step4 = runs["root"] / "job/checkpoint/step-4"
+    assert sorted(p.name for p in step4.iterdir()) == ["model"]
+    end = torch.load(runs["resumed"]["end"], weights_only=True)["model"]
+    exported = checkpointer.unshard_model_state(str(step4), no_dist=True)
+    for name, value in end.items():
+        assert exported[name].dtype == torch.bfloat16, name
+        assert torch.equal(exported[name], value.to(torch.bfloat16)), name
 
 
 def test_keep_latest_k_keeps_the_newest_complete_steps(runs):

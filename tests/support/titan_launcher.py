@@ -24,8 +24,11 @@ anything in site-packages. Recipe:
    - ``TITAN_DUMP_END`` / ``TITAN_DUMP_LOADED``: rank 0 writes the full model, optimizer and LR
      scheduler state (``torch.save`` of plain tensors) at the end of training / right after the
      checkpoint load;
+   - ``TITAN_LOAD_REPEATS``: the trainer's checkpoint load runs that many times (each in place,
+     each timed), for the benchmark's medians;
+   - ``TITAN_PROFILE_LOAD``: a cProfile of each rank's ``load()`` call (``{path}.{rank}``);
    - ``TITAN_TIMINGS``: a JSON file per rank of the seconds each ``save()`` and ``load()`` call
-     blocked the trainer.
+     blocked the trainer, and whether each save returned with its write in a Future (async).
 
 The config functions the tests pass (``--module titan_launcher --config NAME``) are at the end.
 """
@@ -208,7 +211,7 @@ def _install_hooks() -> None:
     from torchtitan.trainer import Trainer
 
     losses: list[tuple[int, float]] = []
-    timings: dict[str, list[float]] = {"save": [], "load": [], "save_steps": []}
+    timings: dict[str, list] = {"save": [], "load": [], "save_steps": [], "returned_future": []}
     loss_path = os.environ.get("TITAN_LOSSES")
     timing_path = os.environ.get("TITAN_TIMINGS")
 
@@ -231,13 +234,24 @@ def _install_hooks() -> None:
         if saved:
             timings["save"].append(time.perf_counter() - begin)
             timings["save_steps"].append(curr_step)
+            future = getattr(self, "save_future", None)
+            timings["returned_future"].append(future is not None)
             if timing_path:
                 Path(f"{timing_path}.{_rank()}").write_text(json.dumps(timings))
         return saved
 
     def load(self, step: int = -1) -> bool:
+        profile_path = os.environ.get("TITAN_PROFILE_LOAD")
+        if profile_path:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         begin = time.perf_counter()
         loaded = original_load(self, step)
+        if profile_path:
+            profiler.disable()
+            profiler.dump_stats(f"{profile_path}.{_rank()}")
         timings["load"].append(time.perf_counter() - begin)
         if timing_path:
             Path(f"{timing_path}.{_rank()}").write_text(json.dumps(timings))
@@ -259,13 +273,17 @@ def _install_hooks() -> None:
     dump_loaded = os.environ.get("TITAN_DUMP_LOADED")
     dump_end = os.environ.get("TITAN_DUMP_END")
 
+    repeats = int(os.environ.get("TITAN_LOAD_REPEATS", "1"))
+
     def train(self) -> None:
-        if dump_loaded:
+        if dump_loaded or repeats > 1:
             inner_load = self.checkpointer.load
 
             def load_then_dump(step: int = -1) -> bool:
-                loaded = inner_load(step)
-                _dump(self, dump_loaded)
+                for _ in range(repeats):
+                    loaded = inner_load(step)
+                if dump_loaded:
+                    _dump(self, dump_loaded)
                 return loaded
 
             self.checkpointer.load = load_then_dump
@@ -297,11 +315,40 @@ def _cpu_debugmodel() -> Any:
     return config
 
 
+def _sized(config: Any) -> Any:
+    """The debug model at ``TITAN_DIM`` x ``TITAN_LAYERS`` (for the benchmark), else unchanged."""
+    import dataclasses
+
+    if "TITAN_DIM" not in os.environ:
+        return config
+    import torchtitan.models.llama3 as llama3
+
+    dim, n_layers, n_heads = int(os.environ["TITAN_DIM"]), int(os.environ.get("TITAN_LAYERS", "6")), 16
+    model = llama3.Llama3Model.Config(
+        dim=dim,
+        vocab_size=VOCAB,
+        tok_embeddings=llama3.Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim,
+                                               param_init=llama3._EMBEDDING_INIT),
+        norm=llama3.RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=llama3.Linear.Config(in_features=dim, out_features=VOCAB,
+                                     param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads,
+            hidden_dim=llama3.compute_ffn_hidden_dim(dim, multiple_of=256),
+            rope=llama3.ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000,
+                                           scaling="llama"),
+            attn_backend="flex",
+        ),
+    )
+    config.model_spec = dataclasses.replace(config.model_spec, model=model)
+    return config
+
+
 def debugmodel_dcp() -> Any:
     """llama3 debugmodel on CPU with torchtitan's own DCP checkpoint backend."""
     from torchtitan.components.checkpointer import CheckpointManager
 
-    config = _cpu_debugmodel()
+    config = _sized(_cpu_debugmodel())
     config.checkpoint = CheckpointManager.Config(enable=True, interval=2, last_save_model_only=False)
     return config
 
@@ -310,7 +357,7 @@ def debugmodel_checkpointer() -> Any:
     """llama3 debugmodel on CPU with checkpointer's backend."""
     from checkpointer.integrations.torchtitan import CheckpointerManager
 
-    config = _cpu_debugmodel()
+    config = _sized(_cpu_debugmodel())
     config.checkpoint = CheckpointerManager.Config(enable=True, interval=2,
                                                    last_save_model_only=False)
     return config
