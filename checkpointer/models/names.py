@@ -79,8 +79,12 @@ def load_hook_copies(model: nn.Module, state: dict[str, Any]) -> None:
     copies = {k: v for k, v in state.items() if hasattr(v, "untyped_storage") and _storage_of(v) not in own}
     if not copies:
         return
-    names = {clean_name(k): k for k in model.state_dict(keep_vars=True)}
-    result = model.load_state_dict({names.get(k, k): v for k, v in copies.items()}, strict=False)
+    # The names are clean ones; a wrapper that adds a prefix back on load takes them as they are.
+    result = model.load_state_dict(copies, strict=False)
+    unexpected = set(result.unexpected_keys)
+    if unexpected:
+        raw = {clean_name(k): k for k in model.state_dict(keep_vars=True)}
+        result = model.load_state_dict({raw.get(k, k): copies[k] for k in unexpected}, strict=False)
     if result.unexpected_keys:
         raise CheckpointMismatchError(
             f"loaded {sorted(result.unexpected_keys)} into copies the model's state_dict made, "
