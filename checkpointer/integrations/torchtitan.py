@@ -247,8 +247,17 @@ class CheckpointerManager(BaseCheckpointManager):
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
-        """Load ``step`` (the newest complete one when -1) from ``folder``, else ``initial_load_path``."""
+        """Load ``step`` (the newest complete one when -1) from ``folder``, else its seed checkpoint
+        (``step-0``, the model alone, from ``--checkpoint.create_seed_checkpoint``), else
+        ``initial_load_path``."""
         config = self.config
+        seed = self._step_dir(0)
+        if step == 0 or (step == -1 and os.path.isfile(os.path.join(seed, "model", "metadata.json"))
+                         and not _has_complete_step(self.folder)):
+            begin = time.monotonic()
+            checkpointer.load_model_and_optim_state(seed, self.model)
+            logger.info("checkpointer: loaded the seed checkpoint %s in %.2f s", seed, time.monotonic() - begin)
+            return True
         if step != -1:
             step_dir = self._step_dir(step)
             if not _is_complete(step_dir):
@@ -308,6 +317,10 @@ class CheckpointerManager(BaseCheckpointManager):
 def _is_complete(step_dir: str) -> bool:
     """Whether ``step_dir`` holds a committed model and optimizer (what ``latest_checkpoint`` counts)."""
     return all(os.path.isfile(os.path.join(step_dir, part, "metadata.json")) for part in ("model", "optim"))
+
+
+def _has_complete_step(folder: str) -> bool:
+    return os.path.isdir(folder) and checkpointer.latest_checkpoint(folder) is not None
 
 
 def _loader_state(dataloader: Any) -> Any:

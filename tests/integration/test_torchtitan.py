@@ -140,3 +140,21 @@ def test_a_checkpoint_of_two_ranks_loads_exactly_on_one(runs):
     assert loaded["step"] == 2
     log = (runs["root"] / "one_rank.log").read_text()
     assert "the data loader was saved at data-parallel size 2, this job has 1" in log
+
+
+def test_a_seed_checkpoint_starts_a_job(tmp_path):
+    """``--checkpoint.create_seed_checkpoint`` on one rank saves ``step-0`` (the model alone); a
+    2-rank job started on that folder begins from it (the seed was made with another RNG seed)."""
+    import checkpointer
+
+    assets = titan_launcher.write_assets(tmp_path / "assets")
+    seed_flags = ["--checkpoint.create_seed_checkpoint", "--checkpoint.last_save_model_only", "--debug.seed", "11"]
+    _launch(tmp_path, "seed", assets, world_size=1, dump_folder="job", extra=seed_flags)
+    step0 = tmp_path / "job/checkpoint/step-0"
+    assert sorted(p.name for p in step0.iterdir()) == ["model"]
+    seeded = checkpointer.unshard_model_state(str(step0), no_dist=True)
+    started = _launch(tmp_path, "started", assets, stop=0, dump_folder="job", dump_loaded=True)
+    loaded = torch.load(started["loaded"], weights_only=True)["model"]
+    assert set(loaded) == set(seeded)
+    for name, value in loaded.items():
+        assert torch.equal(seeded[name], value), name
