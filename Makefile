@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench fuzz clean
+.PHONY: install demo test bench fuzz clean test-torchtitan bench-torchtitan
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,28 @@ bench: $(STAMP)
 fuzz: $(STAMP)
 	CHECKPOINTER_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/reliability -k fuzz
 
+# The torchtitan extra in a venv of its own (torchtitan pins packages the main test venv does not
+# want). Every pip command is held to the CPU torch 2.13.0; triton (--no-deps) is imported by
+# torchtitan's trainer but never run on CPU; wandb, which torchtitan lists, is not needed.
+TITAN_VENV := .venv-titan
+TITAN_PY := $(TITAN_VENV)/bin/python
+TITAN_STAMP := $(TITAN_VENV)/.installed
+
+$(TITAN_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(TITAN_VENV)
+	echo "torch==2.13.0" > $(TITAN_VENV)/constraints.txt
+	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt torch==2.13.0
+	$(TITAN_PY) -m pip install --quiet --no-deps torchtitan==0.3.0 triton
+	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt torchdata torch_checkpointing \
+		'datasets>=3.6.0,<4.8.0' 'tokenizers>=0.15.0' safetensors tyro tensorboard einops pillow spmd_types==0.2.3
+	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt -e . pytest pytest-timeout
+	touch $(TITAN_STAMP)
+
+test-torchtitan: $(TITAN_STAMP)
+	$(TITAN_PY) -m pytest -q tests/integration
+
+bench-torchtitan: $(TITAN_STAMP)
+	$(TITAN_PY) benchmarks/torchtitan_compare.py
+
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TITAN_VENV) demo_out .pytest_cache .hypothesis

@@ -27,7 +27,7 @@ from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..sharding import describe, local_data, with_sharding_of
 from ..storage.base import Storage
 from .load_result import LoadResult
-from .names import param_names
+from .names import load_hook_copies, param_names
 from .strict import (
     OPTIM_CLASS_KEY, OPTIM_PREFIX, check_optim_kind, difference_message, model_keys_to_load, optim_class_name,
 )
@@ -121,6 +121,7 @@ def load_model_and_optim(
         return [to_load, to_fill]
 
     def finish() -> None:
+        load_hook_copies(model, model_state)
         if optim is not None:
             with malformed(optim_dir):
                 optim.load_state_dict(torch_state["optim"])

@@ -24,9 +24,26 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _names(requirements: list[str]) -> set[str]:
+    return {_canonical(re.match(r"[A-Za-z0-9._-]+", req).group(0)) for req in requirements}
+
+
 def declared_runtime() -> set[str]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return {_canonical(re.match(r"[A-Za-z0-9._-]+", req).group(0)) for req in project["dependencies"]}
+    return _names(project["dependencies"])
+
+
+def declared_extra(name: str) -> set[str]:
+    """The distributions of the optional extra ``checkpointer[name]`` (empty when there is none)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return _names(project.get("optional-dependencies", {}).get(name, []))
+
+
+def extra_of(where: str) -> str | None:
+    """``checkpointer/integrations/X.py:LINE`` is the integration with framework X, whose own
+    imports come from the extra ``checkpointer[X]``; None for every other module."""
+    match = re.match(r"checkpointer/integrations/(\w+)\.py:", where)
+    return match.group(1) if match and match.group(1) != "__init__" else None
 
 
 def third_party_imports() -> dict[str, list[str]]:
@@ -84,6 +101,13 @@ def test_the_scan_sees_the_imports_it_must():
     assert not any(m.split(".")[0] in ("os", "json", "checkpointer") for m in imports)
 
 
+def test_integration_imports_belong_to_their_extra():
+    assert extra_of("checkpointer/integrations/torchtitan.py:40") == "torchtitan"
+    assert extra_of("checkpointer/integrations/__init__.py:1") is None
+    assert extra_of("checkpointer/api.py:3") is None
+    assert "torchtitan" in declared_extra("torchtitan")
+
+
 def test_namespace_packages_resolve_to_their_own_distribution():
     assert distribution_of("google.cloud.storage") == "google-cloud-storage"
     assert distribution_of("google.auth.exceptions") == "google-auth"
@@ -92,7 +116,18 @@ def test_namespace_packages_resolve_to_their_own_distribution():
 
 @pytest.mark.parametrize("module", sorted(third_party_imports()))
 def test_every_import_is_a_declared_dependency(module):
-    where = ", ".join(third_party_imports()[module])
+    places = third_party_imports()[module]
+    where = ", ".join(places)
+    extras = {extra_of(p) for p in places}
+    if None not in extras:
+        # Only integrations import it: their extras declare it (installed or not here).
+        (extra,) = extras
+        dist = distribution_of(module) if importlib.util.find_spec(module.split(".")[0]) else None
+        declared = declared_extra(extra) | declared_runtime()
+        assert (dist or _canonical(module.split(".")[0])) in declared, (
+            f"{module} (imported at {where}) is not declared by the extra checkpointer[{extra}]"
+        )
+        return
     dist = distribution_of(module)
     assert dist is not None, f"{module} (imported at {where}) is not installed, or not found in any distribution"
     assert dist in declared_runtime(), (

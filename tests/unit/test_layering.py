@@ -2,7 +2,8 @@
 
 Lowest first: errors, format, planning, storage, dist, sharding, engine, tools, models (model and optimizer
 helpers), api, cli. The package's
-``__init__`` and ``__main__`` may import anything. ``format/``, ``planning/`` and ``storage/``
+``__init__`` and ``__main__`` may import anything. Above them all, ``integrations/`` (backends for
+training frameworks) imports the public API only: ``checkpointer`` itself, nothing inside it. ``format/``, ``planning/`` and ``storage/``
 never touch ``torch.distributed``. And no two modules import each other, however indirectly
 (an import inside a function counts): :func:`test_no_import_cycles` names the cycle.
 """
@@ -24,6 +25,7 @@ LAYERS = ["errors", "format", "planning", "storage", "dist", "sharding", "engine
 # top-level module fails test_no_upward_imports until it is given a place here or in LAYERS.
 LEAF_HELPERS = {"buffers", "checksums", "progress", "settings"}
 TOP = len(LAYERS)  # the package's __init__ / __main__
+INTEGRATIONS = TOP + 1  # checkpointer/integrations: may import the package's public API only
 NO_TORCH_DISTRIBUTED = {"format", "planning", "storage"}
 
 
@@ -47,6 +49,8 @@ def layer_of(module: str) -> int | None:
         return TOP
     if parts[1] in LEAF_HELPERS:
         return 0
+    if parts[1] == "integrations":
+        return INTEGRATIONS
     return LAYERS.index(parts[1]) if parts[1] in LAYERS else None
 
 
@@ -115,6 +119,10 @@ def violations_of(path: Path, source: str, module: str) -> list[str]:
         if name.split(".")[0] != PACKAGE:
             continue
         other = layer_of(name)
+        if own == INTEGRATIONS:
+            if other not in (TOP, INTEGRATIONS) or name.endswith("__main__"):
+                found.append(f"{module}:{line} (integrations) imports {name}: only the public API, `checkpointer`")
+            continue
         if other is None:
             found.append(f"{module}:{line} imports {name}, which is in no layer")
         elif other > own:
@@ -173,6 +181,9 @@ def check_fake(rel: str, source: str) -> list[str]:
         ("format/x.py", "from ..unknown_layer import z\n"),
         ("unknown_layer.py", "import os\n"),
         ("buffers.py", "from .format.dtypes import itemsize\n"),
+        ("integrations/x.py", "from checkpointer.api import save_model_and_optim_state\n"),
+        ("integrations/x.py", "from ..engine.checkpointer import Checkpointer\n"),
+        ("api.py", "from .integrations import torchtitan\n"),
     ],
 )
 def test_checker_catches(rel, source):
@@ -192,6 +203,8 @@ def test_checker_catches(rel, source):
         ("__main__.py", "from checkpointer.cli import main\n"),
         ("format/x.py", "from ..buffers import memoryview_of\n"),
         ("checksums.py", "import ctypes\nfrom .errors import CheckpointError\n"),
+        ("integrations/x.py", "import checkpointer\nimport torch\n"),
+        ("integrations/x.py", "from checkpointer import Checkpointer\n"),
     ],
 )
 def test_checker_allows(rel, source):

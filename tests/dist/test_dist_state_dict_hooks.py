@@ -1,0 +1,85 @@
+"""A model whose ``state_dict`` hooks make new tensors (torchtitan's fused QKV saves ``wqkv`` as
+``wq``/``wk``/``wv``) loads through its ``load_state_dict`` hooks: its parameters really change."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from dist_helpers import assert_same, mesh, optim_full_state
+
+from checkpointer import load_model_and_optim_state, save_model_and_optim_state, unshard_model_state
+
+
+class FusedQKV(nn.Module):
+    """One ``wqkv`` parameter, saved and loaded as three (a simplified torchtitan ``FusedQKVLinear``)."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim)
+        self.register_state_dict_post_hook(self._split)
+        self.register_load_state_dict_pre_hook(self._merge)
+
+    def forward(self, x):
+        q, k, v = self.wqkv(x).chunk(3, dim=-1)
+        return self.out(q * k + v)
+
+    @staticmethod
+    def _split(module, state_dict, prefix, local_metadata) -> None:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        fused = state_dict.pop(f"{prefix}wqkv.weight")
+        if isinstance(fused, DTensor):
+            fused = fused.redistribute(fused.device_mesh, [Replicate()] * fused.device_mesh.ndim)
+        for name, piece in zip("qkv", fused.chunk(3, dim=0)):
+            state_dict[f"{prefix}w{name}.weight"] = piece.contiguous()
+
+    @staticmethod
+    def _merge(module, state_dict, prefix, *args) -> None:
+        names = [f"{prefix}w{n}.weight" for n in "qkv"]
+        if all(n in state_dict for n in names):
+            state_dict[f"{prefix}wqkv.weight"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
+
+
+def _build(world_size: int, seed: int) -> FusedQKV:
+    torch.manual_seed(seed)
+    model = FusedQKV()
+    if world_size > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh((world_size,)))
+    return model
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _save(rank, world_size, ckpt):
+    model = _build(world_size, 0)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    save_model_and_optim_state(ckpt, model, optim)
+    return _params(model), optim_full_state(model, optim)
+
+
+def _load(rank, world_size, ckpt, expected_params, expected_optim):
+    model = _build(world_size, 1)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert not torch.equal(_params(model)["wqkv.weight"], expected_params["wqkv.weight"])
+    load_model_and_optim_state(ckpt, model, optim)
+    assert_same(expected_params, _params(model), f"parameters on rank {rank}")
+    assert_same(expected_optim, optim_full_state(model, optim), f"optimizer on rank {rank}")
+    return True
+
+
+def test_hook_made_copies_load_into_the_parameters(run_distributed, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    expected_params, expected_optim = run_distributed(_save, 2, ckpt)[0]
+    names = set(unshard_model_state(ckpt, no_dist=True))
+    assert names == {"wq.weight", "wk.weight", "wv.weight", "out.weight", "out.bias"}, names
+    for load_ws in (1, 2):
+        assert run_distributed(_load, load_ws, ckpt, expected_params, expected_optim) == [True] * load_ws

@@ -1,0 +1,160 @@
+"""torchtitan 0.3.0's own trainer, saving and resuming through ``checkpointer.integrations.torchtitan``.
+
+Its llama3 debugmodel trains with FSDP on 2 CPU ranks (gloo) under ``torchrun``, launched by
+``tests/support/titan_launcher.py`` (which also holds the CPU shims and the config functions).
+Skipped where torchtitan is not installed: ``make test-torchtitan`` makes a venv that has it.
+
+One module-scoped set of launches (each about 25 s of startup and steps on 2 cores):
+
+- ``reference``: 4 steps uninterrupted, saving every step with ``keep_latest_k=2``;
+- ``stopped``: the same job killed after step 2 (its async save of step 2 done), then
+  ``resumed``: a new launch of the same command, which finds step 2 and trains steps 3-4 (and
+  saves its last step as the model alone, in bfloat16: ``last_save_model_only``, ``export_dtype``);
+- ``one_rank``: a world size 1 launch that resumes from (a copy of) the 2-rank step 2 and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
+torch = pytest.importorskip("torch")
+
+import titan_launcher  # noqa: E402  (tests/support; after the skip: it needs torchtitan's tokenizers)
+
+STEPS = 4
+
+
+def _launch(root: Path, name: str, assets: tuple[Path, Path], *, world_size: int = 2, stop: int | None = None,
+            dump_folder: str, extra: list[str] = (), dump_loaded: bool = False) -> dict[str, Path]:
+    out = {"losses": root / f"{name}.losses", "end": root / f"{name}.end.pt", "loaded": root / f"{name}.loaded.pt"}
+    out["timings"] = root / f"{name}.timings"
+    env = {"TITAN_LOSSES": str(out["losses"]), "TITAN_DUMP_END": str(out["end"]), "TITAN_TIMINGS": str(out["timings"])}
+    if stop is not None:
+        env["TITAN_STOP_AFTER"] = str(stop)
+    if dump_loaded:
+        env["TITAN_DUMP_LOADED"] = str(out["loaded"])
+    tokenizer, data = assets
+    args = titan_launcher.train_args(tokenizer=tokenizer, data=data, dump=root / dump_folder, steps=STEPS, extra=extra)
+    titan_launcher.launch(world_size, args, env, log=root / f"{name}.log")
+    return out
+
+
+def _losses(path: Path) -> list[tuple[int, float]]:
+    return [tuple(x) for x in json.loads(Path(f"{path}.0").read_text())]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("titan")
+    assets = titan_launcher.write_assets(root / "assets")
+    every_step = ["--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]
+    runs = {"root": root}
+    runs["reference"] = _launch(root, "reference", assets, dump_folder="reference", extra=every_step)
+    async_save = ["--checkpoint.async_mode", "async"]
+    runs["stopped"] = _launch(root, "stopped", assets, stop=2, dump_folder="job", extra=async_save)
+    shutil.copytree(root / "job/checkpoint/step-2", root / "one_rank/checkpoint/step-2")
+    last_model_only = ["--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"]
+    runs["resumed"] = _launch(root, "resumed", assets, dump_folder="job", extra=async_save + last_model_only)
+    runs["one_rank"] = _launch(root, "one_rank", assets, world_size=1, stop=2, dump_folder="one_rank",
+                               dump_loaded=True)
+    return runs
+
+
+def _assert_equal(expected, actual, where: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and expected.dtype == actual.dtype, where
+        assert torch.equal(expected, actual), f"{where} differs"
+    elif isinstance(expected, dict):
+        assert set(expected) == set(actual), f"{where}: keys {sorted(set(expected) ^ set(actual))}"
+        for key in expected:
+            _assert_equal(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), where
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            _assert_equal(e, a, f"{where}[{i}]")
+    else:
+        assert expected == actual, f"{where}: {expected!r} != {actual!r}"
+
+
+def test_a_resumed_job_matches_an_uninterrupted_one_bitwise(runs):
+    reference = _losses(runs["reference"]["losses"])
+    assert [s for s, _ in reference] == [1, 2, 3, 4]
+    assert _losses(runs["stopped"]["losses"]) == reference[:2]
+    assert _losses(runs["resumed"]["losses"]) == reference[2:], "the resumed steps' losses differ"
+    for rank in (0, 1):
+        saves = json.loads(Path(f"{runs['stopped']['timings']}.{rank}").read_text())
+        assert saves["save_steps"] == [2] and saves["returned_future"] == [True], "async_mode=async saved synchronously"
+        saves = json.loads(Path(f"{runs['reference']['timings']}.{rank}").read_text())
+        assert saves["save_steps"] == [1, 2, 3, 4] and saves["returned_future"] == [False] * 4
+    end = torch.load(runs["reference"]["end"], weights_only=True)
+    resumed = torch.load(runs["resumed"]["end"], weights_only=True)
+    assert end["step"] == resumed["step"] == STEPS
+    _assert_equal(end, resumed, "state after step 4")
+
+
+def test_the_checkpoints_are_ordinary_checkpointer_checkpoints(runs):
+    import checkpointer
+
+    job = runs["root"] / "job/checkpoint"
+    assert checkpointer.latest_checkpoint(str(job)) == f"{job}/step-2", "a model-only step is not a resume point"
+    stopped_end = torch.load(runs["stopped"]["end"], weights_only=True)
+    full = checkpointer.unshard_model_state(f"{job}/step-2", no_dist=True)
+    # torchtitan saves its fused wqkv as wq/wk/wv; the other parameters are saved as they are.
+    for name, value in stopped_end["model"].items():
+        assert torch.equal(full[name], value), name
+    train = json.loads((job / "step-2/titan/job.json").read_text())
+    assert train["lr_scheduler"] == {"last_epoch": 2}
+    assert train["train_state"]["step"] == 2
+
+
+def test_the_last_step_saves_the_model_alone_in_the_export_dtype(runs):
+    import checkpointer
+
+    step4 = runs["root"] / "job/checkpoint/step-4"
+    assert sorted(p.name for p in step4.iterdir()) == ["model"]
+    end = torch.load(runs["resumed"]["end"], weights_only=True)["model"]
+    exported = checkpointer.unshard_model_state(str(step4), no_dist=True)
+    for name, value in end.items():
+        assert exported[name].dtype == torch.bfloat16, name
+        assert torch.equal(exported[name], value.to(torch.bfloat16)), name
+
+
+def test_keep_latest_k_keeps_the_newest_complete_steps(runs):
+    folder = runs["root"] / "reference/checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
+    for step in ("step-3", "step-4"):
+        for part in ("model", "optim"):
+            assert (folder / step / part / "metadata.json").is_file(), (step, part)
+
+
+def test_a_checkpoint_of_two_ranks_loads_exactly_on_one(runs):
+    saved = torch.load(runs["stopped"]["end"], weights_only=True)
+    loaded = torch.load(runs["one_rank"]["loaded"], weights_only=True)
+    for part in ("model", "optimizer", "lr_scheduler"):
+        _assert_equal(saved[part], loaded[part], part)
+    assert loaded["step"] == 2
+    log = (runs["root"] / "one_rank.log").read_text()
+    assert "the data loader was saved at data-parallel size 2, this job has 1" in log
+
+
+def test_a_seed_checkpoint_starts_a_job(tmp_path):
+    """``--checkpoint.create_seed_checkpoint`` on one rank saves ``step-0`` (the model alone); a
+    2-rank job started on that folder begins from it (the seed was made with another RNG seed)."""
+    import checkpointer
+
+    assets = titan_launcher.write_assets(tmp_path / "assets")
+    seed_flags = ["--checkpoint.create_seed_checkpoint", "--checkpoint.last_save_model_only", "--debug.seed", "11"]
+    _launch(tmp_path, "seed", assets, world_size=1, dump_folder="job", extra=seed_flags)
+    step0 = tmp_path / "job/checkpoint/step-0"
+    assert sorted(p.name for p in step0.iterdir()) == ["model"]
+    seeded = checkpointer.unshard_model_state(str(step0), no_dist=True)
+    started = _launch(tmp_path, "started", assets, stop=0, dump_folder="job", dump_loaded=True)
+    loaded = torch.load(started["loaded"], weights_only=True)["model"]
+    assert set(loaded) == set(seeded)
+    for name, value in loaded.items():
+        assert torch.equal(seeded[name], value), name
