@@ -50,7 +50,7 @@ def test_inspect_json_model(ckpts, capsys, ws):
     assert info["num_tensors"] == len(want)
     assert info["num_aliases"] == 1
     assert info["total_bytes"] == sum(r["bytes"] for r in want.values())
-    assert info["format_version"] == 1
+    assert info["format_version"] == 2
     assert info["world_size"] == ws
     assert info["files"] == RANKS3[:ws]
     assert info["path"] == os.path.abspath(path)

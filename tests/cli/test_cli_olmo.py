@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from cli_helpers import assert_same_tensors, cli
+from dist_helpers import metadata_form
 from cli_workers import build, full_state, olmo_load_ws3, olmo_save_ws3, patch_olmo_for_torch
 from safetensors.torch import load_file
 
@@ -87,9 +88,12 @@ def test_olmo_ws3_checkpoint_loads_here(tmp_path, capsys, run_distributed):
 
 
 def test_our_ws1_checkpoint_loads_in_olmo(tmp_path):
+    """Format 1, the per-file form that release reads, written directly (format 2 reaches it
+    through ``convert --to olmo``: tests/cli/test_cli_olmo_convert.py)."""
     dir = str(tmp_path / "ours")
     model, optim = build(6, tied=False)
-    save_model_and_optim_state(dir, model, optim)
+    with metadata_form(compact=False):
+        save_model_and_optim_state(dir, model, optim)
     fresh, fresh_optim = build(7, tied=False)
     olmo.load_model_and_optim_state(dir, fresh, fresh_optim)
     assert_same_tensors(full_state(fresh), full_state(model))
@@ -119,7 +123,8 @@ def test_our_rank_file_written_from_tensor_memory_loads_in_olmo(tmp_path, monkey
     optim.step()
     optim.zero_grad()
     dir = str(tmp_path / "ours")
-    save_model_and_optim_state(dir, model, optim)
+    with metadata_form(compact=False):
+        save_model_and_optim_state(dir, model, optim)
     with open(os.path.join(dir, "model", "rank_0.safetensors"), "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
@@ -135,13 +140,16 @@ def test_our_rank_file_written_from_tensor_memory_loads_in_olmo(tmp_path, monkey
     assert_same_optim(fresh_optim.state_dict(), optim.state_dict())
 
 
-def test_our_ws3_checkpoint_loads_in_olmo(ckpts, run_distributed):
-    assert_same_tensors(olmo.unshard_model_state(ckpts.untied3, no_dist=True), ckpts.untied3_full)
-    assert_same_optim(olmo.unshard_optim_state(ckpts.untied3, no_dist=True), unshard_optim_state(ckpts.untied3, no_dist=True))
+def test_our_ws3_checkpoint_loads_in_olmo(ckpts, run_distributed, tmp_path, capsys):
+    """The session's format-2 checkpoint of 3 ranks, through ``convert --to olmo``."""
+    dir = str(tmp_path / "olmo")
+    assert cli(capsys, "convert", ckpts.untied3, dir, "--to", "olmo", "-q") == (0, "", "")
+    assert_same_tensors(olmo.unshard_model_state(dir, no_dist=True), ckpts.untied3_full)
+    assert_same_optim(olmo.unshard_optim_state(dir, no_dist=True), unshard_optim_state(ckpts.untied3, no_dist=True))
     model, optim = build(8, tied=False)
-    olmo.load_model_and_optim_state(ckpts.untied3, model, optim)
+    olmo.load_model_and_optim_state(dir, model, optim)
     assert_same_tensors(full_state(model), ckpts.untied3_full)
-    full = run_distributed(olmo_load_ws3, 3, ckpts.untied3, timeout=300)
+    full = run_distributed(olmo_load_ws3, 3, dir, timeout=300)
     for rank_full in full:
         assert_same_tensors(rank_full, ckpts.untied3_full)
 
