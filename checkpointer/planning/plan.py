@@ -149,7 +149,7 @@ def _without_aliases(columns: RankPieces, aliases: dict[str, str]) -> RankPieces
 class _Planned:
     """What the analysis of one tensor's pieces decided, before shared pieces get their writers."""
 
-    __slots__ = ("writers", "pieces", "layout", "numels", "held", "fixed")
+    __slots__ = ("writers", "pieces", "layout", "numels", "held", "fixed", "fixed_ranks", "fixed_numels")
 
     def __init__(self, writers: Sequence[int], pieces: list[Piece] | None, layout: Layout | None,
                  numels: Sequence[int], held: list[tuple[int, Piece, list[int] | None]],
@@ -160,6 +160,8 @@ class _Planned:
         self.numels = np.asarray(numels, dtype=np.int64)
         self.held = held  # pieces several ranks hold: (element count, piece, holders or None for all)
         self.fixed = fixed or []  # pieces several ranks hold: options of (writer, piece) lists, one chosen
+        self.fixed_ranks: np.ndarray | None = None  # the options' writers (options x pieces), made when first needed
+        self.fixed_numels: np.ndarray | None = None
 
 
 def _plan_uniform(structure: Structure, values: np.ndarray, aliases: dict[str, str] | None, compact: bool = True) -> SavePlan:
@@ -307,11 +309,13 @@ def _assign(
     fixed_load = np.zeros(world, dtype=np.int64)
     for i, answer in enumerate(planned):
         if answer.fixed:
-            size = itemsize(dtypes[i])
-            option = min(answer.fixed, key=lambda o: int(fixed_load[[rank for rank, _ in o]].sum()))
+            if answer.fixed_ranks is None:  # the options have one piece each of the same pieces
+                answer.fixed_ranks = np.array([[rank for rank, _ in o] for o in answer.fixed], dtype=np.int64)
+                answer.fixed_numels = np.array([[p.numel for _, p in o] for o in answer.fixed], dtype=np.int64)
+            q = int(fixed_load[answer.fixed_ranks].sum(axis=1).argmin())  # the first least loaded
+            option = answer.fixed[q]
             extra[i] = ([rank for rank, _ in option], [piece for _, piece in option])
-            for rank, piece in option:
-                fixed_load[rank] += piece.numel * size
+            np.add.at(fixed_load, answer.fixed_ranks[q], answer.fixed_numels[q] * itemsize(dtypes[i]))
     shared = [(n * itemsize(dtypes[i]), keys[i], i, piece, holders)
               for i, answer in enumerate(planned) for n, piece, holders in answer.held]
     if shared:
