@@ -20,7 +20,7 @@ A layout is a tuple: ``()`` for a tensor every rank holds whole, or ``(mesh_shap
 with placements ``("S", dim)`` (``Shard``), ``("R",)`` (``Replicate``) and ``("T", dim,
 split_factor)`` (``_StridedShard``). The pieces follow ``sharding.describe`` exactly: a box when
 every placement is ``Shard``/``Replicate`` (an empty one included); with ``_StridedShard``, the
-index runs of :func:`runs_piece`.
+index runs of :func:`runs_piece` (a box when one run along every dim or no element at all).
 """
 
 from __future__ import annotations
@@ -245,9 +245,11 @@ def _strided(shape, mesh, placements, coords, world) -> ClassPieces:
         per_dim.append((s[state], e[state], cut))
     # An uncut dim is its one run, even when empty; a cut keeps the runs with elements.
     counts = [(e > s).sum(axis=1) if cut else np.ones(world, np.int64) for s, e, cut in per_dim]
-    if all((k == 1).all() for k in counts):
+    boxes = np.all([k == 1 for k in counts], axis=0) | np.any([k == 0 for k in counts], axis=0)
+    if boxes.all():  # one run along every dim, or no element (an empty box at the first run, else 0)
         sizes = np.stack([np.where(e > s, e - s, 0).sum(axis=1) if cut else e[:, 0] for s, e, cut in per_dim])
-        offsets = np.stack([np.where(e > s, s, 0).sum(axis=1) if cut else s[:, 0] for s, e, cut in per_dim])
+        offsets = np.stack([np.where(e > s, s, 0)[np.arange(world), (e > s).argmax(axis=1)] if cut else s[:, 0]
+                            for s, e, cut in per_dim])
         return ClassPieces(BOX, np.concatenate([sizes, offsets]), None)
     pieces = []
     for r in range(world):
@@ -269,8 +271,8 @@ def runs_piece(shape: Sequence[int], runs: Sequence[Sequence[Range]]) -> Piece:
     sizes = tuple(sum(e - s for s, e in r) for r in runs)
     if all(len(r) == 1 for r in runs):
         return Piece(local_shape=sizes, global_offset=tuple(r[0][0] for r in runs))
-    if math.prod(sizes) == 0:
-        return Piece(flat=())
+    if math.prod(sizes) == 0:  # an empty box (a box, as the other ranks' pieces usually are)
+        return Piece(local_shape=sizes, global_offset=tuple(r[0][0] if r else 0 for r in runs))
     # Dims after ``split`` are whole, so each run of dim ``split`` is one flat range per outer index.
     split = len(shape) - 1
     while split > 0 and list(runs[split]) == [(0, shape[split])]:
