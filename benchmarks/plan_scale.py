@@ -5,9 +5,12 @@ For each (layout, world size, part: model or optim) case, in its own process und
 address-space limit (``--mem-limit-gb``), the pure functions the engine runs, on inputs shaped
 like the real run (every rank's pieces as the engine all-gathers them):
 
-1. **first save, every rank**: the bytes it receives to plan (every rank's payload, as
-   ``engine.save._pieces_payload`` makes it: rank 0 sends the structure, the others a digest and
-   their piece numbers), then decoding them and ``build_save_plan`` (format 2: shard rules);
+1. **first save, every rank**: the bytes it receives to plan (the all-reduce that confirms every
+   rank's layouts agree), and the planning from layouts (``planning.layouts``: every rank's pieces
+   computed per distinct layout, this rank's own checked, ``plan_from_layouts``). At
+   ``--exchange-ranks`` (default 1,024) also the fallback, every rank's pieces all-gathered
+   (``planning.pieces.pieces_payload``) and ``build_save_plan``, and whether both plans agree
+   (``same_as_exchange``: metadata, writers, copies);
 2. **rank 0 at commit**: the committed metadata (``checksums_in_files``, one ``file_id``) as
    ``metadata.json`` text: its size and the time to make it;
 3. **load, every rank**: read ``metadata.json`` from a file, ``parse_metadata``, and
@@ -413,8 +416,9 @@ def render(results: list[dict], args) -> str:
         "Shard(0), row-parallel Shard(1), norms replicated; FSDP2 over the outer mesh dim cuts each TP piece's rows). "
         f"CPU seconds, the least of {args.repeat} runs (single-threaded, machine shared; wall times in plan_scale.json). "
         f"Load: a world-size change to x{args.shrink:g} in the same layout, the worst of the first, middle and last rank.\n",
-        "Columns: **received** = bytes each rank receives to plan its first save (every rank's pieces, all-gathered); "
-        "**plan** = decoding them + `build_save_plan` (every rank); **commit** = rank 0 making metadata.json's text; "
+        "Columns: **received** = bytes each rank receives to plan its first save (the layouts' all-reduce of three int64; "
+        "the fallback, every rank's pieces all-gathered, is in plan_scale.json as exchange_received_bytes where run); "
+        "**plan** = rank 0's layouts, every rank's pieces computed from them, `plan_from_layouts`; **commit** = rank 0 making metadata.json's text; "
         "**save rank 0** = plan + commit; **load** = read + parse + load plan per rank; **load MiB** = tracemalloc peak of the same.\n",
         "| layout | part | ranks | metadata.json MB | x vs 1,024 | rules / explicit specs | received MB | plan s | commit s "
         "| save rank 0 s | load s | load MiB | format 1 metadata.json MB | format 1 parse + plan s |",
