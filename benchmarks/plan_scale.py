@@ -5,9 +5,12 @@ For each (layout, world size, part: model or optim) case, in its own process und
 address-space limit (``--mem-limit-gb``), the pure functions the engine runs, on inputs shaped
 like the real run (every rank's pieces as the engine all-gathers them):
 
-1. **first save, every rank**: the bytes it receives to plan (every rank's payload, as
-   ``engine.save._pieces_payload`` makes it: rank 0 sends the structure, the others a digest and
-   their piece numbers), then decoding them and ``build_save_plan`` (format 2: shard rules);
+1. **first save, every rank**: the bytes it receives to plan (the all-reduce that confirms every
+   rank's layouts agree), and the planning from layouts (``planning.layouts``: every rank's pieces
+   computed per distinct layout, this rank's own checked, ``plan_from_layouts``). At
+   ``--exchange-ranks`` (default 1,024) also the fallback, every rank's pieces all-gathered
+   (``planning.pieces.pieces_payload``) and ``build_save_plan``, and whether both plans agree
+   (``same_as_exchange``: metadata, writers, copies);
 2. **rank 0 at commit**: the committed metadata (``checksums_in_files``, one ``file_id``) as
    ``metadata.json`` text: its size and the time to make it;
 3. **load, every rank**: read ``metadata.json`` from a file, ``parse_metadata``, and
@@ -180,18 +183,63 @@ def wanted_for(layout: str, part: str, params, world: int, rank: int, metadata) 
 
 
 def payloads_for(columns: list) -> list[bytes]:
-    from checkpointer.engine.save import _pieces_payload
+    from checkpointer.planning.pieces import pieces_payload
 
-    return [_pieces_payload(c, {}, with_structure=r == 0) for r, c in enumerate(columns)]
+    return [pieces_payload(c, {}, with_structure=r == 0) for r, c in enumerate(columns)]
 
 
 def plan_from(payloads: list[bytes], own, compact: bool):
-    """A rank's decoding of the gathered payloads and its save plan, as ``engine.save._plan_from``."""
-    from checkpointer.engine.save import _parse_pieces
+    """The exchange (the fallback): a rank's decoding of the gathered payloads and its save plan,
+    as ``engine.save._plan_from``."""
+    from checkpointer.planning.pieces import parse_pieces
     from checkpointer.planning.plan import build_save_plan
 
     known = {own.digest: own}
-    return build_save_plan([_parse_pieces(p, known)[0] for p in payloads], compact=compact)
+    return build_save_plan([parse_pieces(p, known)[0] for p in payloads], compact=compact)
+
+
+def layout_of(layout: str, name: str, shape: tuple[int, ...], world: int) -> tuple:
+    """A parameter's layout as ``sharding.describe`` gives it (``planning.layouts``)."""
+    if layout == "fsdp2":
+        return ((world,), (("S", 0),))
+    if layout == "hsdp":
+        shard = min(HSDP_SHARD, world)
+        return ((world // shard, shard), (("R",), ("S", 0)))
+    mesh = (world // TP, TP)
+    if len(shape) == 1:
+        return (mesh, (("S", 0), ("R",)))
+    if any(k in name for k in ROW_PARALLEL):
+        return (mesh, (("S", 0), ("S", 1)))
+    return (mesh, (("T", 0, TP), ("S", 0)))
+
+
+def plan_from_layouts(layout: str, part: str, params, world: int, compact: bool):
+    """Rank 0's first-save planning, as ``engine.save._plan_from_layouts``: its layouts, every
+    rank's pieces computed from them (its own checked), the digest the all-reduce compares, the plan."""
+    import numpy as np
+
+    from checkpointer.planning import layouts as lay
+    from checkpointer.planning.pieces import Piece
+
+    shapes = dict(params)
+    items, own = [], {}
+    for key, shape, dtype, sharded, param in part_keys(part, params):
+        if param is None:
+            items.append((key, shape, dtype, sharded, ()))
+            own[key] = Piece.whole(shape)
+            continue
+        items.append((key, shape, dtype, sharded, layout_of(layout, param, shapes[param], world)))
+        local, offset = boxes(layout, param, shapes[param], world, np.array([0]))
+        own[key] = Piece(local_shape=tuple(int(x[0]) for x in local), global_offset=tuple(int(x[0]) for x in offset))
+    described = lay.describe_layouts(items, own, {}, world=world, rank=0, form=str(compact))
+    if described is None:
+        raise RuntimeError("the layouts do not give rank 0 its pieces")
+    return lay.plan_from_layouts(described.entries, described.classes, world, compact=compact)
+
+
+ALL_REDUCE_BYTES = 2 * 3 * 8
+"""What a rank receives for the layouts' all-reduce of three int64 (a ring all-reduce receives
+about twice the tensor)."""
 
 
 def committed_json(plan, compact: bool, crcs=None) -> bytes:
@@ -238,20 +286,30 @@ def cpu_best(fn, repeat: int):
     return value, best[0], best[1]
 
 
-def run_case(layout: str, part: str, world: int, compact: bool, repeat: int, shrink: float) -> dict:
+def run_case(layout: str, part: str, world: int, compact: bool, repeat: int, shrink: float, exchange: bool) -> dict:
     from checkpointer.format.metadata import parse_metadata
     from checkpointer.planning.load_plan import build_load_plan
 
     params = llama70b_params()
     out: dict = {"layout": layout, "part": part, "world": world, "format": 2 if compact else 1}
-    columns = columns_for(layout, part, params, world)
-    own = columns[0].structure
-    payloads = payloads_for(columns)
-    columns = None
-    out["keys"] = len(own.keys)
-    out["received_bytes"] = sum(len(p) for p in payloads)  # every rank receives every payload (its own too)
-    plan, out["plan_s"], out["plan_wall_s"] = cpu_best(lambda: plan_from(payloads, own, compact), repeat)
-    payloads = None
+    if exchange:  # the fallback: every rank's pieces all-gathered
+        columns = columns_for(layout, part, params, world)
+        own = columns[0].structure
+        payloads = payloads_for(columns)
+        columns = None
+        out["exchange_received_bytes"] = sum(len(p) for p in payloads)  # every rank receives every payload
+        exchanged, out["exchange_plan_s"], out["exchange_plan_wall_s"] = cpu_best(
+            lambda: plan_from(payloads, own, compact), repeat)
+        payloads = own = None
+    out["received_bytes"] = ALL_REDUCE_BYTES
+    plan, out["plan_s"], out["plan_wall_s"] = cpu_best(
+        lambda: plan_from_layouts(layout, part, params, world, compact), repeat)
+    out["keys"] = len(plan.keys)
+    if exchange:
+        out["same_as_exchange"] = bool(
+            plan.metadata.to_json_bytes() == exchanged.metadata.to_json_bytes() and plan.keys == exchanged.keys
+            and (plan.writes == exchanged.writes).all() and plan.shared == exchanged.shared)
+        exchanged = None
     crcs = None if compact else random_crcs(plan)
     data, out["commit_json_s"], out["commit_json_wall_s"] = cpu_best(lambda: committed_json(plan, compact, crcs), repeat)
     out["metadata_bytes"] = len(data)
@@ -304,7 +362,7 @@ def child(args) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     case = dict(layout=args.case_layout, part=args.case_part, world=args.case_world, compact=args.case_format == 2)
     try:
-        res = run_case(**case, repeat=args.repeat, shrink=args.shrink)
+        res = run_case(**case, repeat=args.repeat, shrink=args.shrink, exchange=args.case_world in args.exchange)
     except MemoryError:
         res = {**case, "format": args.case_format, "error": f"MemoryError under a {args.mem_limit_gb:g} GiB limit"}
     print("RESULT " + json.dumps(res))
@@ -358,8 +416,9 @@ def render(results: list[dict], args) -> str:
         "Shard(0), row-parallel Shard(1), norms replicated; FSDP2 over the outer mesh dim cuts each TP piece's rows). "
         f"CPU seconds, the least of {args.repeat} runs (single-threaded, machine shared; wall times in plan_scale.json). "
         f"Load: a world-size change to x{args.shrink:g} in the same layout, the worst of the first, middle and last rank.\n",
-        "Columns: **received** = bytes each rank receives to plan its first save (every rank's pieces, all-gathered); "
-        "**plan** = decoding them + `build_save_plan` (every rank); **commit** = rank 0 making metadata.json's text; "
+        "Columns: **received** = bytes each rank receives to plan its first save (the layouts' all-reduce of three int64; "
+        "the fallback, every rank's pieces all-gathered, is in plan_scale.json as exchange_received_bytes where run); "
+        "**plan** = rank 0's layouts, every rank's pieces computed from them, `plan_from_layouts`; **commit** = rank 0 making metadata.json's text; "
         "**save rank 0** = plan + commit; **load** = read + parse + load plan per rank; **load MiB** = tracemalloc peak of the same.\n",
         "| layout | part | ranks | metadata.json MB | x vs 1,024 | rules / explicit specs | received MB | plan s | commit s "
         "| save rank 0 s | load s | load MiB | format 1 metadata.json MB | format 1 parse + plan s |",
@@ -410,6 +469,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"layouts (default {','.join(LAYOUTS)})")
     ap.add_argument("--parts", default="model,optim", help="parts (default model,optim)")
     ap.add_argument("--format1-ranks", default="1024", help="world sizes also run in format 1, for reference (default 1024)")
+    ap.add_argument("--exchange-ranks", default="1024", help="world sizes whose first save is also planned by the "
+                    "exchange of every rank's pieces (the fallback), and compared (default 1024)")
     ap.add_argument("--shrink", type=float, default=0.75, help="load at this fraction of the world size (default 0.75)")
     ap.add_argument("--repeat", type=int, default=2, help="least CPU time of this many runs (default 2)")
     ap.add_argument("--mem-limit-gb", type=float, default=10.0, help="address-space limit per case (default 10)")
@@ -420,6 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case-world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--case-format", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.exchange = {int(x) for x in args.exchange_ranks.split(",") if x}
     if args.case_world:
         return child(args)
 
@@ -431,7 +493,7 @@ def main(argv=None) -> int:
     for layout, part, world, fmt in cases:
         cmd = [sys.executable, __file__, "--case-layout", layout, "--case-part", part, "--case-world", str(world),
                "--case-format", str(fmt), "--repeat", str(args.repeat), "--shrink", str(args.shrink),
-               "--mem-limit-gb", str(args.mem_limit_gb)]
+               "--mem-limit-gb", str(args.mem_limit_gb), "--exchange-ranks", args.exchange_ranks]
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import product
 from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
@@ -24,7 +23,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .format.dtypes import code_from_dtype
-from .planning.overlap import Range, merge_adjacent
+from .planning.overlap import Range
+from .planning.layouts import runs_piece
 from .planning.pieces import Piece
 
 try:  # torch's own type, not a Shard subclass: ``isinstance(_StridedShard(0, split_factor=2), Shard)`` is False
@@ -78,6 +78,10 @@ class LocalTensor:
     dtype: str
     is_sharded: bool
     piece: Piece
+    layout: tuple | None = None
+    """How every rank's piece follows from the shape (:mod:`~checkpointer.planning.layouts`):
+    ``()`` whole on every rank, ``(mesh_shape, placements)`` for a DTensor over all ranks in
+    order; ``None`` when not known (flat-sharded values, other meshes)."""
 
     @property
     def numel(self) -> int:
@@ -125,7 +129,8 @@ def describe(value: Any) -> LocalTensor:
             sizes, piece = _strided_piece(value, shape, mesh_sizes, coord)
         if tuple(local.shape) != sizes:
             raise ValueError(f"DTensor local shape {tuple(local.shape)} is not the expected {sizes} for {value.placements}")
-        return LocalTensor(local, shape, code_from_dtype(value.dtype), True, piece)
+        layout = _layout(value.device_mesh, value.placements, mesh_sizes)
+        return LocalTensor(local, shape, code_from_dtype(value.dtype), True, piece, layout)
     if isinstance(value, FlatShardedTensor):
         return LocalTensor(
             value.local, tuple(value.shape), code_from_dtype(value.local.dtype), True, Piece(flat=tuple(map(tuple, value.flattened_offsets)))
@@ -134,13 +139,40 @@ def describe(value: Any) -> LocalTensor:
         like = value.like
         if value.local.numel() != like.data.numel():
             raise ValueError("state tensor does not match its parameter's local shard")
-        return LocalTensor(value.local, like.shape, code_from_dtype(value.local.dtype), like.is_sharded, like.piece)
+        return LocalTensor(value.local, like.shape, code_from_dtype(value.local.dtype), like.is_sharded, like.piece, like.layout)
     if _is_olmo_flat(value):
         return _describe_olmo_flat(value)
     if isinstance(value, torch.Tensor):
         data = value.data if isinstance(value, nn.Parameter) else value
-        return LocalTensor(data, tuple(data.shape), code_from_dtype(data.dtype), False, Piece.whole(data.shape))
+        return LocalTensor(data, tuple(data.shape), code_from_dtype(data.dtype), False, Piece.whole(data.shape), ())
     raise TypeError(f"cannot checkpoint a value of type {type(value).__name__}")
+
+
+_ORDERED_MESHES: dict[int, tuple[Any, bool]] = {}
+
+
+def _layout(mesh: Any, placements: Sequence[Any], mesh_sizes: list[int]) -> tuple | None:
+    """A DTensor's layout for :mod:`~checkpointer.planning.layouts`: ``(mesh shape, placements)``
+    when its mesh numbers ranks ``0..n-1`` in row-major order, else ``None``."""
+    seen = _ORDERED_MESHES.get(id(mesh))
+    if seen is None or seen[0] is not mesh:
+        ranks = mesh.mesh.flatten()
+        if len(_ORDERED_MESHES) > 64:
+            _ORDERED_MESHES.clear()
+        seen = _ORDERED_MESHES[id(mesh)] = (mesh, ranks.tolist() == list(range(ranks.numel())))
+    if not seen[1]:
+        return None
+    codes: list[tuple] = []
+    for p in placements:
+        if type(p) is Shard:
+            codes.append(("S", p.dim))
+        elif isinstance(p, Replicate):
+            codes.append(("R",))
+        elif _StridedShard is not None and isinstance(p, _StridedShard):
+            codes.append(("T", p.dim, int(p.split_factor)))
+        else:
+            return None
+    return (tuple(mesh_sizes), tuple(codes))
 
 
 def dtensor_box(
@@ -200,28 +232,6 @@ def dtensor_index_runs(
         else:
             raise TypeError(f"placement {placement} is not supported in checkpoints (use Shard or Replicate)")
     return runs
-
-
-def runs_piece(shape: Sequence[int], runs: Sequence[Sequence[Range]]) -> Piece:
-    """The :class:`Piece` of a local tensor holding, along each dim ``d``, the indices ``runs[d]``
-    in order: a box when every dim is one run, else the flattened ranges in local row-major order."""
-    shape = tuple(shape)
-    sizes = tuple(_count(r) for r in runs)
-    if all(len(r) == 1 for r in runs):
-        return Piece(local_shape=sizes, global_offset=tuple(r[0][0] for r in runs))
-    if math.prod(sizes) == 0:
-        return Piece(flat=())
-    # Dims after ``split`` are whole, so each run of dim ``split`` is one flat range per outer index.
-    split = len(shape) - 1
-    while split > 0 and list(runs[split]) == [(0, shape[split])]:
-        split -= 1
-    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    outer = [[i for s, e in runs[d] for i in range(s, e)] for d in range(split)]
-    ranges: list[Range] = []
-    for index in product(*outer):
-        base = sum(i * st for i, st in zip(index, strides))
-        ranges.extend((base + s * strides[split], base + e * strides[split]) for s, e in runs[split])
-    return Piece(flat=tuple(merge_adjacent(ranges)))
 
 
 def _strided_piece(value: DTensor, shape: tuple[int, ...], mesh_sizes: list[int], coord: Sequence[int]) -> tuple[tuple[int, ...], Piece]:

@@ -6,11 +6,12 @@ The recipe:
    share memory with an earlier key (tied parameters) become aliases, saved once.
 2. Rank 0 checks the directory (``FileExistsError`` unless ``save_overwrite``; with it, the
    old ``metadata.json`` is removed first so the old checkpoint reads as incomplete).
-3. Every rank gets every rank's pieces (as columns: the structure, which ranks of one model
-   share, travels only when it differs from rank 0's) and builds the same plan from them
-   (each distinct piece gets one writer; the other holders of a piece keep a copy). A cached
-   plan skips this: one all-reduce confirms every rank's pieces are those of one earlier save,
-   planned together.
+3. Every rank builds the same plan (each distinct piece gets one writer; the other holders of
+   a piece keep a copy): from layouts every rank shares (DTensors over all ranks, plain
+   tensors: :mod:`~checkpointer.planning.layouts`), confirmed by one all-reduce; else from every
+   rank's pieces, all-gathered (as columns: the structure, which ranks of one model share,
+   travels only when it differs from rank 0's). A cached plan skips this: one all-reduce
+   confirms every rank's pieces are those of one earlier save, planned together.
 4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename), with a new id in its
    header, checksumming each piece as it goes; meanwhile it hashes its copies of pieces that
    another rank writes (:mod:`~checkpointer.engine.commit`).
@@ -31,14 +32,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-import numpy as np
-
 from .. import dist
 from ..errors import CheckpointError, RankError
 from ..checksums import ALGORITHM, CHUNK_BYTES
 from ..format.layout import CHECKSUMS_KEY, FORMAT_VERSION, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import StorageMetadata
 from ..format.safetensors_header import RESERVED_KEY
+from ..planning.layouts import describe_layouts, plan_from_layouts
+from ..planning.pieces import parse_pieces, pieces_payload
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
@@ -119,52 +120,60 @@ def _columns(described: Mapping[str, LocalTensor]) -> RankPieces:
     )
 
 
-def _pieces_payload(
-    columns: RankPieces, aliases: Mapping[str, str], *, with_structure: bool, fingerprint: str = ""
-) -> bytes:
-    """A rank's pieces for the others: a JSON header, then the piece numbers as raw ``int64``.
-    The structure travels from rank 0, and from a rank whose structure differs from rank 0's
-    (ranks of one model share it); the others name it by its digest. ``fingerprint`` (the key
-    of the rank's plan cache, a digest of what it described) goes into the plan's id."""
-    structure = columns.structure
-    header: dict[str, Any] = {"digest": structure.digest, "aliases": aliases, "fingerprint": fingerprint}
-    if with_structure:
-        header["structure"] = structure.json_bytes.decode()
-    head = json.dumps(header, separators=(",", ":")).encode()
-    return b"P" + len(head).to_bytes(8, "little") + head + columns.values.astype("<i8", copy=False).tobytes()
-
-
-def _parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPieces, dict[str, str], str]:
-    """One rank's payload: its pieces, aliases and fingerprint; ``known`` (digest -> structure)
-    gains the structures it carries."""
-    n = int.from_bytes(payload[1:9], "little")
-    header = json.loads(payload[9 : 9 + n])
-    digest = header["digest"]
-    structure = known.get(digest)
-    if structure is None:
-        if "structure" not in header:
-            raise CheckpointError(f"a rank's pieces name structure {digest}, which no rank sent")
-        structure = Structure.from_json_bytes(header["structure"].encode())
-        if structure.digest != digest:
-            raise CheckpointError(f"a rank's structure does not match its digest {digest}")
-        known[digest] = structure
-    values = np.frombuffer(payload, dtype="<i8", offset=9 + n).astype(np.int64, copy=False)
-    return RankPieces(structure, values), header["aliases"], header["fingerprint"]
-
-
 def _plan(
     storage: Storage, described, aliases, local_error, save_overwrite, fingerprint: str
-) -> tuple[tuple[str, ...], StorageMetadata, bytes | None, int, dict[str, int]]:
+) -> tuple[tuple[str, ...], StorageMetadata, bytes | None, int, dict[str, int], str | None]:
     """Steps 2-3 without a cached plan. Returns this rank's keys, the metadata, (rank 0) the lock,
-    the plan's id (a digest of every rank's fingerprint, the same on every rank) and this rank's
-    copies of pieces others write (key -> writer).
+    the plan's id (the same on every rank), this rank's copies of pieces others write (key ->
+    writer) and the save's file id when planning picked it.
 
-    Every rank gets every rank's pieces and makes the same plan from them: far fewer bytes
-    and far less work than rank 0 sending the metadata it planned, as JSON, to be parsed."""
+    Every rank makes the same plan: from layouts every rank shares, confirmed by one all-reduce,
+    else from every rank's pieces, all-gathered (far fewer bytes and far less work than rank 0
+    sending the metadata it planned, as JSON, to be parsed)."""
     rank = dist.get_rank()
     error: BaseException | None = local_error
     if rank == 0 and error is None:
         _, error = dist.attempt(lambda: check_directory(storage, save_overwrite, retire_old=False))
+    planned, error = _plan_from_layouts(described, aliases, error)
+    if planned is None:
+        planned, error = _exchange_and_plan(described, aliases, error, fingerprint)
+    plan, plan_id, save_id = planned or (None, -1, None)
+    lock = None
+    if error is None and rank == 0:
+        # Planned: only now retire an old checkpoint here, before any rank writes a file.
+        lock, error = dist.attempt(lambda: check_directory(storage, save_overwrite, retire_old=True))
+    dist.agree(error, "save")
+    assert plan is not None
+    copies = plan.copies_for(rank, {key: lt.piece for key, lt in described.items()})
+    return plan.keys_for(rank), plan.metadata, lock, plan_id, copies, save_id
+
+
+def _plan_from_layouts(described, aliases, error) -> tuple[tuple[SavePlan | None, int, str] | None, BaseException | None]:
+    """Every rank's pieces computed from layouts the same on every rank
+    (:mod:`~checkpointer.planning.layouts`), confirmed by one all-reduce, which also picks the
+    save's file id; ``(None, error)``: the pieces must be exchanged (which reports ``error``)."""
+    form = f"{COMPACT_METADATA}"
+    mine = None
+    if error is None:
+        items = [(key, lt.shape, lt.dtype, lt.is_sharded, lt.layout) for key, lt in described.items()]
+        own = {key: lt.piece for key, lt in described.items()}
+        mine, error = dist.attempt(lambda: describe_layouts(
+            items, own, aliases, world=dist.get_world_size(), rank=dist.get_rank(), form=form))
+    digest = mine.digest if mine is not None and error is None else -1
+    same, save_id = dist.all_equal_and_least(digest, secrets.randbits(62))
+    if not same or digest < 0:
+        return None, error
+    assert mine is not None
+    planned, error = dist.attempt(lambda: _refusing(lambda: plan_from_layouts(
+        mine.entries, mine.classes, dist.get_world_size(), aliases=dict(aliases), compact=COMPACT_METADATA)))
+    plan_id = int.from_bytes(hashlib.sha256(b"layouts %d" % digest).digest()[:7], "little")
+    return (planned, plan_id, f"{save_id:016x}"), error  # planned None: error, agreed on next
+
+
+def _exchange_and_plan(described, aliases, error, fingerprint) -> tuple[tuple[SavePlan, int, None] | None, BaseException | None]:
+    """Every rank gets every rank's pieces (all-gathered) and makes the same plan from them; a
+    rank's error reaches every rank here. Returns ``((plan, plan id, None) or None, error)``."""
+    rank = dist.get_rank()
     columns = _columns(described) if error is None else None
     rank0_digest = dist.broadcast_bytes(
         (columns.structure.digest if columns is not None else "").encode() if rank == 0 else None, src=0
@@ -172,10 +181,8 @@ def _plan(
     mine = (
         dist.error_payload(error)  # type: ignore[arg-type]
         if columns is None
-        else _pieces_payload(
-            columns,
-            aliases,
-            with_structure=rank == 0 or columns.structure.digest != rank0_digest,
+        else pieces_payload(
+            columns, aliases, with_structure=rank == 0 or columns.structure.digest != rank0_digest,
             fingerprint=fingerprint,
         )
     )
@@ -186,22 +193,14 @@ def _plan(
             raise error
         raise dist.remote_error([RankError.from_json(gathered[r]) for r in failed], "save")
     assert columns is not None
-    planned, error = dist.attempt(lambda: _plan_or_refuse(gathered, columns))
-    plan, plan_id = planned or (None, -1)
-    lock = None
-    if error is None and rank == 0:
-        # Planned: only now retire an old checkpoint here, before any rank writes a file.
-        lock, error = dist.attempt(lambda: check_directory(storage, save_overwrite, retire_old=True))
-    dist.agree(error, "save")
-    assert plan is not None
-    copies = plan.copies_for(rank, {key: lt.piece for key, lt in described.items()})
-    return plan.keys_for(rank), plan.metadata, lock, plan_id, copies
+    planned, error = dist.attempt(lambda: _refusing(lambda: _plan_from(gathered, columns)))
+    return (planned[0], planned[1], None) if planned is not None else None, error
 
 
-def _plan_or_refuse(gathered: list[bytes], mine: RankPieces) -> tuple[SavePlan, int]:
-    """:func:`_plan_from`, its refusals (the same on every rank: the same inputs) as one error."""
+def _refusing(fn):
+    """``fn()``, its refusals (the same on every rank: the same inputs) as one error."""
     try:
-        return _plan_from(gathered, mine)
+        return fn()
     except (ValueError, CheckpointError) as ex:
         raise CheckpointError(f"cannot save: {ex}") from None
 
@@ -214,7 +213,7 @@ def _plan_from(gathered: list[bytes], mine: RankPieces) -> tuple[SavePlan, int]:
     known: dict[str, Structure] = {mine.structure.digest: mine.structure}
     plan_id = hashlib.sha256()
     for payload in gathered:
-        rank_columns, rank_aliases, fingerprint = _parse_pieces(payload, known)
+        rank_columns, rank_aliases, fingerprint = parse_pieces(payload, known)
         columns.append(rank_columns)
         aliases.update(rank_aliases)
         plan_id.update(fingerprint.encode() + b"\n")
@@ -319,14 +318,14 @@ def plan_in_full(
     storage: Storage, d: DescribedState, *, save_overwrite: bool, cache: dict[str, SavePlanCache] | None
 ) -> PlannedSave:
     """Steps 2-3 without the cache (every rank's pieces exchanged); the plan goes into ``cache``."""
-    keys, metadata, lock, plan_id, copies = _plan(
+    keys, metadata, lock, plan_id, copies, save_id = _plan(
         storage, d.described, d.aliases, d.error, save_overwrite, d.fingerprint
     )
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:
             cache.pop(next(iter(cache)))
         cache[d.fingerprint] = SavePlanCache(d.fingerprint, keys, metadata, plan_id, copies)
-    return PlannedSave(storage, d.described, keys, metadata, d.fingerprint, lock, copies)
+    return PlannedSave(storage, d.described, keys, metadata, d.fingerprint, lock, copies, save_id)
 
 
 def write_and_commit(

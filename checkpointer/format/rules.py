@@ -192,11 +192,11 @@ def detect_rule(
         return None
     rule = {"form": form, "cuts": cuts, "files": [int(files[0]), terms]}
     try:
-        cells, _ = check_rule(shape, rule)
+        cells, top = check_rule(shape, rule)
     except RuleError:
         return None
-    if cells != n:
-        return None
+    if cells != n or top != int(files.max()):
+        return None  # a reader bounds the files by ``top`` (e.g. files 0, 2, 3 by terms reaching 5)
     e_names, e_flat, e_ls, e_go = expand_rule(shape, rule)
     back = [int(i) for i in np.argsort(order, kind="stable")]  # position in the columns -> cell
     if [e_names[c] for c in back] != list(names):

@@ -14,10 +14,11 @@ import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import CheckpointError
 from ..format.metadata import TensorShardSpec
 from ..format.specs import Layout
 from .boxes import Tile, box_tile, range_tiles
@@ -25,7 +26,7 @@ from .overlap import box_ranges
 
 __all__ = [
     "Range", "Piece", "PieceDesc", "Structure", "RankPieces", "BOX", "piece_ranges", "spec_ranges", "whole",
-    "piece_tiles", "layout_tiles", "spec_tiles",
+    "piece_tiles", "layout_tiles", "spec_tiles", "pieces_payload", "parse_pieces",
 ]
 
 Range = tuple[int, int]
@@ -234,3 +235,36 @@ def spec_tiles(spec: TensorShardSpec, shape: Sequence[int]) -> list[Tile]:
     ls = None if spec.local_shape is None else tuple(spec.local_shape)
     go = None if spec.global_offset is None else tuple(spec.global_offset)
     return piece_tiles(Piece(flat, ls, go), shape)  # type: ignore[arg-type]
+
+
+def pieces_payload(
+    columns: RankPieces, aliases: Mapping[str, str], *, with_structure: bool, fingerprint: str = ""
+) -> bytes:
+    """A rank's pieces for the others (the full exchange of a first save): a JSON header, then the
+    piece numbers as raw ``int64``. The structure travels from rank 0, and from a rank whose
+    structure differs from rank 0's (ranks of one model share it); the others name it by its
+    digest. ``fingerprint`` (the key of the rank's plan cache) goes into the plan's id."""
+    structure = columns.structure
+    header: dict[str, Any] = {"digest": structure.digest, "aliases": dict(aliases), "fingerprint": fingerprint}
+    if with_structure:
+        header["structure"] = structure.json_bytes.decode()
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"P" + len(head).to_bytes(8, "little") + head + columns.values.astype("<i8", copy=False).tobytes()
+
+
+def parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPieces, dict[str, str], str]:
+    """One rank's :func:`pieces_payload`: its pieces, aliases and fingerprint; ``known``
+    (digest -> structure) gains the structures it carries."""
+    n = int.from_bytes(payload[1:9], "little")
+    header = json.loads(payload[9 : 9 + n])
+    digest = header["digest"]
+    structure = known.get(digest)
+    if structure is None:
+        if "structure" not in header:
+            raise CheckpointError(f"a rank's pieces name structure {digest}, which no rank sent")
+        structure = Structure.from_json_bytes(header["structure"].encode())
+        if structure.digest != digest:
+            raise CheckpointError(f"a rank's structure does not match its digest {digest}")
+        known[digest] = structure
+    values = np.frombuffer(payload, dtype="<i8", offset=9 + n).astype(np.int64, copy=False)
+    return RankPieces(structure, values), header["aliases"], header["fingerprint"]

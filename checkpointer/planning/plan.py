@@ -149,7 +149,7 @@ def _without_aliases(columns: RankPieces, aliases: dict[str, str]) -> RankPieces
 class _Planned:
     """What the analysis of one tensor's pieces decided, before shared pieces get their writers."""
 
-    __slots__ = ("writers", "pieces", "layout", "numels", "held", "fixed")
+    __slots__ = ("writers", "pieces", "layout", "numels", "held", "fixed", "fixed_ranks", "fixed_numels", "own_layout")
 
     def __init__(self, writers: Sequence[int], pieces: list[Piece] | None, layout: Layout | None,
                  numels: Sequence[int], held: list[tuple[int, Piece, list[int] | None]],
@@ -160,6 +160,9 @@ class _Planned:
         self.numels = np.asarray(numels, dtype=np.int64)
         self.held = held  # pieces several ranks hold: (element count, piece, holders or None for all)
         self.fixed = fixed or []  # pieces several ranks hold: options of (writer, piece) lists, one chosen
+        self.fixed_ranks: np.ndarray | None = None  # the options' writers (options x pieces), made when first needed
+        self.fixed_numels: np.ndarray | None = None
+        self.own_layout: Layout | None = None  # the layout of ``writers`` and ``pieces`` alone, once made
 
 
 def _plan_uniform(structure: Structure, values: np.ndarray, aliases: dict[str, str] | None, compact: bool = True) -> SavePlan:
@@ -307,11 +310,13 @@ def _assign(
     fixed_load = np.zeros(world, dtype=np.int64)
     for i, answer in enumerate(planned):
         if answer.fixed:
-            size = itemsize(dtypes[i])
-            option = min(answer.fixed, key=lambda o: int(fixed_load[[rank for rank, _ in o]].sum()))
+            if answer.fixed_ranks is None:  # the options have one piece each of the same pieces
+                answer.fixed_ranks = np.array([[rank for rank, _ in o] for o in answer.fixed], dtype=np.int64)
+                answer.fixed_numels = np.array([[p.numel for _, p in o] for o in answer.fixed], dtype=np.int64)
+            q = int(fixed_load[answer.fixed_ranks].sum(axis=1).argmin())  # the first least loaded
+            option = answer.fixed[q]
             extra[i] = ([rank for rank, _ in option], [piece for _, piece in option])
-            for rank, piece in option:
-                fixed_load[rank] += piece.numel * size
+            np.add.at(fixed_load, answer.fixed_ranks[q], answer.fixed_numels[q] * itemsize(dtypes[i]))
     shared = [(n * itemsize(dtypes[i]), keys[i], i, piece, holders)
               for i, answer in enumerate(planned) for n, piece, holders in answer.held]
     if shared:
@@ -335,7 +340,9 @@ def _assign(
     for i in sorted(range(len(keys)), key=keys.__getitem__):
         answer, key = planned[i], keys[i]
         layout = answer.layout
-        if layout is None:
+        if layout is None and i not in extra and answer.own_layout is not None:
+            layout, writers = answer.own_layout, answer.writers  # keys of one answer: the same shape
+        elif layout is None:
             writers, pieces = answer.writers.tolist(), list(answer.pieces or [])
             if i in extra:
                 writers += extra[i][0]
@@ -343,6 +350,8 @@ def _assign(
                 order = sorted(range(len(writers)), key=writers.__getitem__)
                 writers, pieces = [writers[j] for j in order], [pieces[j] for j in order]
             layout = _layout(layouts, shapes[i], [names[r] for r in writers], pieces)
+            if i not in extra:
+                answer.own_layout = layout
         else:
             writers = answer.writers
         writes[writers, i] = True

@@ -182,7 +182,8 @@ def test_a_repeated_async_save_blocks_for_one_all_reduce(run_distributed, tmp_pa
     for rank, (per_save, refused, model_files, model_dir) in enumerate(
         run_distributed(_blocking_collectives_then_a_refused_part, 2, base)
     ):
-        assert "all_gather" in per_save[0], f"rank {rank}: the first save exchanged no plans: {per_save[0]}"
+        # The first save plans (from the FSDP2 layouts: all-reduces, no pieces all-gathered).
+        assert len(per_save[0]) > 1 and "all_gather" not in per_save[0], f"rank {rank}: {per_save[0]}"
         assert per_save[1] == per_save[2] == ["all_reduce"], f"rank {rank}: {per_save}"
         assert refused is not None and "FileExistsError" in refused["mro"], f"rank {rank}: {refused}"
         assert "optim" in refused["msg"], refused["msg"]

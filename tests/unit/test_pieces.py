@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from checkpointer.engine.save import _parse_pieces, _pieces_payload
+from checkpointer.planning.pieces import parse_pieces as _parse_pieces, pieces_payload as _pieces_payload
 from checkpointer.errors import CheckpointError
 from checkpointer.planning.pieces import BOX, Piece, PieceDesc, RankPieces, Structure
 from checkpointer.planning.plan import _plan_general, _plan_uniform, build_save_plan

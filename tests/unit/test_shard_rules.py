@@ -158,3 +158,12 @@ def test_detect_and_expand_round_trip_colwise_tp_fsdp():
     assert rule == {"form": "box", "cuts": [[0, 2]], "files": [0, [[1, 2, 4], [2, 4, 1]]]}
     e_names, _, e_ls, e_go = expand_rule(shape, rule)
     assert sorted(zip(e_names, e_ls, e_go)) == sorted(zip(names, ls, go))
+
+
+def test_no_rule_whose_file_bound_passes_the_files():
+    """Files 0, 2, 3 follow terms whose bound (0 + 2 + 3) passes the last file: a reader
+    checking rules against the world size would refuse it, so the list is kept."""
+    from checkpointer.format.rules import detect_rule
+
+    names = ["rank_0.safetensors", "rank_2.safetensors", "rank_3.safetensors"]
+    assert detect_rule((3,), names, [((0, 1),), ((1, 2),), ((2, 3),)], None, None) is None
