@@ -287,7 +287,7 @@ def cpu_best(fn, repeat: int):
 
 
 def run_case(layout: str, part: str, world: int, compact: bool, repeat: int, shrink: float, exchange: bool) -> dict:
-    from checkpointer.format.metadata import parse_metadata
+    from checkpointer.format.metadata_parse import parse_metadata
     from checkpointer.planning.load_plan import build_load_plan
 
     params = llama70b_params()

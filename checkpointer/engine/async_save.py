@@ -35,7 +35,7 @@ from ..format.metadata import StorageMetadata
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
-from .commit import Copies, start_hashing
+from .rankfile import Copies, start_hashing
 from .commit import refuse_existing_everywhere, release_locks, take_locks
 from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, reuse_cached_plans, write_and_commit
 

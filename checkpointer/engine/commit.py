@@ -37,7 +37,7 @@ its holder. The markers go at the commit.
 
 Replicas agree before the commit (step 4): a piece several ranks hold (a plain tensor every
 rank saves, DDP's parameters, a ``Replicate`` placement, each shard under HSDP) is written once,
-by one of them. Each other holder hashes its copy (:func:`start_hashing`; CRC32C per
+by one of them. Each other holder hashes its copy (:func:`~checkpointer.engine.rankfile.start_hashing`; CRC32C per
 :data:`~checkpointer.checksums.CHUNK_BYTES`, as the writer computes them while writing): a
 synchronous save on a thread while the rank writes its file, an async save before the call
 returns, while the state is the one it staged. The checksums reach rank 0 in the commit's
@@ -56,7 +56,6 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 from .. import dist, settings
@@ -64,9 +63,7 @@ from ..checksums import CHUNK_BYTES
 from ..errors import ReplicaMismatchError
 from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename
 from ..format.metadata import StorageMetadata
-from ..sharding import LocalTensor
 from ..storage.base import Storage
-from .rankfile import hash_pieces, io_threads
 
 
 
@@ -373,46 +370,6 @@ def release_lock(storage: Storage, lock: bytes | None) -> None:
 
 VERIFY_ENV = settings.VERIFY_REPLICAS_ENV
 _SHOWN = 5  # tensors described in the error; the rest are counted
-_INLINE_BYTES = 4 << 20  # copies smaller than this in all are hashed by the caller (well under 1 ms)
-
-Copies = list[list[Any]]
-"""This rank's copies as its commit status carries them: ``[key, writer, crcs]`` each."""
-
-
-def enabled() -> bool:
-    """Whether saves compare replicas (default on; ``CHECKPOINTER_VERIFY_REPLICAS=0`` is off)."""
-    return settings.verify_replicas()
-
-
-def start_hashing(copies: Mapping[str, int], described: Mapping[str, LocalTensor]) -> Future[Copies]:
-    """Hash this rank's ``copies`` (key -> the rank writing that piece) on a thread (the hashing
-    releases the GIL), the chunks of large ones on up to ``CHECKPOINTER_IO_THREADS`` threads; the
-    future's result goes into the commit's status. Nothing to hash, or the check turned off: an
-    empty result at once."""
-    if not copies or not enabled():
-        done: Future[Copies] = Future()
-        done.set_result([])
-        return done
-    keys = sorted(copies)
-    tensors = [described[key].data for key in keys]
-
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    threads = max(1, min(io_threads(), os.cpu_count() or 1, nbytes // (4 * CHUNK_BYTES)))
-
-    def run() -> Copies:
-        return [[key, copies[key], crcs] for key, crcs in zip(keys, hash_pieces(tensors, threads=threads))]
-
-    if nbytes < _INLINE_BYTES:
-        done = Future()
-        done.set_result(run())  # a few small tensors (an optimizer's steps): sooner than a thread starts
-        return done
-    pool = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replica-hash")
-    try:
-        return pool.submit(run)
-    finally:
-        pool.shutdown(wait=False)  # the thread ends with its one task
-
-
 def check_copies(statuses: Sequence[Mapping[str, Any]]) -> None:
     """Rank 0, before committing: raise :class:`ReplicaMismatchError` if a copy in any rank's
     status (``copies``) differs from the checksums its writer reported (``crcs``)."""

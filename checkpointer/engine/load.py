@@ -22,7 +22,8 @@ from .. import dist, settings
 from ..errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import METADATA_FILENAME
-from ..format.metadata import StorageMetadata, TensorStorageMetadata, parse_metadata
+from ..format.metadata import StorageMetadata, TensorStorageMetadata
+from ..format.metadata_parse import parse_metadata
 from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..sharding import LocalTensor
 from ..storage.base import Storage

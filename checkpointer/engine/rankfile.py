@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -18,7 +19,10 @@ from ..storage.direct import MIN_FROM_SOURCE
 from ..format.dtypes import itemsize
 from ..format.safetensors_header import DATA_ALIGNMENT
 
-__all__ = ["write_rank_file", "hash_pieces", "staging_bytes", "io_threads", "order_for_alignment"]
+__all__ = [
+    "write_rank_file", "hash_pieces", "staging_bytes", "io_threads", "order_for_alignment", "start_hashing", "Copies",
+    "replica_check_enabled",
+]
 
 _WRITE_BLOCK = 2 << 20  # divides CHUNK_BYTES
 _FROM_MEMORY_BLOCK = 64 << 20  # a multiple of CHUNK_BYTES, and 4x MIN_FROM_SOURCE
@@ -294,3 +298,45 @@ def _address_remainder(lt: LocalTensor, align: int, min_bytes: int) -> int | Non
     if nbytes < min_bytes or nbytes % align or address % DATA_ALIGNMENT:
         return None
     return address % align
+
+
+# Hashing the copies of pieces another rank writes (the commit compares them: engine/commit.py).
+
+_INLINE_BYTES = 4 << 20  # copies smaller than this in all are hashed by the caller (well under 1 ms)
+
+Copies = list[list[Any]]
+"""This rank's copies as its commit status carries them: ``[key, writer, crcs]`` each."""
+
+
+def replica_check_enabled() -> bool:
+    """Whether saves compare replicas (default on; ``CHECKPOINTER_VERIFY_REPLICAS=0`` is off)."""
+    return settings.verify_replicas()
+
+
+def start_hashing(copies: Mapping[str, int], described: Mapping[str, LocalTensor]) -> Future[Copies]:
+    """Hash this rank's ``copies`` (key -> the rank writing that piece) on a thread (the hashing
+    releases the GIL), the chunks of large ones on up to ``CHECKPOINTER_IO_THREADS`` threads; the
+    future's result goes into the commit's status. Nothing to hash, or the check turned off: an
+    empty result at once."""
+    if not copies or not replica_check_enabled():
+        done: Future[Copies] = Future()
+        done.set_result([])
+        return done
+    keys = sorted(copies)
+    tensors = [described[key].data for key in keys]
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    threads = max(1, min(io_threads(), os.cpu_count() or 1, nbytes // (4 * CHUNK_BYTES)))
+
+    def run() -> Copies:
+        return [[key, copies[key], crcs] for key, crcs in zip(keys, hash_pieces(tensors, threads=threads))]
+
+    if nbytes < _INLINE_BYTES:
+        done = Future()
+        done.set_result(run())  # a few small tensors (an optimizer's steps): sooner than a thread starts
+        return done
+    pool = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replica-hash")
+    try:
+        return pool.submit(run)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task

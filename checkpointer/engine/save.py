@@ -43,7 +43,8 @@ from ..planning.pieces import parse_pieces, pieces_payload
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
-from .commit import Copies, check_copies, start_hashing
+from .commit import check_copies
+from .rankfile import Copies, start_hashing
 from .commit import check_directory, commit_metadata, refuse_existing_everywhere, release_lock
 from .rankfile import write_rank_file
 

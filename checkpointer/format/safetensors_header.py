@@ -14,7 +14,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from .dtypes import READABLE_CODES, itemsize
-from .metadata import MAX_NDIM, MAX_NUMEL, dims_fit, reject_duplicate_keys
+from .metadata import MAX_NDIM, MAX_NUMEL, dims_fit
+from .metadata_parse import reject_duplicate_keys
 
 __all__ = [
     "HeaderEntry",

@@ -41,7 +41,7 @@ class SpecParser:
 
     Keeps, across the document's tensors, the file names already checked, equal layouts
     (shared), and the count of object members and of ``:`` inside strings seen (for the
-    duplicate-key check of :func:`~checkpointer.format.metadata.parse_metadata`).
+    duplicate-key check of :func:`~checkpointer.format.metadata_parse.parse_metadata`).
     """
 
     def __init__(self) -> None:

@@ -38,7 +38,7 @@ from ..engine.reads import ReadJob, execute_reads
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import check_filename, is_rank_filename
-from ..format.metadata import reject_duplicate_keys
+from ..format.metadata_parse import reject_duplicate_keys
 from ..format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, HeaderEntry
 from ..planning.load_plan import whole_file_plan
 from ..planning.pieces import Piece

@@ -226,7 +226,7 @@ def _many_cuts(tensors: int, files: int = 2, form: str = "flat") -> bytes:
 def _parse_seconds(data: bytes) -> float:
     import time
 
-    from checkpointer.format.metadata import parse_metadata
+    from checkpointer.format.metadata_parse import parse_metadata
 
     best = float("inf")
     for _ in range(2):  # the better of two: a shared machine stalls now and then

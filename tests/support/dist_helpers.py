@@ -323,7 +323,7 @@ def metadata_form(compact: bool) -> Iterator[None]:
 
 def read_metadata_listed(ckpt_dir: str) -> dict[str, Any]:
     """``metadata.json`` with every tensor's pieces listed file by file (shard rules expanded)."""
-    from checkpointer.format.metadata import parse_metadata
+    from checkpointer.format.metadata_parse import parse_metadata
 
     with open(os.path.join(ckpt_dir, "metadata.json"), "rb") as f:
         return json.loads(parse_metadata(f.read(), where=ckpt_dir).verbose().to_json_bytes())

@@ -24,7 +24,7 @@ from checkpointer.engine.reads import ReadJob, execute_reads
 from checkpointer.errors import CorruptCheckpointError
 from checkpointer.format.dtypes import code_from_dtype
 from checkpointer.format.layout import METADATA_FILENAME, rank_filename
-from checkpointer.format.metadata import parse_metadata
+from checkpointer.format.metadata_parse import parse_metadata
 from checkpointer.planning.boxes import (
     BoxCopy,
     Tile,

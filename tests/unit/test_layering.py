@@ -138,6 +138,18 @@ def test_package_files_found():
     assert {"checkpointer.errors", "checkpointer.format.metadata", "checkpointer.planning.plan"} <= names
 
 
+MAX_MODULE_LINES = 450
+MAX_ENGINE_MODULES = 11
+
+
+def test_modules_stay_small():
+    """Small modules that each own one thing: none over 450 lines, at most 11 in the engine."""
+    long = {str(p.relative_to(ROOT)): n for p in package_files() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+    engine = [p for p in package_files() if p.parent.name == "engine" and p.name != "__init__.py"]
+    assert len(engine) <= MAX_ENGINE_MODULES, sorted(p.name for p in engine)
+
+
 @pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_upward_imports(path):
     assert violations_of(path, path.read_text(), module_name(path)) == []

@@ -19,12 +19,8 @@ from checkpointer.format.layout import (
     rank_filename,
     temp_name,
 )
-from checkpointer.format.metadata import (
-    StorageMetadata,
-    TensorShardSpec,
-    TensorStorageMetadata,
-    parse_metadata,
-)
+from checkpointer.format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from checkpointer.format.metadata_parse import parse_metadata
 
 WHERE = "ckpt/model/metadata.json"
 

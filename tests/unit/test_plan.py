@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from checkpointer.errors import CorruptCheckpointError
 from checkpointer.format.dtypes import itemsize
 from checkpointer.format.layout import rank_filename
-from checkpointer.format.metadata import parse_metadata
+from checkpointer.format.metadata_parse import parse_metadata
 from checkpointer.planning.plan import Piece, PieceDesc, build_save_plan
 from checkpointer.planning.load_plan import build_load_plan
 from checkpointer.planning.pieces import piece_ranges, spec_ranges

@@ -12,6 +12,7 @@ import torch
 from checkpointer import CheckpointError, ReplicaMismatchError
 from checkpointer.checksums import CHUNK_BYTES
 from checkpointer.engine import commit as replicas
+from checkpointer.engine import rankfile
 from checkpointer.engine.rankfile import hash_pieces, write_rank_file
 from checkpointer.planning.plan import Piece, PieceDesc, build_save_plan
 from checkpointer.sharding import describe
@@ -147,9 +148,9 @@ def test_many_differing_tensors_are_counted():
 def test_turned_off(monkeypatch):
     piece = describe(torch.ones(3))
     monkeypatch.setenv(replicas.VERIFY_ENV, "0")
-    assert not replicas.enabled()
-    assert replicas.start_hashing({"w": 0}, {"w": piece}).result() == []
+    assert not rankfile.replica_check_enabled()
+    assert rankfile.start_hashing({"w": 0}, {"w": piece}).result() == []
     monkeypatch.delenv(replicas.VERIFY_ENV)
-    assert replicas.enabled()
-    (entry,) = replicas.start_hashing({"w": 0}, {"w": piece}).result()
+    assert rankfile.replica_check_enabled()
+    (entry,) = rankfile.start_hashing({"w": 0}, {"w": piece}).result()
     assert entry[:2] == ["w", 0] and entry[2] == hash_pieces([torch.ones(3)])[0]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpointer import CorruptCheckpointError
-from checkpointer.format.metadata import parse_metadata
+from checkpointer.format.metadata_parse import parse_metadata
 from checkpointer.format.rules import MAX_RULE_CELLS, RuleError, check_rule, detect_rule, expand_rule
 from checkpointer.planning.pieces import Piece, PieceDesc
 from checkpointer.planning.plan import build_save_plan

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from checkpointer.errors import CorruptCheckpointError
 from checkpointer.format.layout import rank_filename
-from checkpointer.format.metadata import StorageMetadata, parse_metadata
+from checkpointer.format.metadata import StorageMetadata
+from checkpointer.format.metadata_parse import parse_metadata
 from checkpointer.format.specs import ShardSpecs
 from checkpointer.planning.plan import Piece, PieceDesc, build_save_plan
 from checkpointer.planning.load_plan import build_load_plan
