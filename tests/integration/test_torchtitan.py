@@ -177,6 +177,22 @@ def test_a_checkpoint_of_two_ranks_loads_exactly_on_one(runs):
     assert "the data loader was saved at data-parallel size 2, this job has 1" in log
 
 
+def test_a_checkpoint_of_one_rank_loads_exactly_on_two(tmp_path):
+    """1 -> 2 ranks: model, optimizer and LR state exact; rank 1 has no saved loader position
+    (``LoadResult.missing_keys``) and rank 0's belongs to another data-parallel size: both warn."""
+    assets = titan_launcher.write_assets(tmp_path / "assets")
+    saved = _launch(tmp_path, "one", assets, world_size=1, stop=2, dump_folder="job")
+    loaded = _launch(tmp_path, "two", assets, stop=2, dump_folder="job", dump_loaded=True)
+    expected = torch.load(saved["end"], weights_only=True)
+    actual = torch.load(loaded["loaded"], weights_only=True)
+    for part in ("model", "optimizer", "lr_scheduler"):
+        _assert_equal(expected[part], actual[part], part)
+    assert actual["step"] == 2
+    log = (tmp_path / "two.log").read_text()
+    assert "the data loader was saved by fewer ranks than this job has (rank 1 has no saved position)" in log
+    assert "the data loader was saved at data-parallel size 1, this job has 2" in log
+
+
 def test_a_seed_checkpoint_starts_a_job(tmp_path):
     """``--checkpoint.create_seed_checkpoint`` on one rank saves ``step-0`` (the model alone); a
     2-rank job started on that folder begins from it (the seed was made with another RNG seed)."""
