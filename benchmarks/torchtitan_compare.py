@@ -23,7 +23,7 @@ Usage (in the torchtitan venv: ``make bench-torchtitan``)::
     python benchmarks/torchtitan_compare.py                      # dim 1024, 8 layers, async+disabled
     python benchmarks/torchtitan_compare.py --dim 512 --layers 4 --modes async
 
-Writes ``torchtitan_compare.md`` and ``.json`` to ``--out``.
+Writes ``torchtitan_compare.md`` and ``.json`` to ``--out`` (default ``benchmarks/results/other``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> int:
     parser.add_argument("--modes", default="async,disabled")
     parser.add_argument("--load-repeats", type=int, default=5, help="loads per resume launch (median)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "other"))
     parser.add_argument("--name", default="torchtitan_compare")
     args = parser.parse_args()
     import torch

@@ -15,30 +15,33 @@ switches a job over; the usual ``--checkpoint.*`` flags keep working::
 
     torchrun --nproc-per-node 8 -m torchtitan.train --module my_configs --config llama3_8b_checkpointer
 
-What one save writes, in ``{dump_folder}/{checkpoint.folder}/step-{N}/``, in this order:
-
-1. ``titan/``: the LR schedulers, ``train_state`` (and any other state torchtitan hands the
-   manager) as ``job.json`` from rank 0, and each data-parallel rank's data loader as
-   ``dataloader.dp{r}.json``. JSON only: no pickle is written or read.
-2. ``model/`` and ``optim/``: :func:`checkpointer.save_model_and_optim_state` (or its async form)
-   of the model and its optimizer, committed last. A step counts as complete (for
-   :func:`checkpointer.latest_checkpoint`, and so for resuming) only once both committed, so a
-   save killed at any point leaves no step that looks complete without its ``titan/`` state.
+One save is one :func:`checkpointer.save_model_and_optim_state` (or its async form) into
+``{dump_folder}/{checkpoint.folder}/step-{N}/``: the model and its optimizer, and as its
+``train_state`` the LR schedulers, torchtitan's ``train_state`` (and any other state torchtitan
+hands the manager) as job values, and the data loader's position as ``PerRank`` (each rank's own;
+ranks that share a data-parallel rank under TP hold equal copies). All of it commits as one, so a
+save killed at any point leaves no step that looks complete. ``keep_latest_k`` is
+:func:`checkpointer.prune`, which never deletes the newest complete step nor one being written.
 
 The checkpoint is an ordinary ``checkpointer`` checkpoint: ``load_model_and_optim_state``,
 ``export_safetensors`` and the ``checkpointer`` command read it outside torchtitan, at any world
 size. Resuming at another data-parallel size loads the model, optimizer, LR schedulers and
 ``train_state`` exactly; the data loader's position cannot move to another size (torchtitan's
 own loader refuses to), so it restarts from the beginning and a warning says so.
+
+Hugging Face checkpoints (``initial_load_in_hf``, ``last_save_in_hf``) go through the model's
+``state_dict_adapter`` when it only renames keys: its names become the ``key_map`` of
+:func:`checkpointer.load_model_and_optim_state`, and the names of the last step's
+:func:`checkpointer.export_safetensors`. An adapter that also changes values (llama3's adapter
+permutes ``wq``/``wk`` for Hugging Face's rotary layout) is refused by name at start-up: loading
+through names alone would give wrong weights. Such jobs use torchtitan's DCP backend for the
+Hugging Face step, or convert the checkpoint first.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -64,9 +67,6 @@ __all__ = ["CheckpointerManager"]
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_JOB_FILE = "job.json"
-
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -82,8 +82,10 @@ class CheckpointerManager(BaseCheckpointManager):
 
     Built by torchtitan's trainer from :class:`CheckpointerManager.Config` (never by hand). It
     follows ``interval``, ``load_step``, ``folder``, ``keep_latest_k``, ``async_mode``,
-    ``last_save_model_only``, ``export_dtype``, ``exclude_from_loading``, ``load_only``,
-    ``enable_first_step_checkpoint`` and ``initial_load_path`` (a ``checkpointer`` checkpoint).
+    ``last_save_model_only``, ``last_save_in_hf``, ``export_dtype``, ``exclude_from_loading``,
+    ``load_only``, ``enable_first_step_checkpoint``, ``create_seed_checkpoint``,
+    ``initial_load_path`` (a ``checkpointer`` checkpoint, or a Hugging Face one with
+    ``initial_load_in_hf``) and ``initial_load_model_only``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -100,12 +102,9 @@ class CheckpointerManager(BaseCheckpointManager):
             self.async_mode = self.async_mode.lower()  # type: ignore[assignment]
             if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
                 raise ValueError(f"Invalid async_mode: {self.async_mode}")
-            if self.initial_load_in_hf or self.last_save_in_hf:
-                raise ValueError(
-                    "CheckpointerManager does not read or write Hugging Face checkpoints yet "
-                    "(initial_load_in_hf / last_save_in_hf); use checkpointer.export_safetensors "
-                    "on a saved step instead"
-                )
+            if self.initial_load_in_hf_quantized:
+                raise ValueError("CheckpointerManager does not read quantized Hugging Face checkpoints "
+                                 "(initial_load_in_hf_quantized)")
 
     def __init__(
         self,
@@ -137,8 +136,12 @@ class CheckpointerManager(BaseCheckpointManager):
         self.lr_schedulers = lr_schedulers
         self.dataloader = dataloader
         self.states = states
+        self.sd_adapter = sd_adapter
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
-        self._saving_step: int | None = None
+        # HF name -> model name, when the job reads or writes Hugging Face checkpoints.
+        self.hf_names: dict[str, str] | None = None
+        if config.initial_load_in_hf or config.last_save_in_hf:
+            self.hf_names = _hf_names(self.model, sd_adapter)
         logger.info("checkpointer: checkpoints are loaded from and saved to %s", self.folder)
 
     def __del__(self) -> None:
@@ -156,6 +159,18 @@ class CheckpointerManager(BaseCheckpointManager):
     def _step_dir(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
 
+    def _train_state(self, excluded: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """What ``train_state=`` holds: the job's states, and each rank's data loader position."""
+        train_state: dict[str, Any] = {}
+        if LR_SCHEDULER not in excluded:
+            train_state[LR_SCHEDULER] = self.lr_schedulers
+        for key, value in self.states.items():
+            if key not in (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER) and key not in excluded:
+                train_state[key] = value
+        if self.dataloader is not None and DATALOADER not in excluded:
+            train_state[DATALOADER] = checkpointer.PerRank(_LoaderPosition(self.dataloader))
+        return train_state
+
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         """Save ``curr_step`` when the interval (or the last step) says so; True if it did."""
@@ -166,64 +181,44 @@ class CheckpointerManager(BaseCheckpointManager):
         step_dir = self._step_dir(curr_step)
         if last_step and self.config.last_save_model_only:
             self._save_model_only(step_dir)
+        elif self.config.async_mode == "disabled":
+            checkpointer.save_model_and_optim_state(
+                step_dir, self.model, self.optimizer, train_state=self._train_state()
+            )
         else:
-            self._write_titan_state(step_dir)
-            if self.config.async_mode == "disabled":
-                checkpointer.save_model_and_optim_state(step_dir, self.model, self.optimizer)
-            else:
-                self.save_future = checkpointer.async_save_model_and_optim_state(
-                    step_dir, self.model, self.optimizer
-                )
-                self._saving_step = curr_step
-        if self.save_future is None:
-            self._purge()
+            self.save_future = checkpointer.async_save_model_and_optim_state(
+                step_dir, self.model, self.optimizer, train_state=self._train_state()
+            )
+        self._prune()
         logger.info("checkpointer: step %d %s in %.2f s", curr_step,
                     "saved" if self.save_future is None else "staged", time.monotonic() - begin)
         return True
 
     def _save_model_only(self, step_dir: str) -> None:
-        """The last step's model alone, in ``export_dtype``: ``step_dir/model/``."""
+        """The last step's model alone, in ``export_dtype``: ``step_dir/model/``, or with
+        ``last_save_in_hf`` Hugging Face shards (the adapter's names) in ``step_dir``."""
         state = {
             k: v.to(self.export_dtype) if v.is_floating_point() and v.dtype != self.export_dtype else v
             for k, v in self.model.state_dict().items()
         }
-        checkpointer.Checkpointer().save(f"{step_dir}/model", state)
-
-    def _write_titan_state(self, step_dir: str) -> None:
-        """``step_dir/titan/``: the job's states from rank 0, the data loader from every rank."""
-        titan_dir = os.path.join(step_dir, "titan")
-        os.makedirs(titan_dir, exist_ok=True)
-        if self.dataloader is not None:
-            dp_rank = getattr(self.dataloader, "dp_rank", _rank())
-            state = {
-                "dp_world_size": getattr(self.dataloader, "dp_world_size", 1),
-                "state": _loader_state(self.dataloader),
-            }
-            _write_json(os.path.join(titan_dir, f"dataloader.dp{dp_rank}.json"), state)
+        if not self.config.last_save_in_hf:
+            checkpointer.Checkpointer().save(f"{step_dir}/model", state)
+            return
+        assert self.hf_names is not None
+        hf_state = {hf: state[name] for hf, name in self.hf_names.items()}
+        staging = f"{step_dir}/model"
+        checkpointer.Checkpointer().save(staging, hf_state)
+        checkpointer.export_safetensors(staging, step_dir)
+        _barrier()
         if _rank() == 0:
-            job = {LR_SCHEDULER: self.lr_schedulers.state_dict()}
-            for key, value in self.states.items():
-                if key not in (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER):
-                    job[key] = value.state_dict()
-            _write_json(os.path.join(titan_dir, _JOB_FILE), job)
+            shutil.rmtree(staging)
+        _barrier()
 
-    def _purge(self) -> None:
-        """Keep the newest ``keep_latest_k`` complete steps; rank 0 deletes the rest below them."""
-        keep = self.config.keep_latest_k
-        if keep <= 0 or _rank() != 0 or not os.path.isdir(self.folder):
-            return
-        steps = sorted(
-            (int(m.group(1)), name)
-            for name in os.listdir(self.folder)
-            if (m := _STEP_DIR.match(name)) is not None
-        )
-        complete = [s for s, name in steps if _is_complete(os.path.join(self.folder, name))]
-        if len(complete) <= keep:
-            return
-        oldest_kept = complete[-keep]
-        for step, name in steps:
-            if step < oldest_kept and step != self._saving_step:
-                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+    def _prune(self) -> None:
+        """``keep_latest_k``: every rank calls :func:`checkpointer.prune` (rank 0 deletes); a save
+        in flight and the newest complete step are never deleted."""
+        if self.config.keep_latest_k > 0:
+            checkpointer.prune(self.folder, keep_last=self.config.keep_latest_k)
 
     def _maybe_wait_for_staging(self) -> None:
         """Nothing to wait for: an async save returns once its state is staged in host memory."""
@@ -232,11 +227,8 @@ class CheckpointerManager(BaseCheckpointManager):
         """Wait for the async save in flight; its errors are raised here."""
         future, self.save_future = self.save_future, None
         assert future is not None
-        try:
-            future.result()
-        finally:
-            self._saving_step = None
-        self._purge()
+        future.result()
+        self._prune()
 
     def _close(self) -> None:
         """Finish the async save in flight (a resumed job would otherwise lose its newest step)."""
@@ -249,140 +241,120 @@ class CheckpointerManager(BaseCheckpointManager):
     def _load(self, step: int = -1) -> bool:
         """Load ``step`` (the newest complete one when -1) from ``folder``, else its seed checkpoint
         (``step-0``, the model alone, from ``--checkpoint.create_seed_checkpoint``), else
-        ``initial_load_path``."""
+        ``initial_load_path`` (or, with ``initial_load_in_hf``, the model's ``hf_assets_path``)."""
         config = self.config
         seed = self._step_dir(0)
-        if step == 0 or (step == -1 and os.path.isfile(os.path.join(seed, "model", "metadata.json"))
-                         and not _has_complete_step(self.folder)):
+        latest = checkpointer.latest_checkpoint(self.folder) if os.path.isdir(self.folder) else None
+        if step == 0 or (step == -1 and latest is None
+                         and os.path.isfile(os.path.join(seed, "model", "metadata.json"))):
             begin = time.monotonic()
             checkpointer.load_model_and_optim_state(seed, self.model)
             logger.info("checkpointer: loaded the seed checkpoint %s in %.2f s", seed, time.monotonic() - begin)
             return True
         if step != -1:
             step_dir = self._step_dir(step)
-            if not _is_complete(step_dir):
+            if not os.path.isfile(os.path.join(step_dir, "optim", "metadata.json")):
                 raise FileNotFoundError(f"--checkpoint.load_step={step}: no complete checkpoint at {step_dir}")
         else:
-            step_dir = checkpointer.latest_checkpoint(self.folder) if os.path.isdir(self.folder) else None
+            step_dir = latest
         if step_dir is None:
-            if not config.initial_load_path:
-                logger.info("checkpointer: no checkpoint in %s, a fresh start", self.folder)
-                return False
-            begin = time.monotonic()
-            model_only = config.initial_load_model_only
-            checkpointer.load_model_and_optim_state(
-                config.initial_load_path, self.model, None if model_only else self.optimizer
-            )
-            logger.info("checkpointer: loaded %s in %.2f s", config.initial_load_path, time.monotonic() - begin)
-            return True
+            return self._initial_load()
         begin = time.monotonic()
-        excluded = set(config.exclude_from_loading)
+        excluded = frozenset(config.exclude_from_loading)
         optimizer = None if OPTIMIZER in excluded else self.optimizer
-        checkpointer.load_model_and_optim_state(step_dir, self.model, optimizer)
-        self._read_titan_state(step_dir, excluded)
+        result = checkpointer.load_model_and_optim_state(
+            step_dir, self.model, optimizer, train_state=self._train_state(excluded)
+        )
+        if f"train_state.{DATALOADER}" in result.missing_keys:
+            warnings.warn(
+                f"{step_dir}: the data loader was saved by fewer ranks than this job has (rank {_rank()} "
+                f"has no saved position): it starts from the beginning of the data",
+                stacklevel=2,
+            )
         logger.info("checkpointer: loaded %s in %.2f s", step_dir, time.monotonic() - begin)
         return True
 
-    def _read_titan_state(self, step_dir: str, excluded: set[str]) -> None:
-        titan_dir = os.path.join(step_dir, "titan")
-        job = _read_json(os.path.join(titan_dir, _JOB_FILE))
-        if LR_SCHEDULER not in excluded:
-            self.lr_schedulers.load_state_dict(job[LR_SCHEDULER])
-        for key, value in self.states.items():
-            if key in (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER) or key in excluded:
-                continue
-            if key not in job:
-                raise KeyError(f"{step_dir}: the checkpoint has no {key!r} state")
-            value.load_state_dict(job[key])
-        if self.dataloader is None or DATALOADER in excluded:
-            return
-        dp_rank = getattr(self.dataloader, "dp_rank", _rank())
-        dp_world_size = getattr(self.dataloader, "dp_world_size", 1)
-        path = os.path.join(titan_dir, f"dataloader.dp{dp_rank}.json")
-        saved = _read_json(path) if os.path.exists(path) else None
-        if saved is None or saved["dp_world_size"] != dp_world_size:
+    def _initial_load(self) -> bool:
+        config = self.config
+        path = config.initial_load_path
+        if config.initial_load_in_hf and not path:
+            path = getattr(self.sd_adapter, "hf_assets_path", None)
+        if not path:
+            logger.info("checkpointer: no checkpoint in %s, a fresh start", self.folder)
+            return False
+        begin = time.monotonic()
+        if config.initial_load_in_hf:
+            assert self.hf_names is not None
+            names = self.hf_names
+            dtypes = {v.dtype for v in self.model.state_dict().values()}
+            checkpointer.load_model_and_optim_state(
+                path, self.model, key_map=names.get, dtype=dtypes.pop() if len(dtypes) == 1 else None
+            )
+        else:
+            model_only = config.initial_load_model_only
+            checkpointer.load_model_and_optim_state(path, self.model, None if model_only else self.optimizer)
+        logger.info("checkpointer: loaded %s in %.2f s", path, time.monotonic() - begin)
+        return True
+
+
+class _LoaderPosition:
+    """A data loader's position with the data-parallel rank and size it belongs to; at another
+    rank or size it is not restored (torchtitan's own loader refuses that too) and a warning says so.
+
+    torchtitan's loader wraps its state in a pickle; this takes the ``StatefulDataLoader`` state
+    underneath it, so that nothing is pickled."""
+
+    def __init__(self, dataloader: Any):
+        self.dataloader = dataloader
+        self.dp_rank = getattr(dataloader, "dp_rank", _rank())
+        self.dp_world_size = getattr(dataloader, "dp_world_size", 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        state = (StatefulDataLoader.state_dict(self.dataloader) if isinstance(self.dataloader, StatefulDataLoader)
+                 else self.dataloader.state_dict())
+        return {"dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size, "state": state}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        if (saved["dp_rank"], saved["dp_world_size"]) != (self.dp_rank, self.dp_world_size):
             warnings.warn(
-                f"{step_dir}: the data loader was saved at data-parallel size "
-                f"{None if saved is None else saved['dp_world_size']}, this job has {dp_world_size}: "
+                f"the data loader was saved at data-parallel size {saved['dp_world_size']}, this job has "
+                f"{self.dp_world_size} (data-parallel rank {saved['dp_rank']} saved, this is {self.dp_rank}): "
                 f"its position is not restored and it starts from the beginning of the data",
                 stacklevel=2,
             )
             return
-        _load_loader_state(self.dataloader, saved["state"])
+        if isinstance(self.dataloader, StatefulDataLoader):
+            StatefulDataLoader.load_state_dict(self.dataloader, saved["state"])
+        else:
+            self.dataloader.load_state_dict(saved["state"])
 
 
-# --- the adapter until train_state= lands: JSON files beside model/ and optim/ --------------
-
-
-def _is_complete(step_dir: str) -> bool:
-    """Whether ``step_dir`` holds a committed model and optimizer (what ``latest_checkpoint`` counts)."""
-    return all(os.path.isfile(os.path.join(step_dir, part, "metadata.json")) for part in ("model", "optim"))
-
-
-def _has_complete_step(folder: str) -> bool:
-    return os.path.isdir(folder) and checkpointer.latest_checkpoint(folder) is not None
-
-
-def _loader_state(dataloader: Any) -> Any:
-    """The data loader's own state, without the pickle torchtitan's wrapper puts around it."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    if isinstance(dataloader, StatefulDataLoader):
-        return StatefulDataLoader.state_dict(dataloader)
-    return dataloader.state_dict()
-
-
-def _load_loader_state(dataloader: Any, state: Any) -> None:
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    if isinstance(dataloader, StatefulDataLoader):
-        StatefulDataLoader.load_state_dict(dataloader, state)
-    else:
-        dataloader.load_state_dict(state)
-
-
-def _to_json(value: Any) -> Any:
-    """Plain JSON, with tuples, bytes and tensors tagged so that they come back as they were."""
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            return {"__dict__": [[_to_json(k), _to_json(v)] for k, v in value.items()]}
-        return {k: _to_json(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return {"__tuple__": [_to_json(v) for v in value]}
-    if isinstance(value, list):
-        return [_to_json(v) for v in value]
-    if isinstance(value, bytes):
-        return {"__bytes__": base64.b64encode(value).decode()}
-    if isinstance(value, torch.Tensor):
-        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"cannot save a {type(value).__name__} in a torchtitan checkpoint's JSON state")
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if "__tuple__" in value:
-        return tuple(_from_json(v) for v in value["__tuple__"])
-    if "__bytes__" in value:
-        return base64.b64decode(value["__bytes__"])
-    if "__tensor__" in value:
-        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
-    if "__dict__" in value:
-        return {_from_json(k): _from_json(v) for k, v in value["__dict__"]}
-    return {k: _from_json(v) for k, v in value.items()}
-
-
-def _write_json(path: str, value: Any) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(_to_json(value), f)
-    os.replace(tmp, path)
-
-
-def _read_json(path: str) -> Any:
-    with open(path) as f:
-        return _from_json(json.load(f))
+def _hf_names(model: nn.Module, sd_adapter: Any) -> dict[str, str]:
+    """Hugging Face name -> model name, from ``sd_adapter.to_hf`` applied to the model's keys on
+    meta tensors: a value it hands back as it got it was renamed; any other was transformed, and
+    that is refused (a key map would load it wrong)."""
+    if sd_adapter is None:
+        raise ValueError("initial_load_in_hf / last_save_in_hf need the model's state_dict_adapter; "
+                         "this model has none")
+    probe = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+    by_id = {id(v): k for k, v in probe.items()}
+    hf = sd_adapter.to_hf(dict(probe))
+    names: dict[str, str] = {}
+    transformed: list[str] = []
+    for hf_key, value in hf.items():
+        if id(value) in by_id:
+            names[hf_key] = by_id[id(value)]
+        else:
+            transformed.append(hf_key)
+    if transformed:
+        raise ValueError(
+            f"{type(sd_adapter).__name__} changes the values of {len(transformed)} tensors, not only their "
+            f"names (e.g. {transformed[:3]}): CheckpointerManager reads and writes Hugging Face checkpoints "
+            f"through a key map only, which would give these wrong values. Use torchtitan's DCP backend for "
+            f"initial_load_in_hf / last_save_in_hf with this model, or convert the checkpoint first"
+        )
+    return names

@@ -46,7 +46,7 @@ from ..tools.hf import HFSource, INDEX_NAME, SINGLE_NAME, has_file
 from ..tools.hub import fetch_hf, is_hf_url
 from ..tools.sources import Where
 from .load_result import LoadResult
-from .names import model_state_dict
+from .names import load_hook_copies, model_state_dict
 from .strict import difference_message, keys_to_load
 
 __all__ = ["KeyMap", "load_hf", "is_hf_checkpoint", "map_name", "CAST_BATCH_BYTES"]
@@ -187,6 +187,7 @@ def load_hf(
         batch = batches.pop(0)
         load_parts(storages, lambda _, batch=batch: _with_buffers([{} for _ in urls], batch), finish=finish,
                    strategy=strategy, metadatas=metadatas)  # type: ignore[arg-type]
+    load_hook_copies(model, model_state)  # a state_dict hook's copies (fused QKV) go back through load hooks
     return result
 
 

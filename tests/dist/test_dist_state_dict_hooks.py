@@ -83,3 +83,22 @@ def test_hook_made_copies_load_into_the_parameters(run_distributed, tmp_path):
     assert names == {"wq.weight", "wk.weight", "wv.weight", "out.weight", "out.bias"}, names
     for load_ws in (1, 2):
         assert run_distributed(_load, load_ws, ckpt, expected_params, expected_optim) == [True] * load_ws
+
+
+def _load_hf(rank, world_size, src, expected_params):
+    model = _build(world_size, 1)
+    assert not torch.equal(_params(model)["wqkv.weight"], expected_params["wqkv.weight"])
+    load_model_and_optim_state(src, model, key_map=lambda k: k.removeprefix("model."))
+    assert_same(expected_params, _params(model), f"parameters on rank {rank}")
+    return True
+
+
+def test_hook_made_copies_load_from_a_hugging_face_checkpoint(run_distributed, tmp_path):
+    """The same model filled from Hugging Face safetensors (names through ``key_map``)."""
+    from safetensors.torch import save_file
+
+    model = _build(1, 0)
+    expected = _params(model)
+    save_file({f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "m.safetensors"))
+    for load_ws in (1, 2):
+        assert run_distributed(_load_hf, load_ws, str(tmp_path / "m.safetensors"), expected) == [True] * load_ws

@@ -10,7 +10,9 @@ One module-scoped set of launches (each about 25 s of startup and steps on 2 cor
 - ``stopped``: the same job killed after step 2 (its async save of step 2 done), then
   ``resumed``: a new launch of the same command, which finds step 2 and trains steps 3-4 (and
   saves its last step as the model alone, in bfloat16: ``last_save_model_only``, ``export_dtype``);
-- ``one_rank``: a world size 1 launch that resumes from (a copy of) the 2-rank step 2 and stops.
+- ``one_rank``: a world size 1 launch that resumes from (a copy of) the 2-rank step 2 and stops;
+- ``async_keep``: 4 steps saving asynchronously every step with ``keep_latest_k=2``, its folder
+  listed right after each ``save()`` returned (the step just staged still writing).
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ STEPS = 4
 
 
 def _launch(root: Path, name: str, assets: tuple[Path, Path], *, world_size: int = 2, stop: int | None = None,
-            dump_folder: str, extra: list[str] = (), dump_loaded: bool = False) -> dict[str, Path]:
+            dump_folder: str, extra: list[str] = (), dump_loaded: bool = False, steps: int = STEPS,
+            config: str = "debugmodel_checkpointer") -> dict[str, Path]:
     out = {"losses": root / f"{name}.losses", "end": root / f"{name}.end.pt", "loaded": root / f"{name}.loaded.pt"}
     out["timings"] = root / f"{name}.timings"
-    env = {"TITAN_LOSSES": str(out["losses"]), "TITAN_DUMP_END": str(out["end"]), "TITAN_TIMINGS": str(out["timings"])}
+    out["folders"] = root / f"{name}.folders"
+    env = {"TITAN_LOSSES": str(out["losses"]), "TITAN_DUMP_END": str(out["end"]), "TITAN_TIMINGS": str(out["timings"]),
+           "TITAN_FOLDERS": str(out["folders"])}
     if stop is not None:
         env["TITAN_STOP_AFTER"] = str(stop)
     if dump_loaded:
         env["TITAN_DUMP_LOADED"] = str(out["loaded"])
     tokenizer, data = assets
-    args = titan_launcher.train_args(tokenizer=tokenizer, data=data, dump=root / dump_folder, steps=STEPS, extra=extra)
+    args = titan_launcher.train_args(tokenizer=tokenizer, data=data, dump=root / dump_folder, steps=steps, extra=extra,
+                                     config=config)
     titan_launcher.launch(world_size, args, env, log=root / f"{name}.log")
     return out
 
@@ -62,6 +68,7 @@ def runs(tmp_path_factory):
     runs["resumed"] = _launch(root, "resumed", assets, dump_folder="job", extra=async_save + last_model_only)
     runs["one_rank"] = _launch(root, "one_rank", assets, world_size=1, stop=2, dump_folder="one_rank",
                                dump_loaded=True)
+    runs["async_keep"] = _launch(root, "async_keep", assets, dump_folder="async_keep", extra=every_step + async_save)
     return runs
 
 
@@ -107,9 +114,19 @@ def test_the_checkpoints_are_ordinary_checkpointer_checkpoints(runs):
     # torchtitan saves its fused wqkv as wq/wk/wv; the other parameters are saved as they are.
     for name, value in stopped_end["model"].items():
         assert torch.equal(full[name], value), name
-    train = json.loads((job / "step-2/titan/job.json").read_text())
-    assert train["lr_scheduler"] == {"last_epoch": 2}
-    assert train["train_state"]["step"] == 2
+    assert sorted(p.name for p in (job / "step-2").iterdir()) == ["model", "optim", "train"], "no titan/ side files"
+    train = dict(checkpointer.lazy_load(str(job / "step-2/train")))
+
+    def value(key):
+        return json.loads(bytes(train[key].tolist()))
+
+    assert value("manifest")["job"] == ["lr_scheduler", "train_state"]
+    assert value("manifest")["per_rank"] == ["dataloader"]
+    assert value("job.lr_scheduler") == {"last_epoch": 2}
+    assert value("job.train_state")["step"] == 2
+    for rank in (0, 1):
+        loader = value(f"rank{rank}.dataloader")
+        assert (loader["dp_rank"], loader["dp_world_size"]) == (rank, 2)
 
 
 def test_the_last_step_saves_the_model_alone_in_the_export_dtype(runs):
@@ -132,6 +149,24 @@ def test_keep_latest_k_keeps_the_newest_complete_steps(runs):
             assert (folder / step / part / "metadata.json").is_file(), (step, part)
 
 
+def test_keep_latest_k_with_an_async_save_in_flight_keeps_the_newest_complete_step(runs):
+    """Right after each ``save()`` of step N returned (step N still writing), the folder holds
+    step N and the newest complete step N-1; later, N-1 and N only (``keep_latest_k=2``)."""
+    listings = json.loads(runs["async_keep"]["folders"].read_text())
+    assert [x["step"] for x in listings] == [1, 2, 3, 4]
+    for listing in listings:
+        step = listing["step"]
+        assert f"step-{step}" in listing["dirs"], listing
+        if step > 1:
+            assert f"step-{step - 1}" in listing["complete"], listing
+            assert listing["latest"] in (f"step-{step - 1}", f"step-{step}"), listing
+        assert all(int(d.removeprefix("step-")) >= step - 2 for d in listing["dirs"]), listing
+    folder = runs["root"] / "async_keep/checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
+    timings = json.loads(Path(f"{runs['async_keep']['timings']}.0").read_text())
+    assert timings["returned_future"] == [True] * 4
+
+
 def test_a_checkpoint_of_two_ranks_loads_exactly_on_one(runs):
     saved = torch.load(runs["stopped"]["end"], weights_only=True)
     loaded = torch.load(runs["one_rank"]["loaded"], weights_only=True)
@@ -140,6 +175,22 @@ def test_a_checkpoint_of_two_ranks_loads_exactly_on_one(runs):
     assert loaded["step"] == 2
     log = (runs["root"] / "one_rank.log").read_text()
     assert "the data loader was saved at data-parallel size 2, this job has 1" in log
+
+
+def test_a_checkpoint_of_one_rank_loads_exactly_on_two(tmp_path):
+    """1 -> 2 ranks: model, optimizer and LR state exact; rank 1 has no saved loader position
+    (``LoadResult.missing_keys``) and rank 0's belongs to another data-parallel size: both warn."""
+    assets = titan_launcher.write_assets(tmp_path / "assets")
+    saved = _launch(tmp_path, "one", assets, world_size=1, stop=2, dump_folder="job")
+    loaded = _launch(tmp_path, "two", assets, stop=2, dump_folder="job", dump_loaded=True)
+    expected = torch.load(saved["end"], weights_only=True)
+    actual = torch.load(loaded["loaded"], weights_only=True)
+    for part in ("model", "optimizer", "lr_scheduler"):
+        _assert_equal(expected[part], actual[part], part)
+    assert actual["step"] == 2
+    log = (tmp_path / "two.log").read_text()
+    assert "the data loader was saved by fewer ranks than this job has (rank 1 has no saved position)" in log
+    assert "the data loader was saved at data-parallel size 1, this job has 2" in log
 
 
 def test_a_seed_checkpoint_starts_a_job(tmp_path):
@@ -158,3 +209,28 @@ def test_a_seed_checkpoint_starts_a_job(tmp_path):
     assert set(loaded) == set(seeded)
     for name, value in loaded.items():
         assert torch.equal(seeded[name], value), name
+
+
+def test_a_job_starts_from_a_hugging_face_checkpoint(tmp_path):
+    """``last_save_in_hf`` writes the last step as Hugging Face shards (the adapter's names); a new
+    2-rank job with ``initial_load_in_hf`` starts from them with the exact trained parameters. The
+    adapter renames only (llama3's own permutes wq/wk: refused at start-up, by name)."""
+    assets = titan_launcher.write_assets(tmp_path / "assets")
+    hf_flags = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
+    saved = _launch(tmp_path, "hf_save", assets, dump_folder="saved", steps=1, extra=hf_flags,
+                    config="debugmodel_checkpointer_hf_names")
+    step1 = tmp_path / "saved/checkpoint/step-1"
+    names = sorted(p.name for p in step1.iterdir())
+    assert "model.safetensors.index.json" in names and "model" not in names, names
+    index = json.loads((step1 / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.self_attn.q_proj.weight" in index["weight_map"]
+    hf_load = ["--checkpoint.initial_load_path", str(step1), "--checkpoint.initial_load_in_hf", "--debug.seed", "11"]
+    started = _launch(tmp_path, "hf_start", assets, stop=0, dump_folder="started", extra=hf_load, dump_loaded=True,
+                      config="debugmodel_checkpointer_hf_names")
+    expected = torch.load(saved["end"], weights_only=True)["model"]
+    loaded = torch.load(started["loaded"], weights_only=True)["model"]
+    _assert_equal(expected, loaded, "model")
+
+    with pytest.raises(RuntimeError, match="changes the values of"):
+        _launch(tmp_path, "hf_refused", assets, world_size=1, stop=0, dump_folder="refused", extra=hf_load)
+    assert "model.layers.0.self_attn.q_proj.weight" in (tmp_path / "hf_refused.log").read_text()

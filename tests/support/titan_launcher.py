@@ -28,7 +28,9 @@ anything in site-packages. Recipe:
      each timed), for the benchmark's medians;
    - ``TITAN_PROFILE_LOAD``: a cProfile of each rank's ``load()`` call (``{path}.{rank}``);
    - ``TITAN_TIMINGS``: a JSON file per rank of the seconds each ``save()`` and ``load()`` call
-     blocked the trainer, and whether each save returned with its write in a Future (async).
+     blocked the trainer, and whether each save returned with its write in a Future (async);
+   - ``TITAN_FOLDERS``: rank 0 records, right after each ``save()`` returns (an async save may
+     still be writing), the checkpoint folder's step directories and which of them are complete.
 
 The config functions the tests pass (``--module titan_launcher --config NAME``) are at the end.
 """
@@ -204,6 +206,16 @@ def _dump(trainer: Any, path: str) -> None:
         torch.save(state, path)
 
 
+def _folder_listing(folder: str, step: int) -> dict[str, Any]:
+    import checkpointer
+
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    complete = [n for n in names if all(os.path.isfile(os.path.join(folder, n, part, "metadata.json"))
+                                        for part in ("model", "optim", "train"))]
+    latest = checkpointer.latest_checkpoint(folder) if names else None
+    return {"step": step, "dirs": names, "complete": complete, "latest": latest and os.path.basename(latest)}
+
+
 def _install_hooks() -> None:
     import torch
     from torchtitan.components.checkpointer import BaseCheckpointManager
@@ -214,6 +226,8 @@ def _install_hooks() -> None:
     timings: dict[str, list] = {"save": [], "load": [], "save_steps": [], "returned_future": []}
     loss_path = os.environ.get("TITAN_LOSSES")
     timing_path = os.environ.get("TITAN_TIMINGS")
+    folders_path = os.environ.get("TITAN_FOLDERS")
+    folders: list[dict[str, Any]] = []
 
     original_log = MetricsProcessor.log
 
@@ -236,6 +250,9 @@ def _install_hooks() -> None:
             timings["save_steps"].append(curr_step)
             future = getattr(self, "save_future", None)
             timings["returned_future"].append(future is not None)
+            if folders_path and _rank() == 0:
+                folders.append(_folder_listing(self.folder, curr_step))
+                Path(folders_path).write_text(json.dumps(folders))
             if timing_path:
                 Path(f"{timing_path}.{_rank()}").write_text(json.dumps(timings))
         return saved
@@ -360,6 +377,25 @@ def debugmodel_checkpointer() -> Any:
     config = _sized(_cpu_debugmodel())
     config.checkpoint = CheckpointerManager.Config(enable=True, interval=2,
                                                    last_save_model_only=False)
+    return config
+
+
+def debugmodel_checkpointer_hf_names() -> Any:
+    """As ``debugmodel_checkpointer``, with a Hugging Face adapter that only renames: llama3's own
+    also permutes wq/wk, which ``CheckpointerManager`` refuses for Hugging Face loads and saves."""
+    import dataclasses
+
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    class RenamingAdapter(Llama3StateDictAdapter):
+        def _permute(self, w, *args, **kwargs):
+            return w
+
+        def _reverse_permute(self, w, *args, **kwargs):
+            return w
+
+    config = debugmodel_checkpointer()
+    config.model_spec = dataclasses.replace(config.model_spec, state_dict_adapter=RenamingAdapter)
     return config
 
 
