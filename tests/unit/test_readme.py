@@ -136,3 +136,10 @@ def test_the_readme_links_resolve():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
         if not target.startswith(("http://", "https://")):
             assert (REPO / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_the_readme_is_read_in_five_minutes():
+    """At most 150 lines: what it is, install, use, resume, CLI, remote, settings, on disk,
+    performance, links. Journals and design notes live in docs/ and benchmarks/."""
+    lines = README.splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines"
