@@ -33,24 +33,9 @@ from .buffers import memoryview_of
 from .errors import RankError, RankFailedError, remote_error
 
 __all__ = [
-    "is_distributed",
-    "get_rank",
-    "get_world_size",
-    "timeout_seconds",
-    "all_gather_bytes",
-    "broadcast_bytes",
-    "gather_bytes",
-    "all_reduce_min",
-    "all_equal_and_least",
-    "agree",
-    "agree_after",
-    "barrier",
-    "share_from",
-    "share_tensor",
-    "new_cpu_group",
-    "join_from_env",
-    "leave_group",
-    "wait_before_destroy",
+    "is_distributed", "get_rank", "get_world_size", "timeout_seconds", "all_gather_bytes", "broadcast_bytes",
+    "gather_bytes", "all_reduce_min", "all_equal_and_least", "agree", "agree_after", "barrier", "share_from",
+    "share_tensor", "new_cpu_group", "join_from_env", "leave_group", "wait_before_destroy",
 ]
 
 TIMEOUT_ENV = settings.TIMEOUT_S_ENV
@@ -218,17 +203,27 @@ def _bytes(t: torch.Tensor) -> bytes:
     return memoryview_of(t.cpu().contiguous()).tobytes()
 
 
+_FIRST_BYTES = 64 << 10  # what the first broadcast carries (a metadata.json of ~500 tensors): one collective
+
+
 def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
+    """``src``'s payload on every rank: one broadcast of its size and first :data:`_FIRST_BYTES`
+    bytes, and a second of the whole payload only when there is more."""
     if not is_distributed():
         assert payload is not None
         return payload
     arrival = _Arrival()
-    n = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=_device())
-    _wait(dist.broadcast(n, src, async_op=True), "broadcast", arrival)
-    size = int(n.item())
-    buf = _to_tensor(payload if get_rank() == src and payload is not None else b"", size)
-    _wait(dist.broadcast(buf, src, async_op=True), "broadcast", arrival)
-    return _bytes(buf)
+    payload = payload if get_rank() == src and payload is not None else b""
+    head = _to_tensor(len(payload).to_bytes(8, "little") + payload[:_FIRST_BYTES], 8 + _FIRST_BYTES)
+    _wait(dist.broadcast(head, src, async_op=True), "broadcast", arrival)
+    first = _bytes(head)
+    size = int.from_bytes(first[:8], "little")
+    if size <= _FIRST_BYTES:
+        return first[8 : 8 + size]
+    del first, head
+    whole = _to_tensor(payload, size)
+    _wait(dist.broadcast(whole, src, async_op=True), "broadcast", arrival)
+    return _bytes(whole)
 
 
 def gather_bytes(payload: bytes, dst: int = 0, group: Any = None) -> list[bytes] | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import product
 from typing import Sequence
@@ -17,6 +17,7 @@ from ..format.dtypes import itemsize
 from ..planning.boxes import span_boxes
 from ..planning.load_plan import ReadItem, TensorLoadPlan
 from ..storage.base import ReadRequest, Storage
+from ..storage.parallel import shared_pool
 from .checks import HashedRun, HeaderCache, check_chunk, piece_start, read_hashed, read_with, verified_requests, verify_tasks
 from .rankfile import io_threads
 
@@ -312,14 +313,27 @@ def verify_reads(
 
 
 def _run(num_threads: int | None, tasks: list[tuple]) -> None:
-    threads = min(num_threads or io_threads(), len(tasks))
+    most = num_threads or io_threads()
+    threads = min(most, len(tasks))
     if threads <= 1:
         for fn, *args in tasks:
             fn(*args)
         return
-    with ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-io") as pool:
-        for future in [pool.submit(fn, *args) for fn, *args in tasks]:
-            future.result()
+    pool = shared_pool(most)  # starts at most ``threads`` of its threads for these tasks
+    if pool is None:
+        with ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-io") as own:
+            for future in [own.submit(fn, *args) for fn, *args in tasks]:
+                future.result()
+        return
+    futures = [pool.submit(fn, *args) for fn, *args in tasks]
+    try:
+        wait(futures)
+    finally:  # interrupted too: no task writes into the callers' memory once this returns
+        for future in futures:
+            future.cancel()
+        wait(futures)
+    for future in futures:
+        future.result()
 
 
 def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:

@@ -315,3 +315,23 @@ def test_collectives_leave_no_store_thread_behind(run_distributed):
     """A thread that still holds the rendezvous store when the group is destroyed can abort the
     process at exit: every collective waits for its arrival thread to end, not only to count."""
     assert run_distributed(_store_threads_after_collectives, 2) == [0, 0]
+
+
+def _broadcasts(rank, world_size):
+    """Each payload as every rank received it from rank 1, with the collectives that carried it."""
+    from checkpointer import dist as cdist
+
+    out = []
+    for size in (0, 10, 64 << 10, (64 << 10) + 1, 300_000):
+        payload = bytes((i * 7 + size) % 251 for i in range(size))
+        with collectives_called() as calls:
+            got = cdist.broadcast_bytes(payload if rank == 1 else None, src=1)
+        out.append((got == payload, calls))
+    return out
+
+
+def test_a_small_broadcast_is_one_collective(run_distributed):
+    """Up to 64 KiB (a metadata.json of a few hundred tensors) travels with its size in one
+    broadcast; a larger payload takes a second one."""
+    for rank, got in enumerate(run_distributed(_broadcasts, 3)):
+        assert got == [(True, ["broadcast"])] * 3 + [(True, ["broadcast"] * 2)] * 2, f"rank {rank}: {got}"

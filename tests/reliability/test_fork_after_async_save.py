@@ -1,9 +1,11 @@
 """A process forked after an async save (a data loader's worker, a forked test job) saves on its
-own: its parent's writer thread is not in it, so it must not wait for that thread."""
+own: its parent's writer thread is not in it, so it must not wait for that thread. Likewise it
+loads with read threads of its own, not the parent's pool that loads reuse."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 import rel_helpers
 import torch
@@ -30,3 +32,24 @@ def test_a_forked_child_saves_with_a_saver_its_parent_used(tmp_path):
         assert child.exitcode == 0 and child.value is True, child
     assert _async_save_and_load(saver, str(tmp_path / "parent_again"), 4), "the parent's saver stopped working"
     assert sorted(os.listdir(tmp_path)) == ["child2", "child3", "parent", "parent_again"]
+
+
+def _big() -> torch.Tensor:
+    return torch.arange(10 << 20, dtype=torch.float32)  # 40 MiB: two reads of at most 32 MiB, two pool threads
+
+
+def _load_big(path: str) -> tuple[bool, list[str]]:
+    target = torch.zeros(10 << 20)
+    Checkpointer().load(path, {"big": target})
+    names = sorted(t.name for t in threading.enumerate() if t.name.startswith("checkpointer-io"))
+    return torch.equal(target, _big()), names
+
+
+def test_a_forked_child_loads_with_read_threads_of_its_own(tmp_path):
+    path = str(tmp_path / "big")
+    Checkpointer().save(path, {"big": _big()})
+    ok, threads = _load_big(path)
+    assert ok and len(threads) == 2, threads  # the shared pool's threads, still alive after the load
+    child = rel_helpers.run_forked(_load_big, path, timeout=60)  # the parent's pool would never run its reads
+    assert child.exitcode == 0 and child.value == (True, threads), child
+    assert _load_big(path) == (True, threads), "the parent's pool stopped working"
