@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import dist
 from .engine.checkpointer import Checkpointer, Strategy
 from .engine.async_save import WatchedFuture
 from .engine.commit import claim_parts
@@ -146,6 +147,11 @@ def async_save_model_and_optim_state(
         files: Future[list[str]] = WatchedFuture(dir)
         if save_overwrite:  # without it, the async saver refuses an existing checkpoint (from .result())
             _claim(dir, save_overwrite, has_train=len(targets) == 3)
+        elif len(targets) == 2:  # the saver refuses its targets only: an old train/ would pass as this save's
+            _, refused = dist.attempt(lambda: _claim(dir, False, has_train=False))
+            if refused is not None:
+                files.set_exception(refused)
+                return files
         # The async saver locks every part (retiring old ones) before writing any.
         both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite)
 
