@@ -105,9 +105,11 @@ def test_a_save_without_train_state_refuses_a_crashed_saves_train_state(ckpt, us
     checkpointer.save_model_and_optim_state(top, model, optim, train_state={"step": 1})
     for part in ("model", "optim"):  # as if killed after train/ committed
         os.remove(os.path.join(top, part, "metadata.json"))
-    with pytest.raises(FileExistsError, match="train"):
-        if use_async:
-            checkpointer.async_save_model_and_optim_state(top, model, optim).result()
-        else:
-            checkpointer.save_model_and_optim_state(top, model, optim)
+    other = torch.nn.Linear(5, 7)  # a model never saved: its plan is made in full, not reused
+    for model, optim in ((model, optim), (other, torch.optim.AdamW(other.parameters()))):
+        with pytest.raises(FileExistsError, match="train"):
+            if use_async:
+                checkpointer.async_save_model_and_optim_state(top, model, optim).result()
+            else:
+                checkpointer.save_model_and_optim_state(top, model, optim)
     assert checkpointer.latest_checkpoint(ckpt.run_dir) == ckpt.top
