@@ -146,8 +146,10 @@ def async_save_model_and_optim_state(
         files: Future[list[str]] = WatchedFuture(dir)
         if save_overwrite:  # without it, the async saver refuses an existing checkpoint (from .result())
             _claim(dir, save_overwrite, has_train=len(targets) == 3)
-        # The async saver locks every part (retiring old ones) before writing any.
-        both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite)
+        # The async saver locks every part (retiring old ones) before writing any; without a
+        # train_state, an old train/ (a crashed save's) is refused too, else it passes as this save's.
+        absent = [f"{dir}/{TRAIN_PART}"] if len(targets) == 2 else []
+        both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite, absent=absent)
 
     def done(f: Future) -> None:
         if f.exception() is not None:

@@ -26,7 +26,7 @@ import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ from ..sharding import LocalTensor
 from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
 from .rankfile import Copies, start_hashing
-from .commit import refuse_existing_everywhere, release_locks, take_locks
+from .commit import refuse_existing, refuse_existing_everywhere, release_locks, take_locks
 from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, reuse_cached_plans, write_and_commit
 
 __all__ = ["AsyncSaver", "WatchedFuture", "wait_for_writes_into", "writing_under"]
@@ -151,8 +151,10 @@ class AsyncSaver:
         *,
         save_overwrite: bool,
         cache: dict[str, SavePlanCache],
+        absent: Sequence[Storage] = (),
     ) -> Future[list[tuple[StorageMetadata, list[str]]]]:
         """Plan and stage every ``(storage, state_dict)`` now; write them all in the background.
+        Without ``save_overwrite``, a checkpoint in any of ``absent`` refuses the save too.
 
         With every plan cached, the caller waits for one all-reduce and the copy: rank 0 takes
         the save locks in the background, which then agrees on them and on every rank's
@@ -178,7 +180,7 @@ class AsyncSaver:
                     planned = reused
                 else:
                     if not save_overwrite:  # before any target's lock: a refused save locks none
-                        refuse_existing_everywhere([st for st, _ in targets])
+                        refuse_existing_everywhere([st for st, _ in targets] + list(absent))
                     for st, d in described:  # each plan ends with an agreement: its errors reach every rank
                         planned.append(plan_in_full(st, d, save_overwrite=save_overwrite, cache=cache))
 
@@ -205,7 +207,7 @@ class AsyncSaver:
             _, staging_error = dist.attempt(stage)
             _track(planned, +1)
             self._inflight = self._executor.submit(
-                self._write, planned, staged, copies, staging_error, locked, save_overwrite, result
+                self._write, planned, staged, copies, staging_error, locked, save_overwrite, result, absent
             )
             return result
 
@@ -218,12 +220,18 @@ class AsyncSaver:
         locked: bool,
         save_overwrite: bool,
         result: Future,
+        absent: Sequence[Storage],
     ) -> None:
         out: list[tuple[StorageMetadata, list[str]]] = []
         try:
             error = staging_error
             if error is None and not locked and dist.get_rank() == 0:
-                locks, error = dist.attempt(lambda: take_locks([p.storage for p in planned], save_overwrite))
+                def refuse_then_lock() -> list[bytes | None]:
+                    if not save_overwrite:
+                        refuse_existing(list(absent))
+                    return take_locks([p.storage for p in planned], save_overwrite)
+
+                locks, error = dist.attempt(refuse_then_lock)
                 planned = [replace(p, lock=lock) for p, lock in zip(planned, locks)] if error is None else planned
             dist.agree(error, "async save", group=self._group)
             for p, s, c in zip(planned, staged, copies):

@@ -100,13 +100,16 @@ class Checkpointer:
         return _first(self.async_save_many([(dir, state_dict)], save_overwrite=save_overwrite))
 
     def async_save_many(
-        self, targets: list[tuple[str | Storage, Mapping[str, Any]]], *, save_overwrite: bool = False
+        self, targets: list[tuple[str | Storage, Mapping[str, Any]]], *, save_overwrite: bool = False,
+        absent: Sequence[str | Storage] = (),
     ) -> Future[list[tuple[StorageMetadata, list[str]]]]:
-        """:meth:`async_save` of several ``(dir, state_dict)`` at once, written one after another."""
+        """:meth:`async_save` of several ``(dir, state_dict)`` at once, written one after another.
+        Without ``save_overwrite``, a checkpoint in any of ``absent`` refuses it as one in a target does."""
         if self._async is None:
             self._async = AsyncSaver()
         opened = [(open_storage(d), sd) for d, sd in targets]
-        return self._async.save(opened, save_overwrite=save_overwrite, cache=self._plan_cache)
+        return self._async.save(opened, save_overwrite=save_overwrite, cache=self._plan_cache,
+                                absent=[open_storage(d) for d in absent])
 
     def wait(self) -> None:
         """Block until an async save in flight has finished."""

@@ -45,7 +45,7 @@ from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from .commit import check_copies
 from .rankfile import Copies, start_hashing
-from .commit import check_directory, commit_metadata, refuse_existing_everywhere, release_lock
+from .commit import check_directory, commit_metadata, refuse_existing_everywhere, release_lock, take_locks
 from .rankfile import write_rank_file
 
 __all__ = [
@@ -275,9 +275,8 @@ def reuse_cached_plans(
     locks: list[bytes | None] = [None] * len(targets)
     ok = all(hit is not None for hit in hits)
     if ok and take_locks_now and dist.get_rank() == 0:
-        taken, failed = dist.attempt(
-            lambda: [check_directory(storage, save_overwrite, retire_old=True) for storage, _ in targets]
-        )
+        # take_locks releases the locks it took when a later target refuses.
+        taken, failed = dist.attempt(lambda: take_locks([storage for storage, _ in targets], save_overwrite))
         ok = failed is None  # the full path reports it
         locks = taken or locks
     # Every rank's entries must come from one plan: each rank's own pieces can recur while

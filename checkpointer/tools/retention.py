@@ -15,7 +15,10 @@ In order (rank 0 alone; :func:`checkpointer.prune` gives the outcome to every ra
 
 An incomplete directory is deleted only when it holds nothing but what a save leaves (rank
 files, temporary files, the save lock, ``model/``, ``optim/``, ``train/``): a directory of
-other files whose name happens to carry a number is not a checkpoint, and is left alone.
+other files whose name happens to carry a number is not a checkpoint, and is left alone; so is
+a committed ``model/`` without ``optim/`` (a model saved alone, such as torchtitan's last step
+with ``last_save_model_only``: a model and optimizer save creates ``optim/`` before it commits
+``model/``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def check_counts(keep_last: object, keep_every: object) -> None:
 
 def _only_save_files(storage: Storage) -> bool:
     names = storage.list()
+    if "optim" not in names and "model" in names and storage.part("model").exists(METADATA_FILENAME):
+        return False  # a model saved alone: a model + optimizer save locks optim/ before it commits model/
     return bool(names) and all(is_save_file(n) or n in COMMITTED_PARTS for n in names)
 
 

@@ -93,3 +93,23 @@ def test_overwriting_without_train_state_removes_the_old_one(ckpt):
     assert checkpointer.load_model_and_optim_state(top, model, optim).train_state == {}
     with pytest.raises(checkpointer.CheckpointMismatchError, match="step"):
         checkpointer.load_model_and_optim_state(top, model, optim, train_state={"step": RNGState()})
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_save_without_train_state_refuses_a_crashed_saves_train_state(ckpt, use_async):
+    """A save killed after ``train/`` committed leaves it behind; a save without ``train_state`` and
+    without ``save_overwrite`` into that step is refused (async too), never committed beside it."""
+    top = os.path.join(ckpt.run_dir, "step20")
+    model = build_model(1, seed=3)
+    optim = build_optim(model, "adamw")
+    checkpointer.save_model_and_optim_state(top, model, optim, train_state={"step": 1})
+    for part in ("model", "optim"):  # as if killed after train/ committed
+        os.remove(os.path.join(top, part, "metadata.json"))
+    other = torch.nn.Linear(5, 7)  # a model never saved: its plan is made in full, not reused
+    for model, optim in ((model, optim), (other, torch.optim.AdamW(other.parameters()))):
+        with pytest.raises(FileExistsError, match="train"):
+            if use_async:
+                checkpointer.async_save_model_and_optim_state(top, model, optim).result()
+            else:
+                checkpointer.save_model_and_optim_state(top, model, optim)
+    assert checkpointer.latest_checkpoint(ckpt.run_dir) == ckpt.top

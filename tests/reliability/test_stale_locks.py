@@ -161,3 +161,19 @@ def test_a_long_save_keeps_its_lock_alive(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert len(seen) == 1 and "in progress" in str(seen[0]), seen
     assert _saved(path) and sorted(os.listdir(path)) == ["metadata.json", "rank_0.safetensors"]
+
+
+def test_a_refused_save_of_several_targets_leaves_no_lock_behind(tmp_path):
+    """A cached plan's save of model + optimizer, refused because ``optim/`` holds a checkpoint,
+    takes no lock that outlives it: the next save into ``model/`` is not refused as in progress."""
+    model, optim = {"a": torch.arange(4.0)}, {"b": torch.arange(3.0)}
+    ckpt = Checkpointer()
+    ckpt.save_many([(str(tmp_path / "s1" / "model"), model), (str(tmp_path / "s1" / "optim"), optim)])
+    Checkpointer().save(str(tmp_path / "s2" / "optim"), optim)
+    with pytest.raises(FileExistsError, match="optim"):  # the plans are cached: the locks are taken first
+        ckpt.save_many([(str(tmp_path / "s2" / "model"), model), (str(tmp_path / "s2" / "optim"), optim)])
+    assert not (tmp_path / "s2" / "model" / LOCK_FILENAME).exists()
+    Checkpointer().save(str(tmp_path / "s2" / "model"), model)
+    out = {"a": torch.zeros(4)}
+    Checkpointer().load(str(tmp_path / "s2" / "model"), out)
+    assert torch.equal(out["a"], model["a"])

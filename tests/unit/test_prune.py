@@ -103,3 +103,17 @@ def test_every_part_present_must_have_committed():
     assert is_complete(step)
     step.child("model").delete("metadata.json")
     assert not is_complete(step)
+
+
+def test_a_model_saved_alone_in_a_step_directory_is_not_deleted(tmp_path):
+    """``step5/model`` committed without ``optim/`` is a model saved on its own (not the leftovers
+    of a model + optimizer save, which locks ``optim/`` before committing ``model/``): kept."""
+    run = tmp_path / "run"
+    model = torch.nn.Linear(2, 2)
+    checkpointer.Checkpointer().save(str(run / "step5" / "model"), model.state_dict())
+    checkpointer.save_model_and_optim_state(str(run / "step10"), model, torch.optim.AdamW(model.parameters()))
+    checkpointer.Checkpointer().save(str(run / "step7" / "model"), model.state_dict())
+    (run / "step7" / "optim").mkdir()  # a model + optimizer save that died before optim/ committed
+    assert checkpointer.prune(str(run), keep_last=5) == [f"{run}/step7"]
+    assert sorted(os.listdir(run)) == ["step10", "step5"]
+    assert torch.equal(checkpointer.Checkpointer().unshard(str(run / "step5" / "model"))["weight"], model.weight)
