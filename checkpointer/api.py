@@ -22,7 +22,7 @@ from .engine.locate import newest_checkpoint
 from .models.hf_load import KeyMap, is_hf_checkpoint, load_hf
 from .models.load_result import LoadResult
 from .models.names import model_state_dict
-from .models.train_state import TRAIN_PART, PerRank, RNGState, load_train_state, train_state_dict
+from .models.train_state import TRAIN_PART, PerRank, RNGState, load_train_state, save_parts
 from .models.optim_layout import flatten_optim_state, load_model_and_optim, malformed, unflatten_optim
 from .storage import open_storage
 from .tools.retention import prune_run
@@ -92,22 +92,10 @@ def save_model_and_optim_state(
         checkpointer.save_model_and_optim_state(f"{run_dir}/step{step}", model, optim)
     """
     dir = path_arg(dir).rstrip("/")
-    targets = _targets(dir, model, optim, train_state)
+    targets = save_parts(dir, model, optim, train_state)
     _DEFAULT.wait()
     _claim(dir, save_overwrite, has_train=len(targets) == 3)
     return [name for _, created in _DEFAULT.save_many(targets, save_overwrite=save_overwrite) for name in created]
-
-
-def _targets(
-    dir: str, model: nn.Module, optim: torch.optim.Optimizer, train_state: dict[str, Any] | None
-) -> list[tuple[str, dict[str, Any]]]:
-    """The parts of a save, in commit order: ``train/`` (when given), ``model/``, then ``optim/``,
-    whose commit is the checkpoint's."""
-    model_state = model_state_dict(model)
-    targets = [(f"{dir}/model", model_state), (f"{dir}/optim", flatten_optim_state(model, optim, model_state))]
-    if train_state is not None:
-        targets.insert(0, (f"{dir}/{TRAIN_PART}", train_state_dict(train_state)))
-    return targets
 
 
 def _claim(dir: str, save_overwrite: bool, *, has_train: bool) -> None:
@@ -141,7 +129,7 @@ def async_save_model_and_optim_state(
     """
     dir = path_arg(dir).rstrip("/")
     with torch.no_grad():
-        targets = _targets(dir, model, optim, train_state)
+        targets = save_parts(dir, model, optim, train_state)
         _DEFAULT.wait()
         files: Future[list[str]] = WatchedFuture(dir)
         if save_overwrite:  # without it, the async saver refuses an existing checkpoint (from .result())

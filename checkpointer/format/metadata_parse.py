@@ -147,6 +147,8 @@ def _validate(
     in_files = raw.get("checksums_in_files")
     if in_files is not None and type(in_files) is not bool:
         raise ValueError("checksums_in_files must be true, false or null")
+    if in_files and (fields.get("checksum_algorithm") is None or raw.get("checksum_chunk_bytes") is None):
+        raise ValueError("checksums_in_files needs checksum_algorithm and checksum_chunk_bytes")
     fields["checksums_in_files"] = in_files
     if parser is not None and parser.max_file >= 0:
         world = fields["world_size"]

@@ -4,15 +4,16 @@
 it is written, committed and checked by the same engine. Its keys:
 
 - ``manifest``: JSON naming the job keys, the per-rank keys and the world size that saved them;
-- ``job.{key}``: the JSON of a value that is the job's (the same on every rank): written once,
-  and a save whose ranks disagree on it is refused before anything is written;
+- ``job.{key}``: the JSON of a value that is the job's (the same on every rank): written once;
+  a save whose ranks disagree on its JSON is refused before anything is written, and on a tensor
+  it holds, at the commit, by the replica check (``CHECKPOINTER_VERIFY_REPLICAS``);
 - ``rank{r}.{key}``: the JSON of rank ``r``'s own value (``PerRank``, ``RNGState``), held by
   rank ``r`` alone;
 - ``{json key}/{i}``: the tensors a JSON refers to (:mod:`~checkpointer.models.train_codec`).
 
 JSON texts are stored as 1-D uint8 tensors. Saving, in order:
 
-1. Every rank calls :func:`train_state_dict` before its save is planned: each value is taken
+1. Every rank calls :func:`save_parts` before its save is planned: each value is taken
    (``state_dict()`` of a stateful object) and encoded now, and the ranks compare their job
    values (one all-gather of their digests).
 2. The state dict it returns is saved to ``dir/train`` before ``model/`` and ``optim/``, whose
@@ -33,6 +34,7 @@ import zlib
 from typing import Any, Mapping
 
 import torch
+import torch.nn as nn
 
 from .. import dist
 from ..buffers import memoryview_of
@@ -42,8 +44,10 @@ from ..errors import CheckpointMismatchError, CorruptCheckpointError
 from ..format.layout import METADATA_FILENAME
 from ..storage.base import Storage
 from . import train_codec
+from .names import model_state_dict
+from .optim_layout import flatten_optim_state
 
-__all__ = ["PerRank", "RNGState", "train_state_dict", "load_train_state", "TRAIN_PART"]
+__all__ = ["PerRank", "RNGState", "save_parts", "load_train_state", "TRAIN_PART"]
 
 TRAIN_PART = "train"
 _FORMAT = 1
@@ -127,14 +131,27 @@ def _json_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def train_state_dict(train_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Every rank: the flat state dict to save as ``dir/train`` (recipe step 1)."""
+def save_parts(
+    dir: str, model: nn.Module, optim: torch.optim.Optimizer, train_state: Mapping[str, Any] | None
+) -> list[tuple[str, dict[str, Any]]]:
+    """Every rank: the parts of a model + optimizer save as ``(dir/part, state dict)``, in commit
+    order: ``train/`` (when ``train_state`` is given; recipe step 1), ``model/``, then ``optim/``,
+    whose commit is the checkpoint's. With a training state, one rank's error here (a value that
+    cannot be stored, optimizer state that is not a tensor) stops every rank before the job
+    values are compared."""
+    def model_and_optim() -> list[tuple[str, dict[str, Any]]]:
+        model_state = model_state_dict(model)
+        return [(f"{dir}/model", model_state), (f"{dir}/optim", flatten_optim_state(model, optim, model_state))]
+
+    if train_state is None:
+        return model_and_optim()
     if not isinstance(train_state, Mapping):
         raise TypeError(f"train_state must be a dict, not {type(train_state).__name__}")
-    with dist.phase("save"):  # one rank's unstorable value stops every rank here
+    with dist.phase("save"):
+        parts = model_and_optim()
         flat, digests, manifest = _encode_all(train_state)
     _check_job_values_agree(digests, manifest)
-    return flat
+    return [(f"{dir}/{TRAIN_PART}", flat), *parts]
 
 
 def _encode_all(train_state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, Any]]:

@@ -103,3 +103,21 @@ def test_values_come_back_and_per_rank_values_follow_the_policy(run_distributed,
                 assert "mine" not in ts and not r["has_rng"]
                 assert r["missing"] == ["train_state.mine", "train_state.rng"]
                 assert any("train_state keys ['mine', 'rng']" in w for w in r["warned"]), r["warned"]
+
+
+def _one_rank_cannot_flatten(rank, world_size, root):
+    job = build_job(world_size, seed=0)
+    run(job, 1)
+    if rank == 1:  # optimizer state that is not a tensor: this rank's flattening raises
+        next(iter(job.optim.state.values()))["note"] = "not a tensor"
+    return catch(checkpointer.save_model_and_optim_state, os.path.join(root, "bad"), job.model, job.optim,
+                 train_state={"step": 1})
+
+
+def test_an_error_on_one_rank_before_the_job_values_are_compared_reaches_every_rank(run_distributed, tmp_path):
+    """The ranks compare their job values in a collective: a rank that fails before it (here in
+    flattening its optimizer) must not leave the others waiting there until the timeout."""
+    for rank, r in enumerate(run_distributed(_one_rank_cannot_flatten, 2, str(tmp_path), timeout=60)):
+        assert r is not None and ("CheckpointMismatchError" in r["mro"] or "RankFailedError" in r["mro"]), (rank, r)
+        assert "not a tensor" in r["msg"] and r["seconds"] < 30, (rank, r["msg"], r["seconds"])
+    assert not os.path.exists(tmp_path / "bad" / "model" / "metadata.json")

@@ -517,3 +517,15 @@ def test_tensor_storage_metadata_refuses_huge_dims(shape):
         TensorStorageMetadata(shape=shape, is_sharded=False, dtype="F32", shard_spec_per_file={})
     TensorStorageMetadata(shape=(0, 2**62), is_sharded=False, dtype="F32", shard_spec_per_file={})
     assert parse_metadata(_empty_tensor_doc([0, 2**62]), where=WHERE).tensors["a"].shape == (0, 2**62)
+
+
+def test_checksums_in_the_files_need_their_algorithm_and_chunk_size():
+    """Format 2 keeps checksums in the rank files: a metadata.json that says so but leaves out how
+    they were computed would make a load skip them silently, so it is corrupt."""
+    base = {"tensors": {}, "format_version": 2, "world_size": 1, "checksums_in_files": True}
+    parse_metadata(json.dumps({**base, "checksum_algorithm": "crc32c", "checksum_chunk_bytes": 1 << 20}).encode(), where=WHERE)
+    for missing in ("checksum_algorithm", "checksum_chunk_bytes"):
+        doc = {**base, "checksum_algorithm": "crc32c", "checksum_chunk_bytes": 1 << 20}
+        doc.pop(missing)
+        with pytest.raises(CorruptCheckpointError, match="checksums_in_files"):
+            parse_metadata(json.dumps(doc).encode(), where=WHERE)
