@@ -49,7 +49,9 @@ def test_a_forked_child_loads_with_read_threads_of_its_own(tmp_path):
     path = str(tmp_path / "big")
     Checkpointer().save(path, {"big": _big()})
     ok, threads = _load_big(path)
-    assert ok and len(threads) == 2, threads  # the shared pool's threads, still alive after the load
+    # The shared pool's threads, still alive after the load (earlier loads in this process may
+    # have started more of them than this one needs).
+    assert ok and threads, threads
     child = rel_helpers.run_forked(_load_big, path, timeout=60)  # the parent's pool would never run its reads
-    assert child.exitcode == 0 and child.value == (True, threads), child
-    assert _load_big(path) == (True, threads), "the parent's pool stopped working"
+    assert child.exitcode == 0 and child.value[0] is True and child.value[1], child
+    assert _load_big(path) == (True, threads), "the parent's pool stopped working, or another was started"
