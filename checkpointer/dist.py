@@ -35,7 +35,7 @@ from .errors import RankError, RankFailedError, remote_error
 __all__ = [
     "is_distributed", "get_rank", "get_world_size", "timeout_seconds", "all_gather_bytes", "broadcast_bytes",
     "gather_bytes", "all_reduce_min", "all_equal_and_least", "agree", "agree_after", "barrier", "share_from",
-    "share_tensor", "new_cpu_group", "join_from_env", "leave_group", "wait_before_destroy",
+    "share_tensor", "new_cpu_group", "join_from_env", "leave_group", "meet_before_destroy", "wait_before_destroy",
 ]
 
 TIMEOUT_ENV = settings.TIMEOUT_S_ENV
@@ -416,17 +416,20 @@ def join_from_env() -> bool:
 
 
 def leave_group() -> None:
-    """Destroy the group :func:`join_from_env` created, once every rank is here (within 30 s):
-    a rank that destroys its group while another is still in a collective can abort a process
-    at exit ("terminate called without an active exception"). A rank that is gone does not hold
-    this one up past that."""
-    if not is_distributed():
-        return
+    """Destroy the group :func:`join_from_env` created, once every rank is here."""
+    if is_distributed():
+        meet_before_destroy()
+        dist.destroy_process_group()
+
+
+def meet_before_destroy(group: Any = None) -> None:
+    """Wait (at most 30 s) for every rank of ``group`` before it is destroyed: a rank that destroys
+    a group while another is still in a collective can abort a process at exit ("terminate called
+    without an active exception"). A rank that is gone does not hold this one up past that."""
     try:
-        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=min(30.0, timeout_seconds())))
-    except Exception:  # noqa: BLE001 - leaving anyway: the command's outcome is already decided
+        dist.barrier(group=group, async_op=True).wait(timeout=datetime.timedelta(seconds=min(30.0, timeout_seconds())))
+    except Exception:  # noqa: BLE001 - leaving anyway: what the group was for is already decided
         pass
-    dist.destroy_process_group()
 
 
 def wait_before_destroy(wait: Callable[[], None]) -> None:

@@ -101,6 +101,14 @@ def _wait_for_every_save() -> None:
         saver.wait()
 
 
+def _before_destroy() -> None:
+    """``destroy_process_group``: the saves in flight finish, then every rank leaves the savers'
+    groups together (and the savers let go of them: a later save makes its own)."""
+    _wait_for_every_save()
+    for saver in list(_savers):
+        saver.leave_group()
+
+
 def _report_at_exit() -> None:
     """At exit: finish the saves in flight, then print each failed one whose error no one read,
     and end with status 1."""
@@ -139,6 +147,12 @@ class AsyncSaver:
         self._inflight: Future | None = None
         self._lock = threading.Lock()
 
+    def leave_group(self) -> None:
+        """Every rank, once no save is in flight: meet on this saver's group, then drop it."""
+        if self._group_made:
+            dist.meet_before_destroy(self._group)
+            self._group, self._group_made = None, False
+
     def wait(self) -> None:
         """Block until the save in flight (if any) has finished; its errors stay on its future."""
         inflight = self._inflight
@@ -162,7 +176,7 @@ class AsyncSaver:
         """
         with self._lock:
             self.wait()
-            dist.wait_before_destroy(_wait_for_every_save)
+            dist.wait_before_destroy(_before_destroy)
             result: Future[list[tuple[StorageMetadata, list[str]]]] = WatchedFuture(
                 " and ".join(storage.url for storage, _ in targets))
             planned: list[PlannedSave] = []
