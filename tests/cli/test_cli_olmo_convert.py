@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from cli_helpers import assert_same_tensors, cli
-from cli_workers import build, full_state, olmo_load_ws3, patch_olmo_for_torch
+from cli_workers import olmo_or_skip, build, full_state, olmo_load_ws3, patch_olmo_for_torch
 
 from checkpointer import (
     load_model_and_optim_state,
@@ -22,16 +22,7 @@ from checkpointer import (
 )
 from checkpointer.format.layout import CHECKSUMS_KEY
 
-try:
-    from olmo_core.distributed import checkpoint as olmo
-    from olmo_core.version import VERSION as OLMO_VERSION
-except Exception as ex:  # noqa: BLE001 - any import failure is the reason to skip
-    pytest.skip(f"ai2-olmo-core 0.1.0 cannot be imported: {type(ex).__name__}: {ex}", allow_module_level=True)
-
-pytestmark = pytest.mark.skipif(
-    OLMO_VERSION != "0.1.0",
-    reason="these tests pin ai2-olmo-core 0.1.0, the release whose layout this library keeps",
-)
+olmo = olmo_or_skip()
 
 
 @pytest.fixture(autouse=True)

@@ -98,6 +98,22 @@ def export_ws(rank: int, world_size: int, dir: str, out: str, max_shard_size: st
     return export_safetensors(dir, out, max_shard_size=max_shard_size)
 
 
+def olmo_or_skip() -> Any:
+    """``olmo_core.distributed.checkpoint`` of ai2-olmo-core 0.1.0 (the release whose layout this
+    library keeps), patched for this torch; the calling test module is skipped without it."""
+    import pytest
+
+    try:
+        from olmo_core.distributed import checkpoint as olmo
+        from olmo_core.version import VERSION
+    except Exception as ex:  # noqa: BLE001 - any import failure is the reason to skip
+        pytest.skip(f"ai2-olmo-core 0.1.0 cannot be imported: {type(ex).__name__}: {ex}", allow_module_level=True)
+    if VERSION != "0.1.0":
+        pytest.skip(f"these tests pin ai2-olmo-core 0.1.0, not {VERSION}", allow_module_level=True)
+    patch_olmo_for_torch()
+    return olmo
+
+
 def patch_olmo_for_torch() -> None:
     """ai2-olmo-core 0.1.0 calls ``Shard._local_shard_size_on_dim(size, n, rank, return_offset=True)``,
     which torch renamed to ``Shard.local_shard_size_and_offset(size, n, rank)`` (it always returns
