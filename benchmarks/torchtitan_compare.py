@@ -4,10 +4,11 @@ torchtitan 0.3.0 trains its llama3 debug model (widened by ``--dim`` / ``--layer
 ``--world-size`` CPU ranks (gloo), launched by ``tests/support/titan_launcher.py``. For each save
 mode (``--modes``: ``async``, ``disabled``) and each backend, in turn (DCP first, then ours):
 
-1. a training launch of ``--steps`` steps, saving every ``--interval`` steps, killed after the
-   last interval save (the LR schedule is built from ``--steps`` in every launch); the time each
-   ``save()`` call blocks the trainer is measured inside the trainer (around
-   ``BaseCheckpointManager.save``);
+1. a training launch of ``--steps`` steps, saving every ``--interval`` steps, stopped one step
+   after the last interval save (the LR schedule is built from ``--steps`` in every launch); a
+   save blocks the trainer for its ``save()`` call plus the ``maybe_wait_for_staging()`` calls
+   before the following optimizer steps (where a backend copies the state to host memory while
+   the next forward and backward run), both measured inside the trainer;
 2. a resume launch from the same folder, which loads the newest step ``--load-repeats`` times
    (each in place) and stops; the time each ``load()`` blocks is measured the same way, and the
    median is reported.
@@ -62,11 +63,17 @@ def _launch(args, root: Path, backend: str, mode: str, what: str, stop: int, ass
     titan_launcher.launch(args.world_size, cli, env, log=root / f"{name}-{what}.log", timeout=1200)
     wall = time.perf_counter() - begin
     ranks = [json.loads(Path(f"{timing}.{r}").read_text()) for r in range(args.world_size)]
+
+    def blocked(rank: dict, i: int) -> float:
+        """Save ``i``'s call, plus the waits for its staging before the next optimizer steps."""
+        return rank["save"][i] + sum(dt for n, dt in rank.get("staging_wait", []) if n == i + 1)
+
     loss_file = Path(f"{losses}.0")
     return {
         "wall_s": wall,
         # the slowest rank blocks the job
-        "save_s": [max(r["save"][i] for r in ranks) for i in range(len(ranks[0]["save"]))],
+        "save_s": [max(blocked(r, i) for r in ranks) for i in range(len(ranks[0]["save"]))],
+        "save_call_s": [max(r["save"][i] for r in ranks) for i in range(len(ranks[0]["save"]))],
         "save_steps": ranks[0]["save_steps"],
         # every load() of the launch, the slowest rank's; the first reads files written just before
         "load_all_s": [max(r["load"][i] for r in ranks) for i in range(len(ranks[0]["load"]))],
@@ -105,8 +112,8 @@ def main() -> int:
     import torch
 
     stop = args.interval * args.saves
-    if stop >= args.steps:
-        parser.error("--interval * --saves must be below --steps (the last step saves differently)")
+    if stop + 1 >= args.steps:
+        parser.error("--interval * --saves + 1 must be below --steps (the last step saves differently)")
     results: dict = {"args": vars(args), "runs": {}}
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="titan-bench-") as tmp:
@@ -115,7 +122,8 @@ def main() -> int:
         for mode in args.modes.split(","):
             loaded = {}
             for backend in ("dcp", "ours"):
-                train = _launch(args, root, backend, mode, "train", stop, assets)
+                # one step past the last save: its staging wait (if any) is counted too
+                train = _launch(args, root, backend, mode, "train", stop + 1, assets)
                 load = _launch(args, root, backend, mode, "load", stop, assets)
                 results["runs"][f"{backend}-{mode}"] = {"train": train, "load": load}
                 loaded[backend] = torch.load(root / f"{backend}-{mode}.loaded.pt", weights_only=True)

@@ -110,6 +110,7 @@ def async_save_model_and_optim_state(
     *,
     train_state: dict[str, Any] | None = None,
     save_overwrite: bool = False,
+    stage_in_background: bool = False,
 ) -> Future[list[str]]:
     """Like :func:`save_model_and_optim_state`, but returns once the state is staged in host memory.
 
@@ -122,6 +123,10 @@ def async_save_model_and_optim_state(
     Args:
         dir, model, optim, train_state, save_overwrite: as for :func:`save_model_and_optim_state`;
             ``train_state`` is taken (``state_dict()``, tensors copied) before this returns.
+        stage_in_background: return before the model's and optimizer's tensors are copied to
+            host memory; the copy overlaps the caller's next forward and backward passes, and the
+            caller leaves those tensors unchanged until the future's ``staged`` (a ``Future``)
+            is done: wait for ``future.staged.result()`` just before the next optimizer step.
 
     Returns:
         A ``concurrent.futures.Future`` of this rank's files; ``FileExistsError`` (no
@@ -131,13 +136,14 @@ def async_save_model_and_optim_state(
     with torch.no_grad():
         targets = save_parts(dir, model, optim, train_state)
         _DEFAULT.wait()
-        files: Future[list[str]] = WatchedFuture(dir)
+        files = WatchedFuture(dir)
         if save_overwrite:  # without it, the async saver refuses an existing checkpoint (from .result())
             _claim(dir, save_overwrite, has_train=len(targets) == 3)
         # The async saver locks every part (retiring old ones) before writing any; without a
         # train_state, an old train/ (a crashed save's) is refused too, else it passes as this save's.
         absent = [f"{dir}/{TRAIN_PART}"] if len(targets) == 2 else []
-        both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite, absent=absent)
+        both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite, absent=absent,
+                                        stage_in_background=stage_in_background)
 
     def done(f: Future) -> None:
         if f.exception() is not None:
@@ -145,6 +151,7 @@ def async_save_model_and_optim_state(
         else:
             files.set_result([name for _, created in f.result() for name in created])
 
+    both.staged.add_done_callback(lambda _: files.staged.set_result(None))
     both.add_done_callback(done)
     return files
 

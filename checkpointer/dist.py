@@ -21,8 +21,7 @@ import json
 import os
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,8 +32,8 @@ from .buffers import memoryview_of
 from .errors import RankError, RankFailedError, remote_error
 
 __all__ = [
-    "is_distributed", "get_rank", "get_world_size", "timeout_seconds", "all_gather_bytes", "broadcast_bytes",
-    "gather_bytes", "all_reduce_min", "all_equal_and_least", "agree", "agree_after", "barrier", "share_from",
+    "is_distributed", "get_rank", "get_world_size", "timeout_seconds", "all_gather_bytes", "broadcast_bytes", "gather_bytes",
+    "all_reduce_min", "all_equal_and_least", "all_equal_each_and_least", "agree", "agree_after", "barrier", "share_from",
     "share_tensor", "new_cpu_group", "join_from_env", "leave_group", "meet_before_destroy", "wait_before_destroy",
 ]
 
@@ -242,23 +241,25 @@ def gather_bytes(payload: bytes, dst: int = 0, group: Any = None) -> list[bytes]
 
 
 def all_reduce_min(value: int, group: Any = None) -> int:
-    if not is_distributed():
-        return value
-    arrival = _Arrival(group)
-    t = torch.tensor([value], dtype=torch.int64, device=_device(group))
-    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True), "all-reduce", arrival)
-    return int(t.item())
+    return all_equal_each_and_least([], value, group)[1]
 
 
 def all_equal_and_least(value: int, pick: int) -> tuple[bool, int]:
     """Whether every rank passed the same ``value``, and the least ``pick`` of any rank (one
     all-reduce; ``|value| < 2**63``)."""
+    same, least = all_equal_each_and_least([value], pick)
+    return same[0], least
+
+
+def all_equal_each_and_least(values: Sequence[int], pick: int, group: Any = None) -> tuple[list[bool], int]:
+    """:func:`all_equal_and_least` of each of ``values``, in the same one all-reduce."""
     if not is_distributed():
-        return True, pick
-    arrival = _Arrival()
-    t = torch.tensor([value, -value, pick], dtype=torch.int64, device=_device())
-    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), "all-reduce", arrival)
-    return int(t[0].item()) == -int(t[1].item()), int(t[2].item())
+        return [True] * len(values), pick
+    arrival = _Arrival(group)
+    t = torch.tensor([x for v in values for x in (v, -v)] + [pick], dtype=torch.int64, device=_device(group))
+    _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True), "all-reduce", arrival)
+    got = t.tolist()
+    return [got[2 * i] == -got[2 * i + 1] for i in range(len(values))], int(got[-1])
 
 
 def barrier() -> None:
@@ -401,9 +402,7 @@ def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int)
 
 def new_cpu_group() -> Any:
     """A gloo group over every rank, for collectives that run beside training (async saves)."""
-    if not is_distributed():
-        return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds()))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds())) if is_distributed() else None
 
 
 def join_from_env() -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import sys
 import threading
 import weakref
@@ -36,8 +37,8 @@ from ..sharding import LocalTensor
 from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
 from .rankfile import Copies, start_hashing
-from .commit import refuse_existing, refuse_existing_everywhere, release_locks, take_locks
-from .save import PlannedSave, SavePlanCache, describe_for_save, plan_in_full, reuse_cached_plans, write_and_commit
+from .commit import lock_everywhere, refuse_existing, refuse_existing_everywhere, release_locks, take_locks
+from .save import DescribedState, PlannedSave, SavePlanCache, describe_for_save, plan_in_full, write_and_commit
 
 __all__ = ["AsyncSaver", "WatchedFuture", "wait_for_writes_into", "writing_under"]
 
@@ -79,6 +80,7 @@ class WatchedFuture(Future):
     def __init__(self, what: str):
         super().__init__()
         self.what = what
+        self.staged: Future[None] = Future()  # done once the state is in host buffers (or staging failed)
         with _unread_lock:
             _unread.add(self)
         self.add_done_callback(lambda f: f._read() if f.cancelled() or Future.exception(f) is None else None)
@@ -166,13 +168,16 @@ class AsyncSaver:
         save_overwrite: bool,
         cache: dict[str, SavePlanCache],
         absent: Sequence[Storage] = (),
-    ) -> Future[list[tuple[StorageMetadata, list[str]]]]:
+        stage_in_background: bool = False,
+    ) -> WatchedFuture:
         """Plan and stage every ``(storage, state_dict)`` now; write them all in the background.
         Without ``save_overwrite``, a checkpoint in any of ``absent`` refuses the save too.
 
         With every plan cached, the caller waits for one all-reduce and the copy: rank 0 takes
         the save locks in the background, which then agrees on them and on every rank's
-        staging before any rank writes.
+        staging before any rank writes. With ``stage_in_background``, the copy is made by the
+        writer thread too: the caller must leave the tensors unchanged until the future's
+        ``staged`` is done (a trainer waits for it before its next optimizer step).
         """
         with self._lock:
             self.wait()
@@ -188,19 +193,28 @@ class AsyncSaver:
                     self._group = dist.new_cpu_group()
                     self._group_made = True
                 described = [(st, describe_for_save(sd)) for st, sd in targets]
-                reused = reuse_cached_plans(described, cache=cache, save_overwrite=save_overwrite, take_locks_now=False)
-                locked = reused is None
-                if reused is not None:
-                    planned = reused
-                else:
-                    if not save_overwrite:  # before any target's lock: a refused save locks none
-                        refuse_existing_everywhere([st for st, _ in targets] + list(absent))
-                    for st, d in described:  # each plan ends with an agreement: its errors reach every rank
-                        planned.append(plan_in_full(st, d, save_overwrite=save_overwrite, cache=cache))
+                reused = _reuse_cached_plans_each(described, cache)
+                locked = None in reused
+                if not locked:
+                    planned = reused  # type: ignore[assignment]
+                    return
+                if not save_overwrite:  # before any target's lock: a refused save locks none
+                    refuse_existing_everywhere([st for st, _ in targets] + list(absent))
+                # each plan and the locking end with an agreement: their errors reach every rank
+                fresh: dict[int, PlannedSave] = {}
+                for i, ((st, d), p) in enumerate(zip(described, reused)):
+                    if p is None:
+                        fresh[i] = plan_in_full(st, d, save_overwrite=save_overwrite, cache=cache)
+                        planned.append(fresh[i])  # a later failure releases its lock
+                kept = [p for p in reused if p is not None]  # their locks now, as the fresh plans took theirs
+                locks = lock_everywhere([p.storage for p in kept], save_overwrite) if kept else []
+                locked_reused = iter(replace(p, lock=lock) for p, lock in zip(kept, locks))
+                planned[:] = [fresh[i] if i in fresh else next(locked_reused) for i in range(len(reused))]
 
             _, error = dist.attempt(plan)
             if error is not None:  # surfaces from .result()
                 _release_locks(planned)
+                result.staged.set_result(None)
                 result.set_exception(error)
                 return result
             staged: list[list[tuple[str, LocalTensor]]] = []
@@ -217,9 +231,20 @@ class AsyncSaver:
                 finally:
                     copies = [h.result() for h in hashing]  # no hashing outlives the call
 
+            _track(planned, +1)
+            if stage_in_background:
+                ready = _ready_event(planned)
+
+                def stage_then_write() -> None:
+                    _, staging_error = dist.attempt(lambda: _on_side_stream(ready, stage))
+                    result.staged.set_result(None)
+                    self._write(planned, staged, copies, staging_error, locked, save_overwrite, result, absent)
+
+                self._inflight = self._executor.submit(stage_then_write)
+                return result
             # One rank's staging error: the background agreement tells the others.
             _, staging_error = dist.attempt(stage)
-            _track(planned, +1)
+            result.staged.set_result(None)
             self._inflight = self._executor.submit(
                 self._write, planned, staged, copies, staging_error, locked, save_overwrite, result, absent
             )
@@ -273,8 +298,47 @@ class AsyncSaver:
             buf.view(lt.data.shape).copy_(lt.data, non_blocking=lt.data.is_cuda)
             staged.append((key, replace(lt, data=buf)))
         if arena.pinned:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # the copies above were queued on it
         return staged
+
+
+def _reuse_cached_plans_each(
+    targets: list[tuple[Storage, DescribedState]], cache: dict[str, SavePlanCache]
+) -> list[PlannedSave | None]:
+    """Each target's plan from ``cache`` where every rank has one from the same save (one
+    all-reduce for all of them), else None for that target: a training state whose size changes
+    from step to step is planned anew while the model's and optimizer's plans are reused. No
+    lock is taken; the reused targets share one file id."""
+    hits = [cache.get(d.fingerprint) if d.error is None else None for _, d in targets]
+    same, save_id = dist.all_equal_each_and_least([h.plan_id if h is not None else -1 for h in hits], secrets.randbits(62))
+    return [
+        PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, None, hit.copies, f"{save_id:016x}")
+        if hit is not None and agreed else None
+        for (storage, d), hit, agreed in zip(targets, hits, same)
+    ]
+
+
+def _ready_event(planned: list[PlannedSave]) -> Any:
+    """For staging on another thread: an event on the caller's CUDA stream, recorded after the
+    work that produced the state (an optimizer step, say); ``None`` without CUDA pieces."""
+    if any(lt.data.is_cuda for p in planned for _, lt in p.local_pieces()):
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return None
+
+
+def _on_side_stream(ready: Any, work: Any) -> None:
+    """``work()`` on a stream of its own that first waits for ``ready``: the copies to host then
+    overlap the caller's next kernels, and never run before the ones that made the state."""
+    if ready is None:
+        work()
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        work()
+    stream.synchronize()
 
 
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()

@@ -169,6 +169,18 @@ def take_locks(storages: list[Storage], save_overwrite: bool) -> list[bytes | No
     return locks
 
 
+def lock_everywhere(storages: list[Storage], save_overwrite: bool) -> list[bytes | None]:
+    """Every rank: rank 0 takes every target's lock (:func:`take_locks`), and one agreement
+    brings its error to every rank. Returns the locks (rank 0's; None on the others)."""
+    locks: list[bytes | None] = [None] * len(storages)
+    error = None
+    if dist.get_rank() == 0:
+        taken, error = dist.attempt(lambda: take_locks(storages, save_overwrite))
+        locks = taken or locks
+    dist.agree(error, "save")
+    return locks
+
+
 def release_locks(held: list[tuple[Storage, bytes | None]]) -> None:
     """Rank 0: release the locks of saves that will not be written (nothing was)."""
     for storage, lock in held:

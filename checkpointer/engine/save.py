@@ -262,19 +262,15 @@ def reuse_cached_plans(
     *,
     cache: dict[str, SavePlanCache],
     save_overwrite: bool,
-    take_locks_now: bool,
 ) -> list[PlannedSave] | None:
     """Every target's plan from ``cache``, confirmed by one all-reduce: None unless every rank
     has a cached plan for each target, each from the same save as the other ranks' entries.
-
-    With ``take_locks_now``, rank 0 first takes each target's lock; a refusal sends every rank
-    to the full plan, which reports it. Without, the caller calls :func:`take_locks` (rank 0)
-    and agrees on its outcome before any rank writes.
-    """
+    Rank 0 first takes each target's lock; a refusal sends every rank to the full plan, which
+    reports it."""
     hits = [cache.get(d.fingerprint) if d.error is None else None for _, d in targets]
     locks: list[bytes | None] = [None] * len(targets)
     ok = all(hit is not None for hit in hits)
-    if ok and take_locks_now and dist.get_rank() == 0:
+    if ok and dist.get_rank() == 0:
         # take_locks releases the locks it took when a later target refuses.
         taken, failed = dist.attempt(lambda: take_locks([storage for storage, _ in targets], save_overwrite))
         ok = failed is None  # the full path reports it
@@ -308,7 +304,7 @@ def plan_save(
     """Steps 1-3 on every rank: describe, check the directory, plan (or reuse a cached plan)."""
     d = describe_for_save(state_dict)
     if cache is not None:
-        reused = reuse_cached_plans([(storage, d)], cache=cache, save_overwrite=save_overwrite, take_locks_now=True)
+        reused = reuse_cached_plans([(storage, d)], cache=cache, save_overwrite=save_overwrite)
         if reused is not None:
             return reused[0]
     return plan_in_full(storage, d, save_overwrite=save_overwrite, cache=cache)
@@ -434,7 +430,7 @@ def save_state_dicts(
     described = [(storage, describe_for_save(sd)) for storage, sd in targets]
     planned = None
     if cache is not None:
-        planned = reuse_cached_plans(described, cache=cache, save_overwrite=save_overwrite, take_locks_now=True)
+        planned = reuse_cached_plans(described, cache=cache, save_overwrite=save_overwrite)
     if planned is None:
         planned = []
         if not save_overwrite and len(targets) > 1:  # before any target's lock: a refused save locks none

@@ -94,8 +94,14 @@ class CheckpointerManager(BaseCheckpointManager):
 
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
         """"disabled": a save returns once committed. "async" and "async_with_pinned_mem" (the
-        same here: host buffers are pinned whenever the tensors are on a GPU): a save returns once
-        the state is copied to host memory, and writes while the next steps train."""
+        same here: host buffers are pinned whenever the tensors are on a GPU): a save writes
+        while the next steps train."""
+
+        stage_in_background: bool = True
+        """In the async modes: the copy of the model and optimizer to host memory overlaps the next
+        step's forward and backward passes, and the trainer waits for it (``maybe_wait_for_staging``)
+        just before its optimizer step changes them. False: ``save()`` returns once copied (for a
+        loop that changes the model elsewhere)."""
 
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
@@ -187,11 +193,12 @@ class CheckpointerManager(BaseCheckpointManager):
             )
         else:
             self.save_future = checkpointer.async_save_model_and_optim_state(
-                step_dir, self.model, self.optimizer, train_state=self._train_state()
+                step_dir, self.model, self.optimizer, train_state=self._train_state(),
+                stage_in_background=self.config.stage_in_background,
             )
         self._prune()
         logger.info("checkpointer: step %d %s in %.2f s", curr_step,
-                    "saved" if self.save_future is None else "staged", time.monotonic() - begin)
+                    "saved" if self.save_future is None else "handed to the writer", time.monotonic() - begin)
         return True
 
     def _save_model_only(self, step_dir: str) -> None:
@@ -221,7 +228,10 @@ class CheckpointerManager(BaseCheckpointManager):
             checkpointer.prune(self.folder, keep_last=self.config.keep_latest_k)
 
     def _maybe_wait_for_staging(self) -> None:
-        """Nothing to wait for: an async save returns once its state is staged in host memory."""
+        """Wait until the async save in flight has copied the model and optimizer to host memory."""
+        future = getattr(self, "save_future", None)
+        if future is not None:
+            future.staged.result()
 
     def _wait_for_saving(self) -> None:
         """Wait for the async save in flight; its errors are raised here."""

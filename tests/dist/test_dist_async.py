@@ -10,6 +10,7 @@ from dist_helpers import (
     assert_local_same,
     assert_same,
     barrier,
+    batch,
     build_model,
     build_optim,
     catch,
@@ -66,6 +67,46 @@ def test_async_save_snapshots_state(run_distributed, tmp_path):
     assert len(created_a) == len(files_under(a)), (sorted(created_a), sorted(files_under(a)))
     for rank, r in enumerate(results):
         assert r[4] is not None and "FileExistsError" in r[4]["mro"], f"rank {rank}: {r[4]}"
+
+
+def _train_waiting_for_staging(model, optim, steps, future):
+    """As torchtitan's trainer: forward and backward overlap the staging; the optimizer step waits."""
+    for step in steps:
+        ids, target = batch(step)
+        (model(ids) - target).pow(2).mean().backward()
+        future.staged.result(timeout=60)
+        optim.step()
+        optim.zero_grad()
+
+
+def _background_staging(rank, world_size, ckpt_a, ckpt_b):
+    model = build_model(world_size)
+    optim = build_optim(model, "adamw")
+    train(model, optim, range(2))
+    at_a = (model_full_state(model), optim_full_state(model, optim))
+    counter = {"step": 7}
+    fut_a = async_save_model_and_optim_state(ckpt_a, model, optim, train_state={"counter": counter}, stage_in_background=True)
+    counter["step"] = 8  # train_state is taken before the call returns, even so
+    _train_waiting_for_staging(model, optim, range(2, 4), fut_a)
+    at_b = (model_full_state(model), optim_full_state(model, optim))
+    fut_b = async_save_model_and_optim_state(ckpt_b, model, optim, stage_in_background=True)  # waits for A
+    _train_waiting_for_staging(model, optim, range(4, 5), fut_b)
+    fut_a.result(timeout=60), fut_b.result(timeout=60)
+    restored = load_model_and_optim_state(ckpt_a, build_model(world_size, seed=1), None,
+                                          train_state={"counter": None}).train_state
+    refused = async_save_model_and_optim_state(ckpt_a, model, optim, stage_in_background=True)
+    error = catch(refused.result, timeout=60)
+    return at_a, at_b, restored.get("counter"), refused.staged.done(), error
+
+
+def test_background_staging_saves_the_state_at_the_call(run_distributed, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    results = run_distributed(_background_staging, 2, a, b)
+    at_a, at_b, counter, staged_done, error = results[0]
+    assert counter == {"step": 7}
+    assert staged_done and error is not None and "FileExistsError" in error["mro"], error
+    assert run_distributed(_load, 2, a, *at_a) == [True] * 2
+    assert run_distributed(_load, 2, b, *at_b) == [True] * 2
 
 
 def _flat_async(rank, world_size, ckpt):
@@ -188,3 +229,37 @@ def test_a_repeated_async_save_blocks_for_one_all_reduce(run_distributed, tmp_pa
         assert refused is not None and "FileExistsError" in refused["mro"], f"rank {rank}: {refused}"
         assert "optim" in refused["msg"], refused["msg"]
         assert model_files == [] and not model_dir, f"rank {rank}: the refused save wrote {model_files}"
+
+
+def _collectives_with_a_growing_train_state(rank, world_size, base):
+    """The collectives of three async saves whose per-rank training state grows every step (as
+    a data loader's token buffer does), and that state read back from the last."""
+    from checkpointer import PerRank, api
+
+    model = build_model(world_size)
+    optim = build_optim(model, "adamw")
+    api._DEFAULT._plan_cache.clear()
+    per_save = []
+    for step in range(3):
+        position = {"tokens": list(range(300 * (step + 1) * (rank + 1)))}
+        with collectives_called() as calls:
+            future = async_save_model_and_optim_state(
+                f"{base}/step{step}", model, optim, train_state={"step": step, "loader": PerRank(position)})
+        per_save.append(calls)
+        future.result(timeout=60)
+    loaded = load_model_and_optim_state(f"{base}/step2", model, optim, train_state={"step": None, "loader": None})
+    return per_save, loaded.train_state["loader"] == position, loaded.train_state["step"]
+
+
+def test_a_changed_train_state_is_planned_alone(run_distributed, tmp_path):
+    """A training state whose size changes between saves is planned again; the model's and the
+    optimizer's plans are reused (no pieces all-gathered for them, one all-reduce for all three)."""
+    for rank, (per_save, same_loader, step) in enumerate(
+        run_distributed(_collectives_with_a_growing_train_state, 2, str(tmp_path))
+    ):
+        assert same_loader and step == 2, f"rank {rank}"
+        # train/ is planned from all-gathered pieces each time and agreed on; the first save
+        # then plans model/ and optim/ from their layouts (an all-reduce and an agreement each),
+        # the others reuse both plans and take their locks under one agreement
+        assert per_save[0][-5:] == ["all_reduce"] * 5, f"rank {rank}: {per_save[0]}"
+        assert per_save[1] == per_save[2] == per_save[0][:-4] + ["all_reduce"], f"rank {rank}: {per_save}"

@@ -27,8 +27,10 @@ anything in site-packages. Recipe:
    - ``TITAN_LOAD_REPEATS``: the trainer's checkpoint load runs that many times (each in place,
      each timed), for the benchmark's medians;
    - ``TITAN_PROFILE_LOAD``: a cProfile of each rank's ``load()`` call (``{path}.{rank}``);
+   - ``TITAN_PROFILE_SAVE``: a cProfile of each rank's saving ``save()`` calls (``{path}.{rank}.step{N}``);
    - ``TITAN_TIMINGS``: a JSON file per rank of the seconds each ``save()`` and ``load()`` call
-     blocked the trainer, and whether each save returned with its write in a Future (async);
+     blocked the trainer, whether each save returned with its write in a Future (async), and
+     the seconds each ``maybe_wait_for_staging()`` after a save blocked it (the async copy);
    - ``TITAN_FOLDERS``: rank 0 records, right after each ``save()`` returns (an async save may
      still be writing), the checkpoint folder's step directories and which of them are complete.
 
@@ -223,7 +225,7 @@ def _install_hooks() -> None:
     from torchtitan.trainer import Trainer
 
     losses: list[tuple[int, float]] = []
-    timings: dict[str, list] = {"save": [], "load": [], "save_steps": [], "returned_future": []}
+    timings: dict[str, list] = {"save": [], "load": [], "save_steps": [], "returned_future": [], "staging_wait": []}
     loss_path = os.environ.get("TITAN_LOSSES")
     timing_path = os.environ.get("TITAN_TIMINGS")
     folders_path = os.environ.get("TITAN_FOLDERS")
@@ -243,8 +245,18 @@ def _install_hooks() -> None:
     original_load = BaseCheckpointManager.load
 
     def save(self, curr_step: int, last_step: bool = False) -> bool:
+        profile_path = os.environ.get("TITAN_PROFILE_SAVE")
+        if profile_path:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         begin = time.perf_counter()
         saved = original_save(self, curr_step, last_step)
+        if profile_path:
+            profiler.disable()
+            if saved:
+                profiler.dump_stats(f"{profile_path}.{_rank()}.step{curr_step}")
         if saved:
             timings["save"].append(time.perf_counter() - begin)
             timings["save_steps"].append(curr_step)
@@ -274,8 +286,19 @@ def _install_hooks() -> None:
             Path(f"{timing_path}.{_rank()}").write_text(json.dumps(timings))
         return loaded
 
+    original_wait_for_staging = BaseCheckpointManager.maybe_wait_for_staging
+
+    def maybe_wait_for_staging(self) -> None:
+        begin = time.perf_counter()
+        original_wait_for_staging(self)
+        if timings["save"]:  # (the saves so far, the seconds this wait blocked the trainer)
+            timings["staging_wait"].append((len(timings["save"]), time.perf_counter() - begin))
+            if timing_path:
+                Path(f"{timing_path}.{_rank()}").write_text(json.dumps(timings))
+
     BaseCheckpointManager.save = save
     BaseCheckpointManager.load = load
+    BaseCheckpointManager.maybe_wait_for_staging = maybe_wait_for_staging
 
     stop_after = os.environ.get("TITAN_STOP_AFTER")
     if stop_after:

@@ -33,7 +33,12 @@ FUNCTIONS = {
     ),
     "unshard_model_state": "f(dir, *, device=None, rank0_only=False, no_dist=False)",
     "unshard_optim_state": "f(dir, *, device=None, rank0_only=False, no_dist=False)",
-    "async_save_model_and_optim_state": "f(dir, model, optim, *, train_state=None, save_overwrite=False)",
+    # stage_in_background: beyond API.md, for issue 29's torchtitan backend (its trainer waits for
+    # staging before the optimizer step); keyword-only with a default, so every call API.md shows
+    # works unchanged.
+    "async_save_model_and_optim_state": (
+        "f(dir, model, optim, *, train_state=None, save_overwrite=False, stage_in_background=False)"
+    ),
     "latest_checkpoint": "f(run_dir)",
     "prune": "f(run_dir, *, keep_last, keep_every=None)",
     "lazy_load": "f(path, shard_dims=None, *, tp_rank=0, tp_size=1, mmap=False, state_dict_converter=None, restrict=True)",
