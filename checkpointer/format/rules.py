@@ -148,18 +148,23 @@ def expand_rule(shape: tuple[int, ...], rule: dict[str, Any]) -> tuple[list[str]
 
 def detect_rule(
     shape: tuple[int, ...], names: Sequence[str], flat: Sequence[Any] | None, ls: Sequence[Any] | None,
-    go: Sequence[Any] | None,
+    go: Sequence[Any] | None, *, ranks: Sequence[int] | None = None,
 ) -> dict[str, Any] | None:
-    """The rule these columns follow (checked by expanding it), or ``None``: keep the list."""
+    """The rule these columns follow, or ``None``: keep the list. ``ranks``: the caller's word
+    that ``names[i]`` is ``rank_{ranks[i]}.safetensors`` (else the names are read).
+
+    Checked against the columns, as if expanded (:func:`expand_rule`) and compared, in bulk."""
     n, numel = len(names), math.prod(shape)
     if not n or not numel or n > MAX_RULE_CELLS:
         return None
-    ranks = []
-    for name in names:
-        m = _RANK.fullmatch(name)
-        if m is None:
-            return None
-        ranks.append(int(m.group(1)))
+    if ranks is None:
+        found = []
+        for name in names:
+            m = _RANK.fullmatch(name)
+            if m is None or m.group(1) != str(int(m.group(1))):
+                return None  # not a rank file's own name (``rank_01`` is not ``rank_1``)
+            found.append(int(m.group(1)))
+        ranks = found
     if flat is not None:
         if ls is not None or go is not None or any(f is None or len(f) != 1 for f in flat):
             return None
@@ -174,19 +179,28 @@ def detect_rule(
         if sizes.shape != (n, len(shape)) or starts.shape != (n, len(shape)):
             return None
     cuts, cell = [], np.zeros(n, dtype=np.int64)
+    want_starts, want_sizes = np.zeros_like(starts), np.empty_like(sizes)
     for d, extent in enumerate(extents):
         if (sizes[:, d] == extent).all():
+            want_sizes[:, d] = extent
             continue
         chunk = int(sizes[:, d].max())
         if chunk <= 0:
             return None
         parts = -(-extent // chunk)
+        coord = starts[:, d] // chunk
+        if (coord < 0).any() or (coord >= parts).any():
+            return None
         cuts.append([d, chunk])
-        cell = cell * parts + starts[:, d] // chunk
+        want_starts[:, d] = coord * chunk
+        want_sizes[:, d] = np.minimum(want_starts[:, d] + chunk, extent) - want_starts[:, d]
+        cell = cell * parts + coord
+    if not ((starts == want_starts).all() and (sizes == want_sizes).all()):
+        return None  # some piece is not its cell
     order = np.argsort(cell, kind="stable")
     if not (cell[order] == np.arange(n)).all():
         return None  # not one piece per cell
-    files = np.array(ranks, dtype=np.int64)[order]
+    files = np.asarray(ranks, dtype=np.int64)[order]
     terms = _radix_terms(files)
     if terms is None:
         return None
@@ -197,14 +211,6 @@ def detect_rule(
         return None
     if cells != n or top != int(files.max()):
         return None  # a reader bounds the files by ``top`` (e.g. files 0, 2, 3 by terms reaching 5)
-    e_names, e_flat, e_ls, e_go = expand_rule(shape, rule)
-    back = [int(i) for i in np.argsort(order, kind="stable")]  # position in the columns -> cell
-    if [e_names[c] for c in back] != list(names):
-        return None
-    if form == "flat":
-        return rule if [e_flat[c] for c in back] == [tuple(map(tuple, f)) for f in flat] else None  # type: ignore[index,union-attr]
-    if [e_ls[c] for c in back] != [tuple(s) for s in ls] or [e_go[c] for c in back] != [tuple(o) for o in go]:  # type: ignore[index,union-attr]
-        return None
     return rule
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "count_below",
     "span_boxes",
     "normalize",
+    "tile_copy",
     "MAX_SWEEP_PAIRS",
 ]
 
@@ -193,6 +194,18 @@ def _position(tile: Tile, origin: Sequence[int]) -> int:
     return tile.offset + sum((o - t) * s for o, t, s in zip(origin, tile.origin, tile.strides))
 
 
+def tile_copy(source: int, stored: Tile, wanted: Tile) -> BoxCopy | None:
+    """The copy of what ``stored`` (of source ``source``) holds of ``wanted``, normalized; ``None``
+    when they do not meet."""
+    box = intersect(wanted.origin, wanted.sizes, stored.origin, stored.sizes)
+    if box is None:
+        return None
+    origin, sizes = box
+    return normalize(BoxCopy(
+        source, _position(stored, origin), stored.strides, _position(wanted, origin), wanted.strides, sizes
+    ))
+
+
 class TileIndex:
     """The stored tiles of one tensor (``tiles[i]`` those of source ``i``), proven disjoint,
     searchable by box.
@@ -286,11 +299,7 @@ class TileIndex:
             first = bisect.bisect_right(self._starts, lo - self._longest)
             last = bisect.bisect_left(self._starts, hi)
             for source, t in self.tiles[first:last]:
-                box = intersect(w.origin, w.sizes, t.origin, t.sizes)
-                if box is None:
-                    continue
-                origin, sizes = box
-                out.append(normalize(BoxCopy(
-                    source, _position(t, origin), t.strides, _position(w, origin), w.strides, sizes
-                )))
+                copy = tile_copy(source, t, w)
+                if copy is not None:
+                    out.append(copy)
         return out

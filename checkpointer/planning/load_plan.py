@@ -5,7 +5,8 @@ stays a box: the stored pieces are indexed as tiles once per distinct layout
 (:class:`~checkpointer.planning.boxes.TileIndex`) and each read is a strided box on both sides,
 a few per stored piece it meets, however many rows it has. Flattened ranges read from
 flattened ranges keep their own 1-D path (:class:`~checkpointer.planning.overlap.SourceIndex`),
-which also serves any layout the tile index cannot prove disjoint.
+which also serves any layout the tile index cannot prove disjoint. Pieces a box shard rule
+describes are found from the rule (:mod:`~checkpointer.planning.rule_reads`), without the index.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..format.specs import Layout, ShardSpecs, box_run_count
 from .boxes import BoxCopy, TileIndex
 from .overlap import Range, SourceIndex, layout_ranges
 from .pieces import Piece, layout_tiles, piece_ranges, piece_tiles, spec_ranges, spec_tiles, whole
+from .rule_reads import rule_copies
 
 __all__ = ["ReadItem", "TensorLoadPlan", "build_load_plan", "whole_file_plan", "stored_cover_exactly"]
 
@@ -83,9 +85,14 @@ def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Rang
     if piece.flat is None and all_flat and box_run_count(piece.local_shape, piece.global_offset, meta.shape) <= 1:
         piece = Piece(flat=tuple(piece_ranges(piece, meta.shape)))  # one run: the flattened ranges' own path
     if not (piece.flat is not None and all_flat):
-        tiles = _tile_index(meta, layout, files)
-        if tiles.ok:
-            copies = tiles.copies(piece_tiles(piece, meta.shape))
+        rule = _box_rule(meta)
+        if rule is not None:
+            assert layout is not None
+            copies = rule_copies(layout, rule, piece_tiles(piece, meta.shape))
+        else:
+            tiles = _tile_index(meta, layout, files)
+            copies = tiles.copies(piece_tiles(piece, meta.shape)) if tiles.ok else None
+        if copies is not None:
             items = tuple(map(_read_item, [files[c.source] for c in copies], copies))
             return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: _gaps(meta, layout, files))
     index = _source_index(meta, layout, files)
@@ -100,6 +107,13 @@ def whole_file_plan(key: str, dtype: str, shape: Sequence[int], file: str, piece
     index = TileIndex(shape, [piece_tiles(whole(shape), shape)])
     copies = index.copies(piece_tiles(piece, shape))
     return TensorLoadPlan(key, dtype, tuple(_read_item(file, c) for c in copies))
+
+
+def _box_rule(meta: TensorStorageMetadata) -> dict | None:
+    """The box shard rule the stored pieces follow (checked when read or planned), if any."""
+    specs = meta.shard_spec_per_file
+    rule = specs.rule if isinstance(specs, ShardSpecs) else None
+    return rule if rule is not None and rule["form"] == "box" else None
 
 
 def _tile_index(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> TileIndex:
@@ -128,6 +142,8 @@ def stored_cover_exactly(meta: TensorStorageMetadata, *, replicas: bool = True) 
     """Whether the stored pieces are proven, as boxes, to hold every element (once, but for
     whole replicas where ``replicas``). ``False``: not proven; check with flattened ranges,
     which also say where."""
+    if _box_rule(meta) is not None:
+        return True  # a box rule's pieces tile the tensor, each once (``check_rule``)
     specs = meta.shard_spec_per_file
     layout = specs.layout if isinstance(specs, ShardSpecs) else None
     index = _tile_index(meta, layout, list(specs))

@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from operator import attrgetter
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -26,10 +27,14 @@ from .overlap import box_ranges
 
 __all__ = [
     "Range", "Piece", "PieceDesc", "Structure", "RankPieces", "BOX", "piece_ranges", "spec_ranges", "whole",
-    "piece_tiles", "layout_tiles", "spec_tiles", "pieces_payload", "parse_pieces",
+    "piece_tiles", "layout_tiles", "spec_tiles", "pieces_payload", "parse_pieces", "descs_by_key", "check_agreement",
 ]
 
 Range = tuple[int, int]
+
+_KEY = attrgetter("key")
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
 
 BOX = -1
 """The kind of a piece given as a box; a kind ``n >= 0`` is ``n`` flattened ranges."""
@@ -189,6 +194,38 @@ class RankPieces:
             PieceDesc(key, shape, dtype, sharded, Piece.from_numbers(kind, self.values[slice(*s.span(i))].tolist()))
             for i, (key, shape, dtype, sharded, kind) in enumerate(zip(s.keys, s.shapes, s.dtypes, s.sharded, s.kinds))
         ]
+
+
+def descs_by_key(descs_per_rank: Sequence[Sequence[PieceDesc]]) -> dict[str, tuple[Sequence[int], Sequence[PieceDesc]]]:
+    """Each key's holders (ascending) and their descriptions, keys in first-seen order."""
+    if descs_per_rank:
+        keys = list(map(_KEY, descs_per_rank[0]))
+        if len(set(keys)) == len(keys) and all(list(map(_KEY, descs)) == keys for descs in descs_per_rank[1:]):
+            ranks = range(len(descs_per_rank))  # the usual case: every rank holds every key, in one order
+            return {key: (ranks, column) for key, column in zip(keys, zip(*descs_per_rank))}
+    groups: dict[str, tuple[list[int], list[PieceDesc]]] = {}
+    for rank, descs in enumerate(descs_per_rank):
+        for d in descs:
+            group = groups.get(d.key)
+            if group is None:
+                groups[d.key] = group = ([], [])
+            group[0].append(rank)
+            group[1].append(d)
+    return groups
+
+
+def check_agreement(key: str, ranks: Sequence[int], descs: Sequence[PieceDesc]) -> None:
+    """Raise ``ValueError`` naming ``key`` and a rank when the ranks disagree on its shape or dtype."""
+    shapes, dtypes = list(map(_SHAPE, descs)), list(map(_DTYPE, descs))
+    if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
+        return
+    ref = descs[0]
+    for rank, d in zip(ranks, descs):
+        if (ref.shape, ref.dtype) != (d.shape, d.dtype):
+            raise ValueError(
+                f"tensor {key!r} is {list(ref.shape)} {ref.dtype} on one rank and "
+                f"{list(d.shape)} {d.dtype} on rank {rank}"
+            )
 
 
 def piece_ranges(piece: Piece, shape: Sequence[int]) -> list[Range]:

@@ -22,18 +22,18 @@ from ..format.layout import FORMAT_VERSION, LEGACY_FORMAT_VERSION, rank_filename
 from ..format.rules import detect_rule
 from ..format.metadata import TensorStorageMetadata, new_metadata
 from ..format.specs import Layout, ShardSpecs, gc_paused, shared_layout
+from .box_groups import box_groups
 from .boxes import TileIndex
 from .overlap import merge_adjacent
-from .pieces import BOX, Piece, PieceDesc, RankPieces, Structure, piece_ranges, piece_tiles
+from .pieces import (
+    BOX, Piece, PieceDesc, RankPieces, Structure, check_agreement, descs_by_key, piece_ranges, piece_tiles,
+)
 from .save_plan import SavePlan
 
 __all__ = ["Piece", "PieceDesc", "RankPieces", "Structure", "SavePlan", "build_save_plan"]
 
 
-_KEY = attrgetter("key")
 _PIECE = attrgetter("piece")
-_SHAPE = attrgetter("shape")
-_DTYPE = attrgetter("dtype")
 _FLAT = attrgetter("flat")
 _LOCAL_SHAPE = attrgetter("local_shape")
 _GLOBAL_OFFSET = attrgetter("global_offset")
@@ -94,19 +94,20 @@ def _without_aliases(columns: RankPieces, aliases: dict[str, str]) -> RankPieces
 class _Planned:
     """What the analysis of one tensor's pieces decided, before shared pieces get their writers."""
 
-    __slots__ = ("writers", "pieces", "layout", "numels", "held", "fixed", "fixed_ranks", "fixed_numels", "own_layout")
+    __slots__ = ("writers", "pieces", "layout", "numels", "held", "fixed", "options", "own_layout")
 
     def __init__(self, writers: Sequence[int], pieces: list[Piece] | None, layout: Layout | None,
                  numels: Sequence[int], held: list[tuple[int, Piece, list[int] | None]],
-                 fixed: list[list[tuple[int, Piece]]] | None = None):
+                 fixed: tuple[np.ndarray, list[Piece], np.ndarray] | None = None):
         self.writers = np.asarray(writers, dtype=np.int64)  # ranks writing one piece each
         self.pieces = pieces  # their pieces (None: ``layout`` holds them)
         self.layout = layout
         self.numels = np.asarray(numels, dtype=np.int64)
         self.held = held  # pieces several ranks hold: (element count, piece, holders or None for all)
-        self.fixed = fixed or []  # pieces several ranks hold: options of (writer, piece) lists, one chosen
-        self.fixed_ranks: np.ndarray | None = None  # the options' writers (options x pieces), made when first needed
-        self.fixed_numels: np.ndarray | None = None
+        # Pieces several ranks hold, written by one option of writers: (writers, options x pieces;
+        # the pieces; their element counts).
+        self.fixed = fixed
+        self.options: dict[int, list] = {}  # option -> [its writers, its pieces, layout, writers array] once made
         self.own_layout: Layout | None = None  # the layout of ``writers`` and ``pieces`` alone, once made
 
 
@@ -140,11 +141,11 @@ def _plan_general(
     """Ranks hold different keys (pipeline stages, a rank without some tensor): tensor by tensor."""
     world = len(descs_per_rank)
     names = [rank_filename(r) for r in range(world)]
-    groups = _by_key(descs_per_rank)
+    groups = descs_by_key(descs_per_rank)
     layouts: dict[tuple, list[Layout]] = {}
     keys, shapes, dtypes, sharded, planned = [], [], [], [], []
     for key, (holders, descs) in groups.items():
-        _check_agreement(key, holders, descs)
+        check_agreement(key, holders, descs)
         desc = descs[0]
         pieces = list(map(_PIECE, descs))
         kinds = {p.kind for p in pieces}
@@ -189,6 +190,10 @@ def _analyse(
             if piece.numel:
                 _check_tiling(key, shape, [piece])
                 return _Planned([], [], None, [], [(piece.numel, piece, None if everyone else ranks.tolist())])
+    if kind == BOX:
+        grouped = _grouped(shape, block, ranks, names, layouts, everyone=everyone, compact=compact)
+        if grouped is not None:
+            return grouped
     pieces = [Piece.from_numbers(kind, column) for column in block.T.tolist()]
     if compact:
         blocks = _replica_blocks(key, shape, ranks.tolist(), pieces)
@@ -204,8 +209,33 @@ def _replica_blocks(key: str, shape: tuple[int, ...], ranks: list[int], pieces: 
     writers, mine, numels, held = _split(key, shape, ranks, pieces)
     if writers or not held or len({len(by) for _, _, by in held}) != 1:
         return None
-    options = [[(by[q], piece) for _, piece, by in held] for q in range(len(held[0][2]))]
-    return _Planned([], [], None, [], [], options)
+    options = np.array([by for _, _, by in held], dtype=np.int64).T
+    return _Planned([], [], None, [], [], (options, [p for _, p, _ in held], np.array([n for n, _, _ in held])))
+
+
+def _grouped(shape: tuple[int, ...], block: np.ndarray, ranks: np.ndarray, names: list[str],
+             layouts: dict[tuple, list[Layout]], *, everyone: bool, compact: bool) -> _Planned | None:
+    """What ``_split`` and the analysis after it decide for box pieces, from arrays
+    (:func:`~checkpointer.planning.box_groups.box_groups`); ``None``: take that path."""
+    groups = box_groups(shape, block)
+    if groups is None:
+        return None
+    if (groups.counts == 1).all():  # each rank its own piece: the layout, without an object per rank
+        writers, ndim = ranks[groups.first], len(shape)
+        kept = block[:, groups.first].T.tolist()
+        layout = shared_layout(layouts, shape, [names[r] for r in writers.tolist()], None,
+                               [tuple(v[:ndim]) for v in kept], [tuple(v[ndim:]) for v in kept])
+        return _Planned(writers, None, layout, groups.numels, [])
+    pieces = [Piece.from_numbers(BOX, v) for v in block[:, groups.first].T.tolist()]
+    if compact and (groups.counts == groups.counts[0]).all():  # HSDP: as ``_replica_blocks``
+        options = ranks[groups.members].reshape(len(pieces), -1).T
+        return _Planned([], [], None, [], [], (options, pieces, groups.numels))
+    single = (groups.counts == 1).tolist()
+    numels = groups.numels.tolist()
+    held = [(n, p, None if everyone and len(by) == len(ranks) else by.tolist())
+            for one, n, p, by in zip(single, numels, pieces, groups.holders()) if not one]
+    return _Planned(ranks[groups.first[groups.counts == 1]], list(compress(pieces, single)), None,
+                    list(compress(numels, single)), held)
 
 
 def _tiling(shape: tuple[int, ...], kind: int, block: np.ndarray, numel: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -250,18 +280,17 @@ def _assign(
     aliases: dict[str, str] | None, compact: bool = False,
 ) -> SavePlan:
     """Give each shared piece a writer, then build the metadata and the table of who writes what."""
-    writes = np.zeros((world, len(keys)), dtype=bool)
+    writes = np.zeros((world, len(keys)), dtype=bool, order="F")  # filled a key (column) at a time
     extra: dict[int, tuple[list[int], list[Piece]]] = {}  # key index -> shared pieces' writers and pieces
+    chosen: dict[int, list] = {}  # key index -> its option's memo (keys of one answer share it)
     fixed_load = np.zeros(world, dtype=np.int64)
     for i, answer in enumerate(planned):
-        if answer.fixed:
-            if answer.fixed_ranks is None:  # the options have one piece each of the same pieces
-                answer.fixed_ranks = np.array([[rank for rank, _ in o] for o in answer.fixed], dtype=np.int64)
-                answer.fixed_numels = np.array([[p.numel for _, p in o] for o in answer.fixed], dtype=np.int64)
-            q = int(fixed_load[answer.fixed_ranks].sum(axis=1).argmin())  # the first least loaded
-            option = answer.fixed[q]
-            extra[i] = ([rank for rank, _ in option], [piece for _, piece in option])
-            np.add.at(fixed_load, answer.fixed_ranks[q], answer.fixed_numels[q] * itemsize(dtypes[i]))
+        if answer.fixed is not None:  # the options write the same pieces, each by other ranks
+            options, pieces, numels = answer.fixed
+            q = int(fixed_load[options].sum(axis=1).argmin())  # the first least loaded
+            memo = chosen[i] = answer.options.setdefault(q, [options[q].tolist(), list(pieces), None, None])
+            extra[i] = (memo[0], memo[1])
+            np.add.at(fixed_load, options[q], numels * itemsize(dtypes[i]))
     shared = [(n * itemsize(dtypes[i]), keys[i], i, piece, holders)
               for i, answer in enumerate(planned) for n, piece, holders in answer.held]
     if shared:
@@ -282,11 +311,14 @@ def _assign(
             pieces.append(piece)
             load[rank] += nbytes
     tensors = {}
+    columns: dict[int, np.ndarray] = {}
     for i in sorted(range(len(keys)), key=keys.__getitem__):
         answer, key = planned[i], keys[i]
         layout = answer.layout
         if layout is None and i not in extra and answer.own_layout is not None:
             layout, writers = answer.own_layout, answer.writers  # keys of one answer: the same shape
+        elif layout is None and i in chosen and chosen[i][2] is not None:
+            layout, writers = chosen[i][2], chosen[i][3]  # keys of one answer, the same option
         elif layout is None:
             writers, pieces = answer.writers.tolist(), list(answer.pieces or [])
             if i in extra:
@@ -297,15 +329,21 @@ def _assign(
             layout = _layout(layouts, shapes[i], [names[r] for r in writers], pieces)
             if i not in extra:
                 answer.own_layout = layout
+            elif i in chosen and not answer.held and not len(answer.writers):
+                chosen[i][2:] = [layout, np.array(writers, dtype=np.int64)]
         else:
             writers = answer.writers
-        writes[writers, i] = True
+        column = columns.get(id(layout))  # the writers are the layout's files: keys of one layout share it
+        if column is None:
+            column = columns[id(layout)] = np.zeros(world, dtype=bool)
+            column[writers] = True
+        writes[:, i] = column
         rule = None
         if compact:
             rule = layout.memo.get("rule", _UNKNOWN)
             if rule is _UNKNOWN:
                 rule = layout.memo["rule"] = detect_rule(
-                    layout.shape, layout.names, layout.flat, layout.local_shape, layout.global_offset
+                    layout.shape, layout.names, layout.flat, layout.local_shape, layout.global_offset, ranks=writers
                 )
         tensors[key] = TensorStorageMetadata.model_construct(
             shape=shapes[i], is_sharded=sharded[i], dtype=dtypes[i], shard_spec_per_file=ShardSpecs(layout, rule=rule)
@@ -346,37 +384,6 @@ def _split(
         else:
             held.append((count, piece, by))
     return writers, mine, numels, held
-
-
-def _by_key(descs_per_rank: Sequence[Sequence[PieceDesc]]) -> dict[str, tuple[Sequence[int], Sequence[PieceDesc]]]:
-    """Each key's holders (ascending) and their descriptions, keys in first-seen order."""
-    if descs_per_rank:
-        keys = list(map(_KEY, descs_per_rank[0]))
-        if len(set(keys)) == len(keys) and all(list(map(_KEY, descs)) == keys for descs in descs_per_rank[1:]):
-            ranks = range(len(descs_per_rank))  # the usual case: every rank holds every key, in one order
-            return {key: (ranks, column) for key, column in zip(keys, zip(*descs_per_rank))}
-    groups: dict[str, tuple[list[int], list[PieceDesc]]] = {}
-    for rank, descs in enumerate(descs_per_rank):
-        for d in descs:
-            group = groups.get(d.key)
-            if group is None:
-                groups[d.key] = group = ([], [])
-            group[0].append(rank)
-            group[1].append(d)
-    return groups
-
-
-def _check_agreement(key: str, ranks: Sequence[int], descs: Sequence[PieceDesc]) -> None:
-    shapes, dtypes = list(map(_SHAPE, descs)), list(map(_DTYPE, descs))
-    if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):
-        return
-    ref = descs[0]
-    for rank, d in zip(ranks, descs):
-        if (ref.shape, ref.dtype) != (d.shape, d.dtype):
-            raise ValueError(
-                f"tensor {key!r} is {list(ref.shape)} {ref.dtype} on one rank and "
-                f"{list(d.shape)} {d.dtype} on rank {rank}"
-            )
 
 
 def _distinct(ranks: Sequence[int], pieces: list[Piece]) -> tuple[list[Piece], list[list[int]]]:

@@ -28,7 +28,8 @@ class SavePlan:
     writes: np.ndarray
     """``writes[rank, i]``: ``rank`` writes ``keys[i]`` to its file (bool, world size x keys)."""
     shared: dict[int, tuple[list[int], list[Piece]]] = field(default_factory=dict)
-    """By index into ``keys``: the pieces several ranks hold, and the rank that writes each."""
+    """By index into ``keys``: the pieces several ranks hold, and the rank that writes each (read-only:
+    keys whose pieces and writers are equal, the layers of a model, share the lists)."""
 
     def keys_for(self, rank: int) -> tuple[str, ...]:
         """The keys ``rank`` writes to its file, in file order."""
