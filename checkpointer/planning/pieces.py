@@ -304,4 +304,6 @@ def parse_pieces(payload: bytes, known: dict[str, Structure]) -> tuple[RankPiece
             raise CheckpointError(f"a rank's structure does not match its digest {digest}")
         known[digest] = structure
     values = np.frombuffer(payload, dtype="<i8", offset=9 + n).astype(np.int64, copy=False)
+    if (values < 0).any():  # sizes, offsets and flattened bounds: a negative one is no piece
+        raise CheckpointError(f"a rank sent a piece with a negative size or offset ({int(values.min())})")
     return RankPieces(structure, values), header["aliases"], header["fingerprint"]

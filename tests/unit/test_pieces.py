@@ -169,6 +169,14 @@ def test_payload_round_trip_and_structure_only_when_sent():
         _parse_pieces(_pieces_payload(other, {}, with_structure=False), {})
 
 
+def test_a_payload_with_a_negative_number_is_refused():
+    """Sizes, offsets and flattened bounds are never negative: such a piece is no piece, and the
+    tiling proofs must not see it (a negative box once passed as covering nothing)."""
+    bad = RankPieces.from_descs([PieceDesc("w", (4, 4), "F32", True, Piece(local_shape=(4, -2), global_offset=(0, 0)))])
+    with pytest.raises(CheckpointError, match="negative size or offset"):
+        _parse_pieces(_pieces_payload(bad, {}, with_structure=True), {})
+
+
 def test_payload_is_never_taken_for_an_error_report():
     """A header whose length starts with the byte of ``{`` is still a rank's pieces."""
     ours = RankPieces.from_descs([PieceDesc("w", (2,), "F32", False, Piece.whole((2,)))])
