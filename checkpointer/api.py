@@ -22,7 +22,7 @@ from .engine.locate import newest_checkpoint
 from .models.hf_load import KeyMap, is_hf_checkpoint, load_hf
 from .models.load_result import LoadResult
 from .models.names import model_state_dict
-from .models.train_state import TRAIN_PART, PerRank, RNGState, load_train_state, save_parts
+from .models.train_state import TRAIN_PART, PerRank, RNGState, read_train_state, save_parts
 from .models.optim_layout import flatten_optim_state, load_model_and_optim, malformed, unflatten_optim
 from .storage import open_storage
 from .tools.retention import prune_run
@@ -274,9 +274,11 @@ def load_model_and_optim_state(
             f"key_map and dtype are for Hugging Face checkpoints; {dir} is a checkpoint of this library "
             "(it loads by the model's own names and dtypes)"
         )
+    # The training state is read and checked first: a key it lacks leaves the model untouched.
+    saved_train_state = read_train_state(_part(dir, TRAIN_PART), train_state)
     storages = [_part(dir, "model")] + ([_part(dir, "optim")] if optim is not None else [])
     result = load_model_and_optim(storages, model, optim, model_state_dict(model), strict=strict, strategy=strategy)
-    result.train_state = load_train_state(_part(dir, TRAIN_PART), train_state, result.missing_keys)
+    result.train_state = saved_train_state.apply(result.missing_keys)
     return result
 
 

@@ -15,12 +15,13 @@ JSON texts are stored as 1-D uint8 tensors. Saving, in order:
 
 1. Every rank calls :func:`save_parts` before its save is planned: each value is taken
    (``state_dict()`` of a stateful object) and encoded now, and the ranks compare their job
-   values (one all-gather of their digests).
+   values (one all-reduce of a digest; their descriptions are gathered only when they differ).
 2. The state dict it returns is saved to ``dir/train`` before ``model/`` and ``optim/``, whose
    commit comes last: a step whose ``optim/`` committed has its train state committed too.
 
-Loading: :func:`load_train_state` reads ``manifest``, the job values and this rank's own, fills
-the stateful objects passed in place, and returns every value by key. ``PerRank`` values at
+Loading: :func:`read_train_state`, before the model and optimizer are filled, reads ``manifest``,
+the job values and this rank's own, and checks the keys asked for; then :meth:`ReadTrainState.apply`
+fills the stateful objects passed in place and returns every value by key. ``PerRank`` values at
 another world size: rank ``r`` gets what rank ``r`` saved; a rank beyond the saved world size
 gets nothing for those keys: they are listed in ``missing_keys`` (as ``train_state.{key}``),
 a warning names them, and their objects are left untouched.
@@ -29,10 +30,10 @@ a warning names them, and their objects are left untouched.
 from __future__ import annotations
 
 import hashlib
-
 import random
 import warnings
 import zlib
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -49,7 +50,7 @@ from . import train_codec
 from .names import model_state_dict
 from .optim_layout import flatten_optim_state
 
-__all__ = ["PerRank", "RNGState", "save_parts", "load_train_state", "TRAIN_PART"]
+__all__ = ["PerRank", "RNGState", "save_parts", "read_train_state", "ReadTrainState", "TRAIN_PART"]
 
 TRAIN_PART = "train"
 _FORMAT = 1
@@ -224,25 +225,50 @@ def _check_job_values_agree(digests: dict[str, int], manifest: dict[str, Any]) -
                 )
 
 
-def load_train_state(
-    storage: Storage, train_state: Mapping[str, Any] | None, missing: list[str]
-) -> dict[str, Any]:
-    """Every rank: read ``storage`` (a ``dir/train``), fill the stateful objects of ``train_state``
-    in place, and return every saved value by key (``{}`` when the checkpoint has no training
-    state and none is asked for). Keys passed that the checkpoint lacks are a
-    :class:`CheckpointMismatchError`; per-rank keys this rank has no value for at another world
-    size are appended to ``missing`` and warned about. Errors reach every rank."""
+@dataclass
+class ReadTrainState:
+    """A checkpoint's training state, read, checked and decoded (recipe: before the model and
+    optimizer are filled, so that a key it lacks or a damaged value changes nothing), and what
+    :meth:`apply` still does after them."""
+
+    values: dict[str, Any]
+    lost: list[str]  # per-rank keys this rank has no saved value of (another world size)
+    wanted: dict[str, Any]
+    where: str
+
+    def apply(self, missing: list[str]) -> dict[str, Any]:
+        """Fill the stateful objects asked for; note the lost keys in ``missing``. Returns every value."""
+        missing.extend(f"train_state.{k}" for k in self.lost)
+        for key, target in self.wanted.items():
+            inner = _unwrap(target)
+            if key in self.values and _is_stateful(inner):
+                try:
+                    inner.load_state_dict(self.values[key])
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError, CorruptCheckpointError) as ex:
+                    raise CorruptCheckpointError(
+                        f"{self.where}: train_state[{key!r}] does not load into its {type(inner).__name__} "
+                        f"({type(ex).__name__}: {ex})"
+                    ) from ex
+        return self.values
+
+
+def read_train_state(storage: Storage, train_state: Mapping[str, Any] | None) -> ReadTrainState:
+    """Every rank: read ``storage`` (a ``dir/train``) and decode every saved value this rank
+    gets (none when the checkpoint has no training state and none is asked for). Keys passed
+    that the checkpoint lacks are a :class:`CheckpointMismatchError`; per-rank keys this rank
+    has no value for at another world size are warned about. Errors reach every rank."""
+    wanted = dict(train_state or {})
     with dist.phase("load"):
         if not storage.exists(METADATA_FILENAME):
-            if train_state:
+            if wanted:
                 raise CheckpointMismatchError(
-                    f"{storage.url}: the checkpoint holds no training state, asked for {sorted(train_state)[:10]}"
+                    f"{storage.url}: the checkpoint holds no training state, asked for {sorted(wanted)[:10]}"
                 )
-            return {}
-        return _load(storage, dict(train_state or {}), missing)
+            return ReadTrainState({}, [], wanted, storage.url)
+        return _read(storage, wanted)
 
 
-def _load(storage: Storage, wanted: dict[str, Any], missing: list[str]) -> dict[str, Any]:
+def _read(storage: Storage, wanted: dict[str, Any]) -> ReadTrainState:
     where = storage.url
     metadata = Checkpointer().get_metadata(storage, no_dist=True)
     reader = CheckpointReader(storage, metadata)
@@ -264,7 +290,6 @@ def _load(storage: Storage, wanted: dict[str, Any], missing: list[str]) -> dict[
         else:
             lost.append(key)
     if lost:
-        missing.extend(f"train_state.{k}" for k in lost)
         warnings.warn(
             f"{where}: saved by {manifest['world_size']} ranks; rank {rank} has no saved value of the per-rank "
             f"train_state keys {lost} (left as they are)", stacklevel=4,
@@ -275,16 +300,7 @@ def _load(storage: Storage, wanted: dict[str, Any], missing: list[str]) -> dict[
         tensor_keys = [k for k in metadata.tensors if k.startswith(f"{name}/")]
         tensors = reader.full_tensors(tensor_keys, verify=True) if tensor_keys else {}
         values[key] = train_codec.decode(tree, f"{where}: {name}", tensors)
-    for key, target in wanted.items():
-        inner = _unwrap(target)
-        if key in values and _is_stateful(inner):
-            try:
-                inner.load_state_dict(values[key])
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError, CorruptCheckpointError) as ex:
-                raise CorruptCheckpointError(
-                    f"{where}: train_state[{key!r}] does not load into its {type(inner).__name__} ({type(ex).__name__}: {ex})"
-                ) from ex
-    return values
+    return ReadTrainState(values, lost, wanted, where)
 
 
 def _read_json(reader: CheckpointReader, key: str, where: str) -> Any:

@@ -67,8 +67,11 @@ def _values_and_policy(rank, world_size, root):
     differs = catch(checkpointer.save_model_and_optim_state, os.path.join(root, "bad"), job.model, job.optim,
                     train_state={"seed": rank})
     bad_exists = os.path.exists(os.path.join(root, "bad", "model", "metadata.json"))
-    unknown = catch(checkpointer.load_model_and_optim_state, ckpt, job.model, job.optim, train_state={"nope": job.sched})
-    return {"differs": differs, "bad_exists": bad_exists, "unknown": unknown}
+    other = build_job(world_size, seed=3)
+    before = [p.detach().full_tensor().clone() for p in other.model.parameters()]
+    unknown = catch(checkpointer.load_model_and_optim_state, ckpt, other.model, other.optim, train_state={"nope": other.sched})
+    untouched = all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, other.model.parameters()))
+    return {"differs": differs, "bad_exists": bad_exists, "unknown": unknown, "untouched": untouched}
 
 
 def _load_elsewhere(rank, world_size, root):
@@ -89,6 +92,7 @@ def test_values_come_back_and_per_rank_values_follow_the_policy(run_distributed,
         assert "train_state['seed']" in r["differs"]["msg"] and "PerRank" in r["differs"]["msg"]
         assert not r["bad_exists"], "a refused save wrote the model"
         assert r["unknown"]["type"] == "CheckpointMismatchError" and "nope" in r["unknown"]["msg"]
+        assert r["untouched"], "a load refused for its train_state keys changed the model"
     for world_size in (1, 3):
         results = run_distributed(_load_elsewhere, world_size, str(tmp_path))
         for rank, r in enumerate(results):
