@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..engine.checks import HeaderCache, read_with
-from ..engine.commit import check_directory, commit_metadata, release_lock
+from ..engine.commit import check_directory, commit_metadata, refuse_existing, release_lock
 from ..engine.load import read_metadata
 from ..engine.locate import checkpoint_parts
 from ..errors import CheckpointError
@@ -83,12 +83,17 @@ def write_olmo(
             where = f"{name}/" if name else src
             notes(f"{where}: {len(metadata.aliases)} tied tensors are saved once under another name "
                   f"(aliases), which OLMo-core 0.1.0 does not read: it loads them only through this library")
+    targets = [target.part(name) if name else target for name, _, _ in read]
+    if not save_overwrite:  # every part refused before any is written
+        refuse_existing(targets)
+    elif "optim" in names and targets[-1].exists(METADATA_FILENAME):
+        targets[-1].delete(METADATA_FILENAME)  # the old step reads as incomplete until optim/ commits again
     total = sum(_total_bytes(storage, metadata) for _, storage, metadata in read)
     bar = make_progress(total, sum(len(m.files()) for _, _, m in read)) if make_progress else None
     written: list[str] = []
     try:
-        for name, storage, metadata in read:
-            written += _convert_part(storage, target.part(name) if name else target, metadata, save_overwrite, bar)
+        for (_, storage, metadata), part in zip(read, targets):
+            written += _convert_part(storage, part, metadata, save_overwrite, bar)
     finally:
         if bar is not None:
             bar.close()

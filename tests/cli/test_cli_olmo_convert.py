@@ -156,3 +156,21 @@ def test_convert_to_olmo_refuses_other_sources_and_itself(tmp_path, capsys):
     fresh, fresh_optim = build(15, tied=False)
     load_model_and_optim_state(src, fresh, fresh_optim)
     assert_same_tensors(full_state(fresh), full_state(model))
+
+
+def test_convert_to_olmo_into_a_checkpoint_refuses_every_part_before_writing_one(tmp_path, capsys):
+    """A top-level destination whose ``model/`` holds a checkpoint: without ``--overwrite`` the
+    conversion is refused before ``train/`` (converted first) is written."""
+    src, dst = str(tmp_path / "ours"), str(tmp_path / "dst")
+    model, optim = build(16, tied=False)
+    save_model_and_optim_state(src, model, optim, train_state={"step": 3})
+    assert cli(capsys, "convert", os.path.join(src, "model"), os.path.join(dst, "model"), "--to", "olmo", "-q") == (0, "", "")
+    code, _, err = cli(capsys, "convert", src, dst, "--to", "olmo", "-q")
+    assert code == 1 and "model" in err and "exists" in err, err
+    assert sorted(os.listdir(dst)) == ["model"], "a refused conversion wrote a part"
+    assert cli(capsys, "convert", src, dst, "--to", "olmo", "-q", "--overwrite") == (0, "", "")
+    assert sorted(os.listdir(dst)) == ["model", "optim", "train"]
+    fresh, fresh_optim = build(17, tied=False)
+    state: dict = {"step": 0}
+    load_model_and_optim_state(dst, fresh, fresh_optim, train_state=state)
+    assert_same_tensors(full_state(fresh), full_state(model)) and state == {"step": 3}
