@@ -20,9 +20,10 @@ The lock, and taking over a crashed save's. The lock file is JSON: ``host``, ``p
 ``token`` (whose lock it is: compared with the file's length, so a file that grew is no one's)
 and ``beat_ms``, refreshed by a heartbeat thread of the holding process every quarter of
 ``CHECKPOINTER_LOCK_LEASE_S`` (:func:`~checkpointer.settings.lock_lease_s`) until the lock is
-released. A lock is stale when its process is known dead (its host is this host and no process
-has its pid) or when its heartbeat is older than the lease (hosts' clocks must agree to well
-within it). A save that finds a stale lock, without ``save_overwrite``:
+released. A lock is stale when its process is known dead (it was taken on this host, in this
+boot and PID namespace, and no process has its pid) or when its heartbeat is older than the
+lease (hosts' clocks must agree to well within it). A save that finds a stale lock, without
+``save_overwrite``:
 
 a. creates ``.checkpointer-save.lock.taken-<digest of the stale lock's bytes>`` exclusively
    (a local ``O_EXCL`` create, S3's ``If-None-Match: *``, GCS's ``ifGenerationMatch=0``): of
@@ -207,8 +208,22 @@ def _new_lock() -> bytes:
     """This process's lock: the token makes it ours alone (a conditional create retried after a
     lost answer recognises its own file by it); ``beat_ms`` is the heartbeat, refreshed in place
     (:func:`_with_beat`: the same length for centuries, so ownership compares lengths too)."""
-    return _with_beat(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
-                                  "beat_ms": 0}).encode())
+    return _with_beat(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_space": _PID_SPACE,
+                                  "token": uuid.uuid4().hex, "beat_ms": 0}).encode())
+
+
+def _pid_space() -> str:
+    """This boot's id and this process's PID namespace: where a pid names one process. Containers
+    may share a host name but not both of these; "" where they cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+_PID_SPACE = _pid_space()
 
 
 def _with_beat(lock: bytes) -> bytes:
@@ -243,7 +258,8 @@ def stale_reason(data: bytes, *, now: float | None = None) -> str | None:
     lease), or None while it may be held: a lock this cannot read is never judged stale."""
     fields = _fields(data)
     host, pid = fields.get("host"), fields.get("pid")
-    if host == socket.gethostname() and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+    same_pids = bool(_PID_SPACE) and fields.get("pid_space") == _PID_SPACE  # not merely the same host name
+    if same_pids and host == socket.gethostname() and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:

@@ -22,7 +22,7 @@ from storage_fixtures import loopback_env, moto_endpoint  # noqa: F401  (fixture
 from storage_servers import S3_BUCKET, FaultProxy
 
 from checkpointer import Checkpointer
-from checkpointer.engine import save as save_module
+from checkpointer.engine import commit, save as save_module
 from checkpointer.format.layout import LOCK_FILENAME
 from checkpointer.storage import open_storage
 
@@ -33,8 +33,10 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def _lock(host: str, pid: int, beat_ms: int) -> bytes:
-    return json.dumps({"host": host, "pid": pid, "token": "f" * 32, "beat_ms": beat_ms}).encode()
+def _lock(host: str, pid: int, beat_ms: int, pid_space: str | None = None) -> bytes:
+    """A lock as a process of ``host`` writes it, in this boot and PID namespace unless ``pid_space`` says."""
+    space = commit._PID_SPACE if pid_space is None else pid_space
+    return json.dumps({"host": host, "pid": pid, "pid_space": space, "token": "f" * 32, "beat_ms": beat_ms}).encode()
 
 
 def _now_ms() -> int:
@@ -80,6 +82,13 @@ def test_stale_locks_are_taken_over_and_live_ones_refuse(where, monkeypatch):
     with pytest.raises(FileExistsError, match="remove it, or pass save_overwrite=True"):
         Checkpointer().save(where, STATE)
     assert not storage.exists("metadata.json")
+
+    # A dead pid, but in another PID namespace (a container with this host name) or an older
+    # lock without one: its pid says nothing here, and its heartbeat is fresh: live.
+    for space in ("another-boot/4026531836", ""):
+        storage.write(LOCK_FILENAME, _lock(here, _dead_pid(), _now_ms(), pid_space=space))
+        with pytest.raises(FileExistsError, match="in progress, or one crashed there"):
+            Checkpointer().save(where, STATE)
 
     # The process that wrote it is gone (this host): taken over at once, whatever its heartbeat.
     storage.write(LOCK_FILENAME, _lock(here, _dead_pid(), _now_ms()))
