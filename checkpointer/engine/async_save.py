@@ -19,6 +19,7 @@ is printed to stderr, naming the checkpoint, and the exit status becomes 1.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import sys
@@ -233,10 +234,10 @@ class AsyncSaver:
 
             _track(planned, +1)
             if stage_in_background:
-                ready = _ready_event(planned)
+                ready = _ready_events(planned)
 
                 def stage_then_write() -> None:
-                    _, staging_error = dist.attempt(lambda: _on_side_stream(ready, stage))
+                    _, staging_error = dist.attempt(lambda: _on_side_streams(ready, stage))
                     result.staged.set_result(None)
                     self._write(planned, staged, copies, staging_error, locked, save_overwrite, result, absent)
 
@@ -297,8 +298,8 @@ class AsyncSaver:
             buf = arena.piece(slot)
             buf.view(lt.data.shape).copy_(lt.data, non_blocking=lt.data.is_cuda)
             staged.append((key, replace(lt, data=buf)))
-        if arena.pinned:
-            torch.cuda.current_stream().synchronize()  # the copies above were queued on it
+        for device in {lt.data.device for _, lt in pieces if lt.data.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # the copies above were queued on it
         return staged
 
 
@@ -318,27 +319,33 @@ def _reuse_cached_plans_each(
     ]
 
 
-def _ready_event(planned: list[PlannedSave]) -> Any:
-    """For staging on another thread: an event on the caller's CUDA stream, recorded after the
-    work that produced the state (an optimizer step, say); ``None`` without CUDA pieces."""
-    if any(lt.data.is_cuda for p in planned for _, lt in p.local_pieces()):
+def _ready_events(planned: list[PlannedSave]) -> list[tuple[torch.device, Any]]:
+    """For staging on another thread: per CUDA device of the pieces, an event on the caller's
+    current stream there, recorded after the work that produced the state (an optimizer step)."""
+    devices = {lt.data.device for p in planned for _, lt in p.local_pieces() if lt.data.is_cuda}
+    events = []
+    for device in sorted(devices, key=lambda d: d.index or 0):
         event = torch.cuda.Event()
-        event.record()
-        return event
-    return None
+        event.record(torch.cuda.current_stream(device))
+        events.append((device, event))
+    return events
 
 
-def _on_side_stream(ready: Any, work: Any) -> None:
-    """``work()`` on a stream of its own that first waits for ``ready``: the copies to host then
-    overlap the caller's next kernels, and never run before the ones that made the state."""
-    if ready is None:
+def _on_side_streams(ready: list[tuple[torch.device, Any]], work: Any) -> None:
+    """``work()`` with, on each device of ``ready``, a stream of its own as the current one that
+    first waits for that event: the copies to host then overlap the caller's next kernels and
+    never run before those that made the state (a thread's current device is not the caller's:
+    each stream is made on its event's device)."""
+    with contextlib.ExitStack() as streams:
+        made = []
+        for device, event in ready:
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_event(event)
+            streams.enter_context(torch.cuda.stream(stream))
+            made.append(stream)
         work()
-        return
-    stream = torch.cuda.Stream()
-    stream.wait_event(ready)
-    with torch.cuda.stream(stream):
-        work()
-    stream.synchronize()
+    for stream in made:
+        stream.synchronize()
 
 
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()

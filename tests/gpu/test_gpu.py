@@ -421,3 +421,29 @@ def _load_in_many_batches(rank: int, world_size: int, ckpt: str) -> list[str]:
 
 def test_loads_into_cuda_tensors_are_exact_across_many_overlapping_batches(run_distributed, tmp_path):
     assert run_distributed(_load_in_many_batches, 1, str(tmp_path / "batches"), backend=NCCL) == [[]]
+
+
+def _background_staging_fsdp2_cuda(rank: int, world_size: int, ckpt: str) -> tuple[dict, dict]:
+    """As torchtitan's trainer with an async mode: the save returns before the copy to pinned
+    host memory, the next forward and backward run on the GPU meanwhile, and the optimizer step
+    waits for ``staged``. The step's kernels are queued before the save: the copy must wait for them."""
+    model = _fsdp2(0, "cuda", world_size)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, optim, "cuda")
+    saved = _full_state(model, optim)
+    future = checkpointer.async_save_model_and_optim_state(ckpt, model, optim, stage_in_background=True)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5)).cuda()
+    model(x).square().sum().backward()
+    future.staged.result(timeout=60)
+    optim.step()
+    optim.zero_grad()
+    future.result()
+    return saved
+
+
+def test_background_staging_from_the_gpu_saves_the_state_at_the_call(run_distributed, tmp_path):
+    ckpt = str(tmp_path / "staged-in-background")
+    saved = run_distributed(_background_staging_fsdp2_cuda, 1, ckpt, backend=NCCL)[0]
+    loaded, devices = run_distributed(_load_fresh, 1, ckpt, "cuda", "fsdp2", backend=NCCL)[0]
+    assert devices == {"cuda"}
+    _assert_same(loaded, saved)
