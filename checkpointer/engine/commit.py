@@ -61,11 +61,10 @@ from typing import Any, Mapping, Sequence
 
 from .. import dist, settings
 from ..checksums import CHUNK_BYTES
-from ..errors import ReplicaMismatchError
+from ..errors import CheckpointError, ReplicaMismatchError
 from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename
 from ..format.metadata import StorageMetadata
 from ..storage.base import Storage
-
 
 
 def claim_parts(
@@ -168,6 +167,14 @@ def take_locks(storages: list[Storage], save_overwrite: bool) -> list[bytes | No
             for storage, lock in zip(storages, locks):
                 release_lock(storage, lock)
     return locks
+
+
+def refuse_if_committed(storage: Storage) -> None:
+    """A rank, its file written, before the file takes its name: ``metadata.json`` there means another
+    save took this one's lock over (this process was silent past the lease) and committed."""
+    if storage.exists(METADATA_FILENAME):
+        raise CheckpointError(f"{storage.url}: another save committed here while this one was writing (it took over "
+                              f"this save's lock, silent past {settings.LOCK_LEASE_S_ENV}); this rank's file was not put in place")
 
 
 def lock_everywhere(storages: list[Storage], save_overwrite: bool) -> list[bytes | None]:

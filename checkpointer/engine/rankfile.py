@@ -40,8 +40,11 @@ def write_rank_file(
     checksums: bool = True,
     file_id: str | None = None,
     checksums_in_file: bool = False,
+    before_commit: Callable[[], None] | None = None,
 ) -> dict[str, list[int]]:
     """Write the local pieces as one safetensors file, streaming from tensor memory.
+    ``before_commit`` runs once every byte is written, before the file takes its name (it
+    raises to leave the name as it was).
 
     Returns each key's CRC32C per :data:`~checkpointer.checksums.CHUNK_BYTES` of its piece.
     Each block is checksummed right after it is written, while it is still in the CPU cache:
@@ -106,6 +109,8 @@ def write_rank_file(
             writer.write_stable(pending)
         if checksums_in_file:
             writer.write([memoryview(checksum_bytes(result, {key: _chunks(lt) for key, lt in tensors}))])
+        if before_commit is not None:
+            before_commit()
         writer.commit()
     return result
 

@@ -45,7 +45,9 @@ from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from .commit import check_copies
 from .rankfile import Copies, start_hashing
-from .commit import check_directory, commit_metadata, refuse_existing_everywhere, release_lock, take_locks
+from .commit import (
+    check_directory, commit_metadata, refuse_existing_everywhere, refuse_if_committed, release_lock, take_locks,
+)
 from .rankfile import write_rank_file
 
 __all__ = [
@@ -360,7 +362,8 @@ def write_and_commit(
         if local:
             name = rank_filename(rank)
             file_id = save_id or new_file_id()
-            crcs = write_rank_file(storage, name, local, file_id=file_id, checksums_in_file=compact)
+            crcs = write_rank_file(storage, name, local, file_id=file_id, checksums_in_file=compact,
+                                   before_commit=lambda: refuse_if_committed(storage))
             files.append(storage.join(name))
 
     _, error = dist.attempt(write)

@@ -16,7 +16,7 @@ import rel_helpers
 import torch
 
 import checkpointer
-from checkpointer import Checkpointer
+from checkpointer import Checkpointer, CheckpointError
 
 
 def job_state(job: int) -> dict[str, torch.Tensor]:
@@ -223,21 +223,13 @@ def same_layout_state(job: int) -> dict[str, torch.Tensor]:
     return {k: (v + 10 * (job + 1)).to(v.dtype) for k, v in rel_helpers.flat_full().items()}
 
 
-def test_a_rank_file_renamed_in_after_another_save_committed_is_refused_on_every_load(tmp_path, monkeypatch):
-    """Two saves with save_overwrite=True: job 1 saves and commits while job 0 is still writing;
-    job 0's rank file then lands over job 1's (its rename is the last thing job 0 does before it
-    finds it lost the lock). The files have one layout, so only the file id tells them apart:
-    every load, with or without verify, and ``checkpointer verify`` must refuse the directory
-    rather than read job 0's bytes as job 1's checkpoint."""
-    from checkpointer import CorruptCheckpointError
-    from checkpointer.cli import main as cli_main
-
+def test_a_save_overtaken_before_its_rank_file_is_named_leaves_the_winner_whole(tmp_path, monkeypatch):
+    """Two saves with save_overwrite=True: job 1 saves and commits while job 0 is still writing.
+    Job 0's rank file, written, does not then take its name over job 1's (it finds
+    ``metadata.json`` there first): job 0 fails, and job 1's checkpoint loads whole."""
     path = str(tmp_path / "ckpt")
     Checkpointer().save(path, same_layout_state(2))
     winner = same_layout_state(1)
-
-    def before_write_commit_the_winner() -> None:
-        Checkpointer().save(path, winner, save_overwrite=True)
 
     from checkpointer.engine import save as save_module
 
@@ -247,15 +239,31 @@ def test_a_rank_file_renamed_in_after_another_save_committed_is_refused_on_every
     def write_after_the_winner(*args, **kwargs):
         if not calls:
             calls.append(1)
-            before_write_commit_the_winner()
+            Checkpointer().save(path, winner, save_overwrite=True)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(save_module, "write_rank_file", write_after_the_winner)
-    with pytest.raises(FileExistsError, match="took over its lock"):
+    with pytest.raises(CheckpointError, match="another save committed here while this one was writing"):
         Checkpointer().save(path, same_layout_state(0), save_overwrite=True)
     monkeypatch.undo()
+    for verify in (False, True):
+        loaded = rel_helpers.load_part(path, winner, verify=verify)
+        assert all(torch.equal(loaded[k], v) for k, v in winner.items()), f"verify={verify}"
 
-    assert Checkpointer().get_metadata(path).tensors.keys() == winner.keys()
+
+def test_a_rank_file_of_another_save_is_refused_on_every_load(tmp_path):
+    """A rank file that landed from another save of the same layout (a rename racing the check
+    above): only the file id tells them apart, and every load, with or without verify,
+    ``unshard`` and ``checkpointer verify`` refuse the directory rather than read its bytes."""
+    from checkpointer import CorruptCheckpointError
+    from checkpointer.cli import main as cli_main
+
+    path, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    winner = same_layout_state(1)
+    Checkpointer().save(path, winner)
+    Checkpointer().save(other, same_layout_state(0))
+    with open(os.path.join(other, "rank_0.safetensors"), "rb") as src, open(os.path.join(path, "rank_0.safetensors"), "wb") as dst:
+        dst.write(src.read())
     for verify in (False, True):
         with pytest.raises(CorruptCheckpointError, match=r"rank_0\.safetensors: written by another save"):
             rel_helpers.load_part(path, winner, verify=verify)

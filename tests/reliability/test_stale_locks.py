@@ -186,3 +186,47 @@ def test_a_refused_save_of_several_targets_leaves_no_lock_behind(tmp_path):
     out = {"a": torch.zeros(4)}
     Checkpointer().load(str(tmp_path / "s2" / "model"), out)
     assert torch.equal(out["a"], model["a"])
+
+
+def test_a_save_overtaken_while_silent_leaves_the_committed_files_alone(tmp_path):
+    """Save A stops with its rank file written but not yet named (a process stopped past the
+    lease); meanwhile another save takes its lock over and commits the directory. When A goes
+    on, its file does not replace the committed one: A fails, and the checkpoint stays B's."""
+    from checkpointer.storage.local import LocalWriter
+
+    where, elsewhere = str(tmp_path / "ckpt"), str(tmp_path / "b")
+    theirs = {"w": torch.arange(6.0) * 10}
+    Checkpointer().save(elsewhere, theirs)
+    stopped, go_on = threading.Event(), threading.Event()
+    real_write = LocalWriter.write
+
+    def write(self, buffers):  # A's last write, its checksums: then A stops
+        if threading.current_thread().name == "save-a":
+            stopped.set()
+            go_on.wait(30)
+        return real_write(self, buffers)
+
+    outcome: dict[str, object] = {}
+
+    def save_a() -> None:
+        try:
+            Checkpointer().save(where, STATE)
+            outcome["a"] = "saved"
+        except Exception as ex:  # noqa: BLE001 - the outcome is the test's
+            outcome["a"] = ex
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LocalWriter, "write", write)
+        a = threading.Thread(target=save_a, name="save-a")
+        a.start()
+        assert stopped.wait(30)
+        for name in ("rank_0.safetensors", "metadata.json"):  # B's commit, as it leaves the directory
+            with open(os.path.join(elsewhere, name), "rb") as src, open(os.path.join(where, name), "wb") as dst:
+                dst.write(src.read())
+        go_on.set()
+        a.join(30)
+    assert isinstance(outcome["a"], Exception) and "another save committed here" in str(outcome["a"]), outcome
+    out = {"w": torch.zeros(6)}
+    Checkpointer().load(where, out)
+    assert torch.equal(out["w"], theirs["w"])
+    assert sorted(os.listdir(where)) == ["metadata.json", "rank_0.safetensors"]
