@@ -312,6 +312,9 @@ def _reuse_cached_plans_each(
     lock is taken; the reused targets share one file id."""
     hits = [cache.get(d.fingerprint) if d.error is None else None for _, d in targets]
     same, save_id = dist.all_equal_each_and_least([h.plan_id if h is not None else -1 for h in hits], secrets.randbits(62))
+    for (_, d), hit, agreed in zip(targets, hits, same):
+        if hit is not None and agreed:  # newest again: plans made meanwhile push out the unused ones
+            cache[d.fingerprint] = cache.pop(d.fingerprint)
     return [
         PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, None, hit.copies, f"{save_id:016x}")
         if hit is not None and agreed else None

@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from .. import dist
 from ..buffers import memoryview_of
+from ..engine.async_save import wait_for_writes_into
 from ..engine.checkpointer import Checkpointer
 from ..engine.reader import CheckpointReader
 from ..errors import CheckpointMismatchError, CorruptCheckpointError
@@ -237,18 +238,20 @@ class ReadTrainState:
     where: str
 
     def apply(self, missing: list[str]) -> dict[str, Any]:
-        """Fill the stateful objects asked for; note the lost keys in ``missing``. Returns every value."""
+        """Every rank: fill the stateful objects asked for; note the lost keys in ``missing``.
+        Returns every value. One rank's failure reaches every rank."""
         missing.extend(f"train_state.{k}" for k in self.lost)
-        for key, target in self.wanted.items():
-            inner = _unwrap(target)
-            if key in self.values and _is_stateful(inner):
-                try:
-                    inner.load_state_dict(self.values[key])
-                except (KeyError, TypeError, ValueError, AttributeError, IndexError, CorruptCheckpointError) as ex:
-                    raise CorruptCheckpointError(
-                        f"{self.where}: train_state[{key!r}] does not load into its {type(inner).__name__} "
-                        f"({type(ex).__name__}: {ex})"
-                    ) from ex
+        with dist.phase("load"):
+            for key, target in self.wanted.items():
+                inner = _unwrap(target)
+                if key in self.values and _is_stateful(inner):
+                    try:
+                        inner.load_state_dict(self.values[key])
+                    except (KeyError, TypeError, ValueError, AttributeError, IndexError, CorruptCheckpointError) as ex:
+                        raise CorruptCheckpointError(
+                            f"{self.where}: train_state[{key!r}] does not load into its {type(inner).__name__} "
+                            f"({type(ex).__name__}: {ex})"
+                        ) from ex
         return self.values
 
 
@@ -258,6 +261,7 @@ def read_train_state(storage: Storage, train_state: Mapping[str, Any] | None) ->
     that the checkpoint lacks are a :class:`CheckpointMismatchError`; per-rank keys this rank
     has no value for at another world size are warned about. Errors reach every rank."""
     wanted = dict(train_state or {})
+    wait_for_writes_into(storage.url)  # an async save of this process writing it: its metadata comes last
     with dist.phase("load"):
         if not storage.exists(METADATA_FILENAME):
             if wanted:

@@ -263,3 +263,29 @@ def test_a_changed_train_state_is_planned_alone(run_distributed, tmp_path):
         # the others reuse both plans and take their locks under one agreement
         assert per_save[0][-5:] == ["all_reduce"] * 5, f"rank {rank}: {per_save[0]}"
         assert per_save[1] == per_save[2] == per_save[0][:-4] + ["all_reduce"], f"rank {rank}: {per_save}"
+
+
+def _collectives_over_many_saves_with_a_growing_train_state(rank, world_size, base):
+    from checkpointer import PerRank, api
+
+    model = build_model(world_size)
+    optim = build_optim(model, "adamw")
+    api._DEFAULT._plan_cache.clear()
+    per_save = []
+    for step in range(10):
+        position = {"tokens": list(range(300 * (step + 1)))}
+        with collectives_called() as calls:
+            future = async_save_model_and_optim_state(
+                f"{base}/step{step}", model, optim, train_state={"loader": PerRank(position)})
+        per_save.append(calls)
+        future.result(timeout=60)
+    return per_save
+
+
+def test_reused_plans_stay_cached_while_the_train_state_keeps_changing(run_distributed, tmp_path):
+    """Each new training-state plan goes into the plan cache: the model's and the optimizer's
+    plans, reused every save, must not be the ones pushed out (they would be planned again)."""
+    for rank, per_save in enumerate(
+        run_distributed(_collectives_over_many_saves_with_a_growing_train_state, 2, str(tmp_path))
+    ):
+        assert all(calls == per_save[1] for calls in per_save[2:]), f"rank {rank}: {per_save}"

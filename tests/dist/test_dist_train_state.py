@@ -125,3 +125,64 @@ def test_an_error_on_one_rank_before_the_job_values_are_compared_reaches_every_r
         assert r is not None and ("CheckpointMismatchError" in r["mro"] or "RankFailedError" in r["mro"]), (rank, r)
         assert "not a tensor" in r["msg"] and r["seconds"] < 30, (rank, r["msg"], r["seconds"])
     assert not os.path.exists(tmp_path / "bad" / "model" / "metadata.json")
+
+
+class _PickyOnRank1:
+    """Loads anywhere but on rank 1, whose ``load_state_dict`` rejects what was saved."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def state_dict(self):
+        return {"n": 1}
+
+    def load_state_dict(self, state):
+        if self.rank == 1:
+            raise ValueError("rank 1 cannot take this state")
+
+
+def _one_rank_cannot_apply(rank, world_size, root):
+    job = build_job(world_size, seed=0)
+    ckpt = os.path.join(root, "step1")
+    checkpointer.save_model_and_optim_state(ckpt, job.model, job.optim, train_state={"picky": _PickyOnRank1(rank)})
+    return catch(checkpointer.load_model_and_optim_state, ckpt, job.model, job.optim,
+                 train_state={"picky": _PickyOnRank1(rank)})
+
+
+def test_a_train_state_object_that_fails_to_load_on_one_rank_fails_every_rank(run_distributed, tmp_path):
+    """A stateful object's ``load_state_dict`` failing on one rank: every rank raises, naming
+    it, rather than the others going on to train (and waiting in their next collective)."""
+    for rank, r in enumerate(run_distributed(_one_rank_cannot_apply, 2, str(tmp_path), timeout=60)):
+        assert r is not None and "CheckpointError" in r["mro"], (rank, r)
+        assert "picky" in r["msg"], (rank, r["msg"])
+
+
+def _load_right_after_an_async_save(rank, world_size, root):
+    import time
+    from unittest import mock
+
+    from checkpointer.engine import async_save
+
+    job = build_job(world_size, seed=0)
+    ckpt = os.path.join(root, "step1")
+    real_write = async_save.write_and_commit
+
+    def slow_write(*args, **kwargs):
+        time.sleep(1.0)  # the load below starts while this is still writing
+        return real_write(*args, **kwargs)
+
+    with mock.patch.object(async_save, "write_and_commit", slow_write):
+        future = checkpointer.async_save_model_and_optim_state(
+            ckpt, job.model, job.optim, train_state={"step": 5, "mine": PerRank({"rank": rank})})
+        error = catch(checkpointer.load_model_and_optim_state, ckpt, job.model, job.optim,
+                      train_state={"step": None, "mine": None})
+        future.result(timeout=60)
+    return error, checkpointer.load_model_and_optim_state(ckpt, job.model, job.optim).train_state
+
+
+def test_a_load_waits_for_the_async_save_of_its_train_state(run_distributed, tmp_path):
+    """Loading a checkpoint this process is still writing waits for the whole save, its
+    ``train/`` part included (it is read first): no "holds no training state"."""
+    for rank, (error, values) in enumerate(run_distributed(_load_right_after_an_async_save, 2, str(tmp_path), timeout=60)):
+        assert error is None, (rank, error)
+        assert values == {"step": 5, "mine": {"rank": rank}}, (rank, values)
