@@ -232,24 +232,34 @@ class AsyncSaver:
                 finally:
                     copies = [h.result() for h in hashing]  # no hashing outlives the call
 
-            _track(planned, +1)
             if stage_in_background:
-                ready = _ready_events(planned)
+                ready, ready_error = dist.attempt(lambda: _ready_events(planned))
 
                 def stage_then_write() -> None:
-                    _, staging_error = dist.attempt(lambda: _on_side_streams(ready, stage))
+                    staging_error = ready_error or dist.attempt(lambda: _on_side_streams(ready, stage))[1]
                     result.staged.set_result(None)
                     self._write(planned, staged, copies, staging_error, locked, save_overwrite, result, absent)
 
-                self._inflight = self._executor.submit(stage_then_write)
-                return result
+                return self._submit(result, planned, stage_then_write)
             # One rank's staging error: the background agreement tells the others.
             _, staging_error = dist.attempt(stage)
             result.staged.set_result(None)
-            self._inflight = self._executor.submit(
-                self._write, planned, staged, copies, staging_error, locked, save_overwrite, result, absent
-            )
-            return result
+            return self._submit(result, planned, lambda: self._write(
+                planned, staged, copies, staging_error, locked, save_overwrite, result, absent))
+
+    def _submit(self, result: WatchedFuture, planned: list[PlannedSave], work: Any) -> WatchedFuture:
+        """Hand ``work`` (which settles ``result``) to the writer thread; if it cannot take it (the
+        interpreter is shutting down), the save fails here, its locks released."""
+        _track(planned, +1)
+        try:
+            self._inflight = self._executor.submit(work)
+        except RuntimeError as ex:
+            _track(planned, -1)
+            _release_locks(planned)
+            if not result.staged.done():
+                result.staged.set_result(None)
+            result.set_exception(ex)
+        return result
 
     def _write(
         self,
@@ -346,9 +356,11 @@ def _on_side_streams(ready: list[tuple[torch.device, Any]], work: Any) -> None:
             stream.wait_event(event)
             streams.enter_context(torch.cuda.stream(stream))
             made.append(stream)
-        work()
-    for stream in made:
-        stream.synchronize()
+        try:
+            work()
+        finally:  # copies queued before a failure finish before the buffers are reused
+            for stream in made:
+                stream.synchronize()
 
 
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
