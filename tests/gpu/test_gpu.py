@@ -381,20 +381,34 @@ def test_async_save_of_cuda_tensors_snapshots_into_reused_pinned_buffers(run_dis
     }
 
 
-def _async_fsdp2_cuda(rank: int, world_size: int, ckpt: str) -> tuple[dict, dict]:
+def _async_fsdp2_cuda(rank: int, world_size: int, ckpt: str, background: bool) -> tuple[dict, dict]:
+    """An async save, training on meanwhile. With ``background``, as torchtitan's trainer in an
+    async mode: the save is called right after the step (its kernels may still run: the copy must
+    wait for them), returns before the copy to pinned memory, the next forward and backward run
+    meanwhile, and the optimizer step waits for ``staged``."""
     model = _fsdp2(0, "cuda", world_size)
     optim = torch.optim.AdamW(model.parameters(), lr=0.05)
     _train(model, optim, "cuda")
-    saved = _full_state(model, optim)
-    future = checkpointer.async_save_model_and_optim_state(ckpt, model, optim)
-    _train(model, optim, "cuda", steps=1)
+    if not background:
+        saved = _full_state(model, optim)
+        future = checkpointer.async_save_model_and_optim_state(ckpt, model, optim)
+        _train(model, optim, "cuda", steps=1)
+        future.result()
+        return saved
+    future = checkpointer.async_save_model_and_optim_state(ckpt, model, optim, stage_in_background=True)
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(5)).cuda()).square().sum().backward()
+    future.staged.result(timeout=60)
+    saved = _full_state(model, optim)  # as at the call: nothing has stepped the optimizer since
+    optim.step()
+    optim.zero_grad()
     future.result()
     return saved
 
 
-def test_async_save_of_a_gpu_model_keeps_the_state_it_was_called_with(run_distributed, tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_async_save_of_a_gpu_model_keeps_the_state_it_was_called_with(run_distributed, tmp_path, background):
     ckpt = str(tmp_path / "async-fsdp2")
-    saved = run_distributed(_async_fsdp2_cuda, 1, ckpt, backend=NCCL)[0]
+    saved = run_distributed(_async_fsdp2_cuda, 1, ckpt, background, backend=NCCL)[0]
     loaded, devices = run_distributed(_load_fresh, 1, ckpt, "cuda", "fsdp2", backend=NCCL)[0]
     assert devices == {"cuda"}
     _assert_same(loaded, saved)
@@ -421,29 +435,3 @@ def _load_in_many_batches(rank: int, world_size: int, ckpt: str) -> list[str]:
 
 def test_loads_into_cuda_tensors_are_exact_across_many_overlapping_batches(run_distributed, tmp_path):
     assert run_distributed(_load_in_many_batches, 1, str(tmp_path / "batches"), backend=NCCL) == [[]]
-
-
-def _background_staging_fsdp2_cuda(rank: int, world_size: int, ckpt: str) -> tuple[dict, dict]:
-    """As torchtitan's trainer with an async mode: the save returns before the copy to pinned
-    host memory, the next forward and backward run on the GPU meanwhile, and the optimizer step
-    waits for ``staged``. The step's kernels are queued before the save: the copy must wait for them."""
-    model = _fsdp2(0, "cuda", world_size)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
-    _train(model, optim, "cuda")
-    saved = _full_state(model, optim)
-    future = checkpointer.async_save_model_and_optim_state(ckpt, model, optim, stage_in_background=True)
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5)).cuda()
-    model(x).square().sum().backward()
-    future.staged.result(timeout=60)
-    optim.step()
-    optim.zero_grad()
-    future.result()
-    return saved
-
-
-def test_background_staging_from_the_gpu_saves_the_state_at_the_call(run_distributed, tmp_path):
-    ckpt = str(tmp_path / "staged-in-background")
-    saved = run_distributed(_background_staging_fsdp2_cuda, 1, ckpt, backend=NCCL)[0]
-    loaded, devices = run_distributed(_load_fresh, 1, ckpt, "cuda", "fsdp2", backend=NCCL)[0]
-    assert devices == {"cuda"}
-    _assert_same(loaded, saved)
