@@ -1,7 +1,9 @@
 """Asynchronous saves: plan and stage in the foreground, write and commit in the background.
 
 The call returns once this rank's pieces are copied into host buffers (reused from one
-save to the next, pinned for CUDA tensors), so training can change its tensors at once. The
+save to the next, pinned for CUDA tensors), so training can change its tensors at once; or,
+with ``stage_in_background``, at once, the copy made by the background thread (on side CUDA
+streams) while the caller's next forward and backward run, its future's ``staged`` done after it. The
 copies of pieces another rank writes (replicas) are hashed before it returns too, on a thread
 beside the copying, for the commit to compare them with the written pieces.
 A background thread writes the rank file and commits through a separate gloo group, so
