@@ -11,7 +11,7 @@ the two state dicts from one plan function and calls one finish function, whatev
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -88,11 +88,12 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 def load_model_and_optim(
     storages: Sequence[Storage], model: nn.Module, optim: torch.optim.Optimizer | None, model_state: dict[str, Any],
-    *, strict: bool = True, strategy: str = "default",
+    *, strict: bool = True, strategy: str = "default", then: Callable[[LoadResult], None] | None = None,
 ) -> LoadResult:
     """A model's checkpoint (``storages[0]``) and its optimizer's (``storages[1]``, when ``optim``
     is given) as one engine load: no tensor of either is written before every rank has planned
-    both, and the optimizer takes its state once every tensor is filled.
+    both, and the optimizer takes its state once every tensor is filled; then ``then(result)``,
+    in the same last phase (its error reaches every rank).
 
     The key differences are computed while every rank plans (so a refusal is raised on every
     rank); with ``strict=False`` they come back in the result (optimizer parameters as
@@ -125,6 +126,8 @@ def load_model_and_optim(
         if optim is not None:
             with malformed(optim_dir):
                 optim.load_state_dict(torch_state["optim"])
+        if then is not None:
+            then(result)
 
     parts = storages[:2] if optim is not None else storages[:1]
     load_parts(parts, state_dicts, finish=finish, strategy=strategy)

@@ -238,20 +238,21 @@ class ReadTrainState:
     where: str
 
     def apply(self, missing: list[str]) -> dict[str, Any]:
-        """Every rank: fill the stateful objects asked for; note the lost keys in ``missing``.
-        Returns every value. One rank's failure reaches every rank."""
+        """Fill the stateful objects asked for; note the lost keys in ``missing``. Returns every
+        value. Runs inside the load's last phase (``then`` of
+        :func:`~checkpointer.models.optim_layout.load_model_and_optim`), which brings one rank's
+        failure to every rank."""
         missing.extend(f"train_state.{k}" for k in self.lost)
-        with dist.phase("load"):
-            for key, target in self.wanted.items():
-                inner = _unwrap(target)
-                if key in self.values and _is_stateful(inner):
-                    try:
-                        inner.load_state_dict(self.values[key])
-                    except (KeyError, TypeError, ValueError, AttributeError, IndexError, CorruptCheckpointError) as ex:
-                        raise CorruptCheckpointError(
-                            f"{self.where}: train_state[{key!r}] does not load into its {type(inner).__name__} "
-                            f"({type(ex).__name__}: {ex})"
-                        ) from ex
+        for key, target in self.wanted.items():
+            inner = _unwrap(target)
+            if key in self.values and _is_stateful(inner):
+                try:
+                    inner.load_state_dict(self.values[key])
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError, CorruptCheckpointError) as ex:
+                    raise CorruptCheckpointError(
+                        f"{self.where}: train_state[{key!r}] does not load into its {type(inner).__name__} "
+                        f"({type(ex).__name__}: {ex})"
+                    ) from ex
         return self.values
 
 
