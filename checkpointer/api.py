@@ -277,6 +277,7 @@ def load_model_and_optim_state(
     # The training state is read and checked first: a key it lacks leaves the model untouched.
     saved_train_state = read_train_state(_part(dir, TRAIN_PART), train_state)
     storages = [_part(dir, "model")] + ([_part(dir, "optim")] if optim is not None else [])
+
     def fill_train_state(result: LoadResult) -> None:
         result.train_state = saved_train_state.apply(result.missing_keys)
 

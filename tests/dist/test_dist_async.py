@@ -289,3 +289,26 @@ def test_reused_plans_stay_cached_while_the_train_state_keeps_changing(run_distr
         run_distributed(_collectives_over_many_saves_with_a_growing_train_state, 2, str(tmp_path))
     ):
         assert all(calls == per_save[1] for calls in per_save[2:]), f"rank {rank}: {per_save}"
+
+
+def _collectives_with_a_counter_that_gains_digits(rank, world_size, base):
+    from checkpointer import api
+
+    model = build_model(world_size)
+    optim = build_optim(model, "adamw")
+    api._DEFAULT._plan_cache.clear()
+    per_save = []
+    for step in (9, 10, 1000):
+        with collectives_called() as calls:
+            future = async_save_model_and_optim_state(f"{base}/step{step}", model, optim, train_state={"step": step})
+        per_save.append(calls)
+        future.result(timeout=60)
+    return per_save
+
+
+def test_a_training_state_whose_json_grows_a_little_keeps_its_plan(run_distributed, tmp_path):
+    """A step counter gaining digits changes its JSON's length, not the stored tensor's (padded):
+    every part's plan is reused. An all-reduce each: the training state's phase, its job values'
+    comparison, the plans' confirmation."""
+    for rank, per_save in enumerate(run_distributed(_collectives_with_a_counter_that_gains_digits, 2, str(tmp_path))):
+        assert per_save[1] == per_save[2] == ["all_reduce"] * 3, f"rank {rank}: {per_save}"
