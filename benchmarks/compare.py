@@ -570,9 +570,12 @@ class Group:
         return float(t.item())
 
     def timed(self, phase: str, system: str, rnd: int, fn: Callable[[], dict | None]) -> dict:
-        """Run ``fn`` on every rank between barriers; time, peak RSS above baseline, error."""
-        self.barrier()
+        """Run ``fn`` on every rank between barriers; time, peak RSS above baseline, error.
+
+        The probe's ``gc.collect()`` runs before the opening barrier: after it, ranks whose
+        collection took longer would start late and the slowest rank's time would include it."""
         probe = PeakProbe()
+        self.barrier()
         t0 = time.perf_counter()
         error = None
         info: dict = {}
@@ -581,6 +584,7 @@ class Group:
         except Exception as ex:  # noqa: BLE001 - recorded, the run goes on
             error = f"{type(ex).__name__}: {ex}"[:600]
             traceback.print_exc()
+        t_op_end = time.perf_counter()
         any_failed = self.agree_failed(error is not None)  # also the closing barrier
         dt = time.perf_counter() - t0
         if self.max_over_ranks(dt) > self.slow_op_s and not any_failed:
@@ -593,6 +597,8 @@ class Group:
             "round": rnd,
             "loadavg_1m": os.getloadavg()[0],
             "time_s": dt,
+            "t_start": t0,
+            "t_op_end": t_op_end,
             "rss_extra_mib": probe.extra_mib(),
             "error": error,
             "any_failed": any_failed,
@@ -624,6 +630,9 @@ class Group:
                 per_rank = [g[i] for g in gathered]
                 out = dict(rec)
                 out["time_s"] = max(r["time_s"] for r in per_rank)
+                if "t_start" in rec:
+                    out["t_start_per_rank"] = [r["t_start"] for r in per_rank]
+                    out["t_op_end_per_rank"] = [r["t_op_end"] for r in per_rank]
                 out["rss_extra_mib_per_rank"] = [r["rss_extra_mib"] for r in per_rank]
                 out["rss_extra_mib"] = max(out["rss_extra_mib_per_rank"])
                 for key in ("blocking_s", "rss_blocking_mib", "memcpy_s"):
