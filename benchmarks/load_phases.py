@@ -70,7 +70,7 @@ def _timed(module: str, name: str, label: str) -> None:
     setattr(mod, name, timed)
 
 
-def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str, spec: str) -> None:
     import torch
     import torch.distributed as tdist
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str) 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
-    ref, expected = build_state(checkpoint_specs(1.0, False)["mix"], mesh, "alt01")
+    ref, expected = build_state(checkpoint_specs(1.0, False)[spec], mesh, "alt01")
     if rounds == 0:
         checkpointer.Checkpointer().save(ckpt, ref)
     else:
@@ -121,13 +121,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10, help="loads per process (default 10)")
     ap.add_argument("--dir", default=None, help="the checkpoint (saved there if absent; default a temp dir)")
+    ap.add_argument("--spec", default="mix", choices=["mix", "bf16"],
+                    help="tp_compare's checkpoint: fp32 (mix_same, default) or bf16 (its bf16 case)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.dir or f"{tmp}/ckpt"
         if not os.path.exists(os.path.join(ckpt, "metadata.json")):
-            mp.spawn(_worker, args=(2, _port(), ckpt, 0, ""), nprocs=2)
+            mp.spawn(_worker, args=(2, _port(), ckpt, 0, "", args.spec), nprocs=2)
         out = f"{tmp}/phases"
-        mp.spawn(_worker, args=(4, _port(), ckpt, args.rounds, out), nprocs=4)
+        mp.spawn(_worker, args=(4, _port(), ckpt, args.rounds, out, args.spec), nprocs=4)
         per_rank = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(4)]
     labels = ["total", "cpu/rank"] + [f"{label} {kind}" for _, _, label in PHASES for kind in ("wall", "cpu")]
     print(f"load average {os.getloadavg()[0]:.1f}; ms, slowest rank; median of rounds 2-{args.rounds}, then round 1")
