@@ -21,7 +21,7 @@ from .engine.commit import claim_parts
 from .engine.locate import newest_checkpoint
 from .models.hf_load import KeyMap, is_hf_checkpoint, load_hf
 from .models.load_result import LoadResult
-from .models.names import model_state_dict
+from .models.names import load_targets, model_state_dict
 from .models.train_state import TRAIN_PART, PerRank, RNGState, read_train_state, save_parts
 from .models.optim_layout import flatten_optim_state, load_model_and_optim, malformed, unflatten_optim
 from .storage import open_storage
@@ -281,7 +281,9 @@ def load_model_and_optim_state(
     def fill_train_state(result: LoadResult) -> None:
         result.train_state = saved_train_state.apply(result.missing_keys)
 
-    return load_model_and_optim(storages, model, optim, model_state_dict(model), strict=strict, strategy=strategy,
+    # A strict load fills every entry: the copies state_dict hooks make need no values of their own.
+    model_state = load_targets(model) if strict else model_state_dict(model)
+    return load_model_and_optim(storages, model, optim, model_state, strict=strict, strategy=strategy,
                                 then=fill_train_state)
 
 

@@ -3,18 +3,21 @@ their original parameters' local pieces, tied parameters kept under every name.
 
 A model whose ``state_dict`` hooks make new tensors (torchtitan's fused QKV projection saves its
 ``wqkv`` as ``wq``/``wk``/``wv``) is loaded into those copies, which
-:func:`load_hook_copies` then hands to ``model.load_state_dict``, whose load hooks put them back."""
+:func:`load_hook_copies` then hands to ``model.load_state_dict``, whose load hooks put them back.
+:func:`load_targets` makes the copies without their values: the hooks run on meta stand-ins of
+the parameters (torchtitan's would otherwise gather every ``wqkv`` whose values the load replaces)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ..errors import CheckpointMismatchError
 from ..sharding import fsdp1_flat_views
 
-__all__ = ["model_state_dict", "clean_name", "param_names", "load_hook_copies"]
+__all__ = ["model_state_dict", "load_targets", "clean_name", "param_names", "load_hook_copies"]
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -55,6 +58,83 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
             state[clean_name(name)] = buf.detach()
         return state
     return {clean_name(k): v for k, v in model.state_dict().items()}
+
+
+def load_targets(model: nn.Module) -> dict[str, Any]:
+    """:func:`model_state_dict` for a load that fills every entry (a strict one): the same views of
+    the model's memory, and, for each tensor the model's ``state_dict`` hooks make, a new
+    uninitialised tensor of its shape, dtype and placement. The hooks see meta stand-ins of the
+    parameters and buffers, so they compute nothing and exchange nothing; where they cannot run
+    on those (or a value is not a tensor), this is :func:`model_state_dict`."""
+    model = _unwrap(model)
+    if _is_fsdp1(model) or not _has_state_dict_hooks(model):
+        return model_state_dict(model)
+    device = next((t.device for t in _tensors(model) if not t.is_meta), None)
+    real: dict[int, Any] = {}
+    swapped: list[tuple[dict[str, Any], str, Any, Any]] = []
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    stand_in = _meta_like(tensor)
+                    real[id(stand_in)] = tensor
+                    swapped.append((table, name, tensor, stand_in))
+                    table[name] = stand_in
+        state = model.state_dict(keep_vars=True)
+    except Exception:  # noqa: BLE001 - a hook that needs values: the ordinary state dict
+        state = None
+    finally:
+        for table, name, tensor, stand_in in swapped:
+            if table.get(name) is stand_in:  # FSDP2's pre-hook may have put its sharded parameter there
+                table[name] = tensor
+    if state is None or device is None:
+        return model_state_dict(model)
+    stand_ins = {id(_local(stand_in)) for *_, stand_in in swapped}
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        value = real.get(id(value), value)
+        if not isinstance(value, torch.Tensor) or (value.is_meta and id(_local(value)._base) in stand_ins):
+            return model_state_dict(model)  # a view of a parameter: loaded in place by the ordinary path
+        out[clean_name(key)] = _empty_like_meta(value, device) if value.is_meta else value.detach()
+    return out
+
+
+def _has_state_dict_hooks(model: nn.Module) -> bool:
+    return any(m._state_dict_hooks for m in model.modules())
+
+
+def _tensors(model: nn.Module):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        local = torch.empty_like(tensor._local_tensor, device="meta")
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())
+    return torch.empty_like(tensor, device="meta")
+
+
+def _empty_like_meta(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = torch.empty_strided(value._local_tensor.shape, value._local_tensor.stride(),
+                                    dtype=value.dtype, device=device)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

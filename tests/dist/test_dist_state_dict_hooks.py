@@ -10,6 +10,9 @@ from dist_helpers import assert_same, mesh, optim_full_state
 from checkpointer import load_model_and_optim_state, save_model_and_optim_state, unshard_model_state
 
 
+SPLIT_SAW: list[str] = []  # the device of each tensor the split hook was given, in this process
+
+
 class FusedQKV(nn.Module):
     """One ``wqkv`` parameter, saved and loaded as three (a simplified torchtitan ``FusedQKVLinear``)."""
 
@@ -29,6 +32,7 @@ class FusedQKV(nn.Module):
         from torch.distributed.tensor import DTensor, Replicate
 
         fused = state_dict.pop(f"{prefix}wqkv.weight")
+        SPLIT_SAW.append((fused.to_local() if isinstance(fused, DTensor) else fused).device.type)
         if isinstance(fused, DTensor):
             fused = fused.redistribute(fused.device_mesh, [Replicate()] * fused.device_mesh.ndim)
         for name, piece in zip("qkv", fused.chunk(3, dim=0)):
@@ -67,12 +71,19 @@ def _save(rank, world_size, ckpt):
 
 
 def _load(rank, world_size, ckpt, expected_params, expected_optim):
-    model = _build(world_size, 1)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
-    assert not torch.equal(_params(model)["wqkv.weight"], expected_params["wqkv.weight"])
-    load_model_and_optim_state(ckpt, model, optim)
-    assert_same(expected_params, _params(model), f"parameters on rank {rank}")
-    assert_same(expected_optim, optim_full_state(model, optim), f"optimizer on rank {rank}")
+    for strict in (True, False):
+        model = _build(world_size, 1)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+        assert not torch.equal(_params(model)["wqkv.weight"], expected_params["wqkv.weight"])
+        SPLIT_SAW.clear()
+        load_model_and_optim_state(ckpt, model, optim, strict=strict)
+        # A strict load fills every copy: the hook runs on meta stand-ins (no gather of wqkv's
+        # values). Unsharded, its pieces are views of wqkv, loaded in place: it runs again on the
+        # parameter. A partial load keeps the values of what it does not load.
+        expected = {(True, True): ["meta"], (True, False): ["meta", "cpu"]}.get((strict, world_size > 1), ["cpu"])
+        assert SPLIT_SAW == expected, (strict, world_size, SPLIT_SAW)
+        assert_same(expected_params, _params(model), f"parameters on rank {rank}")
+        assert_same(expected_optim, optim_full_state(model, optim), f"optimizer on rank {rank}")
     return True
 
 
@@ -102,3 +113,33 @@ def test_hook_made_copies_load_from_a_hugging_face_checkpoint(run_distributed, t
     save_file({f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "m.safetensors"))
     for load_ws in (1, 2):
         assert run_distributed(_load_hf, load_ws, str(tmp_path / "m.safetensors"), expected) == [True] * load_ws
+
+
+class FlatView(nn.Module):
+    """A ``state_dict`` hook that hands out a view of a parameter under another name, with no
+    load hook: it loads in place, as it did before stand-ins were used for hook-made copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(3, 2, bias=False)
+        self.register_state_dict_post_hook(self._flatten)
+
+    @staticmethod
+    def _flatten(module, state_dict, prefix, local_metadata) -> None:
+        state_dict[f"{prefix}flat"] = state_dict.pop(f"{prefix}w.weight").view(-1)
+
+
+def _save_and_load_view(rank, world_size, ckpt):
+    torch.manual_seed(0)
+    saved = FlatView()
+    save_model_and_optim_state(ckpt, saved, torch.optim.SGD(saved.parameters(), lr=0.1))
+    torch.manual_seed(1)
+    model = FlatView()
+    assert not torch.equal(model.w.weight, saved.w.weight)
+    load_model_and_optim_state(ckpt, model)
+    assert torch.equal(model.w.weight, saved.w.weight)
+    return True
+
+
+def test_a_hook_made_view_of_a_parameter_loads_in_place(run_distributed, tmp_path):
+    assert run_distributed(_save_and_load_view, 1, str(tmp_path / "ckpt")) == [True]
