@@ -99,7 +99,9 @@ def test_hook_made_copies_load_into_the_parameters(run_distributed, tmp_path):
 def _load_hf(rank, world_size, src, expected_params):
     model = _build(world_size, 1)
     assert not torch.equal(_params(model)["wqkv.weight"], expected_params["wqkv.weight"])
+    SPLIT_SAW.clear()
     load_model_and_optim_state(src, model, key_map=lambda k: k.removeprefix("model."))
+    assert SPLIT_SAW == (["meta"] if world_size > 1 else ["meta", "cpu"]), (world_size, SPLIT_SAW)
     assert_same(expected_params, _params(model), f"parameters on rank {rank}")
     return True
 
