@@ -56,10 +56,11 @@ def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache, *, runs
     plan = job.plan
     size = itemsize(plan.dtype)
     out: dict[str, list[ReadRequest]] = {}
+    scattered = headers.storage.reads_runs()
     cached: dict[str, int] = {}  # file -> byte offset of the piece: the header is checked once
     for item in plan.items:
-        if item.sizes and not (runs and _by_runs(item, size)):
-            continue  # read through a staging block: _strided_tasks
+        if item.sizes and not (runs and _by_runs(item, size, scattered)):
+            continue  # read by _strided_tasks: scattered runs, or through a staging block
         entry_start = cached.get(item.file)
         if entry_start is None:
             entry_start = cached[item.file] = piece_start(headers, item.file, plan.key, plan.dtype, job.numel_per_file[item.file])
@@ -73,13 +74,15 @@ def _byte_requests(job: ReadJob, dest: memoryview, headers: HeaderCache, *, runs
     return out
 
 
-def _by_runs(item: ReadItem, size: int) -> bool:
-    """Whether a strided item is read run by run, straight into its destination: its runs are
-    contiguous on both sides, and few (a handful of ``preadv`` iovecs) or long (at least
-    :data:`_RUN_BYTES` each, so reads are large), exactly its bytes."""
+def _by_runs(item: ReadItem, size: int, scattered: bool) -> bool:
+    """Whether a strided item is read as one request per run, straight into its destination: its
+    runs are contiguous on both sides and long (at least :data:`_RUN_BYTES` each, so reads are
+    large), or few where the storage has no scattered reads (one ``preadv`` takes short runs
+    whatever their number, and a run apart from the next is a system call of its own)."""
     if item.src_strides[-1] != 1 or item.dst_strides[-1] != 1:
         return False
-    return item.numel // item.sizes[-1] <= _FEW_RUNS or item.sizes[-1] * size >= _RUN_BYTES
+    few = item.numel // item.sizes[-1] <= _FEW_RUNS and not scattered
+    return few or item.sizes[-1] * size >= _RUN_BYTES
 
 
 def _run_requests(item: ReadItem, piece_byte: int, dest: memoryview, size: int) -> list[ReadRequest]:
@@ -204,7 +207,7 @@ def _strided_tasks(
         plan = job.plan
         size = itemsize(plan.dtype)
         for item in plan.items:
-            if not item.sizes or (not verify_chunk_bytes and _by_runs(item, size)):
+            if not item.sizes or (not verify_chunk_bytes and _by_runs(item, size, scattered)):
                 continue
             numel = job.numel_per_file[item.file]
             start = piece_start(headers, item.file, plan.key, plan.dtype, numel)

@@ -299,3 +299,27 @@ def test_doubling_the_rows_doubles_neither_reads_nor_items(tmp_path, monkeypatch
     large_reads, large_items = _shard2_reads(tmp_path, 2048, monkeypatch)
     assert small_items == large_items == 2
     assert small_reads == large_reads == 2
+
+
+def test_a_few_short_runs_are_one_scattered_read(tmp_path, monkeypatch):
+    """A column block of a small matrix (64 runs of 64 bytes, with gaps) is one ``preadv`` of
+    scattered runs on a local file, not one request, and one system call, per run."""
+    full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(64, 32), global_offset=(0, 0))])
+    calls: list[tuple[str, int]] = []
+    real_into, real_runs = LocalStorage.read_into, LocalStorage.read_runs
+
+    def read_into(self, name, reqs):
+        calls.append(("into", len(reqs)))
+        return real_into(self, name, reqs)
+
+    def read_runs(self, name, offsets, addresses, length):
+        calls.append(("runs", len(offsets)))
+        return real_runs(self, name, offsets, addresses, length)
+
+    monkeypatch.setattr(LocalStorage, "read_into", read_into)
+    monkeypatch.setattr(LocalStorage, "read_runs", read_runs)
+    wanted = Piece(local_shape=(64, 16), global_offset=(0, 8))
+    got = load_piece(storage, wanted, torch.float32)
+    assert torch.equal(got, full[:, 8:24].reshape(-1))
+    assert calls == [("runs", 64)], calls
