@@ -71,6 +71,7 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
         return model_state_dict(model)
     device = next((t.device for t in _tensors(model) if not t.is_meta), None)
     real: dict[int, Any] = {}
+    stand_ins: dict[int, Any] = {}  # one per tensor: tied parameters stay one object
     swapped: list[tuple[dict[str, Any], str, Any, Any]] = []
     try:
         for module in model.modules():
@@ -78,7 +79,9 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
                 for name, tensor in table.items():
                     if tensor is None:
                         continue
-                    stand_in = _meta_like(tensor)
+                    stand_in = stand_ins.get(id(tensor))
+                    if stand_in is None:
+                        stand_in = stand_ins[id(tensor)] = _meta_like(tensor)
                     real[id(stand_in)] = tensor
                     swapped.append((table, name, tensor, stand_in))
                     table[name] = stand_in
@@ -91,11 +94,11 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
                 table[name] = tensor
     if state is None or device is None:
         return model_state_dict(model)
-    stand_ins = {id(_local(stand_in)) for *_, stand_in in swapped}
+    stand_in_locals = {id(_local(stand_in)) for stand_in in stand_ins.values()}
     out: dict[str, Any] = {}
     for key, value in state.items():
         value = real.get(id(value), value)
-        if not isinstance(value, torch.Tensor) or (value.is_meta and id(_local(value)._base) in stand_ins):
+        if not isinstance(value, torch.Tensor) or (value.is_meta and id(_local(value)._base) in stand_in_locals):
             return model_state_dict(model)  # a view of a parameter: loaded in place by the ordinary path
         out[clean_name(key)] = _empty_like_meta(value, device) if value.is_meta else value.detach()
     return out

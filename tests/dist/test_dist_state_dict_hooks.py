@@ -145,3 +145,42 @@ def _save_and_load_view(rank, world_size, ckpt):
 
 def test_a_hook_made_view_of_a_parameter_loads_in_place(run_distributed, tmp_path):
     assert run_distributed(_save_and_load_view, 1, str(tmp_path / "ckpt")) == [True]
+
+
+class TiedWithHook(FusedQKV):
+    """The fused model plus an embedding tied to a head: tied parameters keep one stand-in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _tied(world_size: int, seed: int) -> TiedWithHook:
+    torch.manual_seed(seed)
+    model = TiedWithHook()
+    if world_size > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh((world_size,)))
+    return model
+
+
+def _save_and_load_tied(rank, world_size, ckpt):
+    saved = _tied(world_size, 0)
+    save_model_and_optim_state(ckpt, saved, torch.optim.SGD(saved.parameters(), lr=0.1))
+    model = _tied(world_size, 1)
+    SPLIT_SAW.clear()
+    load_model_and_optim_state(ckpt, model)
+    # Sharded, the split makes copies: only meta stand-ins; unsharded, views of wqkv (loaded in place).
+    assert SPLIT_SAW == (["meta"] if world_size > 1 else ["meta", "cpu"]), SPLIT_SAW
+    assert model.head.weight is model.emb.weight
+    assert_same(_params(saved), _params(model), f"parameters on rank {rank}")
+    return True
+
+
+def test_tied_parameters_under_state_dict_hooks_stay_tied(run_distributed, tmp_path):
+    for world_size in (1, 2):
+        ckpt = str(tmp_path / f"ckpt{world_size}")
+        assert run_distributed(_save_and_load_tied, world_size, ckpt) == [True] * world_size
