@@ -45,9 +45,9 @@ class FusedQKV(nn.Module):
             state_dict[f"{prefix}wqkv.weight"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
 
 
-def _build(world_size: int, seed: int) -> FusedQKV:
+def _build(world_size: int, seed: int, cls: type[FusedQKV] | None = None) -> FusedQKV:
     torch.manual_seed(seed)
-    model = FusedQKV()
+    model = (cls or FusedQKV)()
     if world_size > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -157,20 +157,10 @@ class TiedWithHook(FusedQKV):
         self.head.weight = self.emb.weight
 
 
-def _tied(world_size: int, seed: int) -> TiedWithHook:
-    torch.manual_seed(seed)
-    model = TiedWithHook()
-    if world_size > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=mesh((world_size,)))
-    return model
-
-
 def _save_and_load_tied(rank, world_size, ckpt):
-    saved = _tied(world_size, 0)
+    saved = _build(world_size, 0, TiedWithHook)
     save_model_and_optim_state(ckpt, saved, torch.optim.SGD(saved.parameters(), lr=0.1))
-    model = _tied(world_size, 1)
+    model = _build(world_size, 1, TiedWithHook)
     SPLIT_SAW.clear()
     load_model_and_optim_state(ckpt, model)
     # Sharded, the split makes copies: only meta stand-ins; unsharded, views of wqkv (loaded in place).
