@@ -95,12 +95,18 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
     if state is None or device is None:
         return model_state_dict(model)
     stand_in_locals = {id(_local(stand_in)) for stand_in in stand_ins.values()}
+    made: dict[int, torch.Tensor] = {}  # one new tensor per hook-made one: a tensor under two keys stays one
     out: dict[str, Any] = {}
     for key, value in state.items():
         value = real.get(id(value), value)
         if not isinstance(value, torch.Tensor) or (value.is_meta and id(_local(value)._base) in stand_in_locals):
             return model_state_dict(model)  # a view of a parameter: loaded in place by the ordinary path
-        out[clean_name(key)] = _empty_like_meta(value, device) if value.is_meta else value.detach()
+        if value.is_meta:
+            if id(value) not in made:
+                made[id(value)] = _empty_like_meta(value, device)
+            out[clean_name(key)] = made[id(value)]
+        else:
+            out[clean_name(key)] = value.detach()
     return out
 
 
