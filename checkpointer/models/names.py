@@ -70,7 +70,6 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
     if _is_fsdp1(model) or not _has_state_dict_hooks(model):
         return model_state_dict(model)
     device = next((t.device for t in _tensors(model) if not t.is_meta), None)
-    real: dict[int, Any] = {}
     stand_ins: dict[int, Any] = {}  # one per tensor: tied parameters stay one object
     swapped: list[tuple[dict[str, Any], str, Any, Any]] = []
     try:
@@ -82,7 +81,6 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
                     stand_in = stand_ins.get(id(tensor))
                     if stand_in is None:
                         stand_in = stand_ins[id(tensor)] = _meta_like(tensor)
-                    real[id(stand_in)] = tensor
                     swapped.append((table, name, tensor, stand_in))
                     table[name] = stand_in
         state = model.state_dict(keep_vars=True)
@@ -94,6 +92,7 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
                 table[name] = tensor
     if state is None or device is None:
         return model_state_dict(model)
+    real = {id(stand_in): tensor for _, _, tensor, stand_in in swapped}
     stand_in_locals = {id(_local(stand_in)) for stand_in in stand_ins.values()}
     made: dict[int, torch.Tensor] = {}  # one new tensor per hook-made one: a tensor under two keys stays one
     out: dict[str, Any] = {}

@@ -174,3 +174,33 @@ def test_tied_parameters_under_state_dict_hooks_stay_tied(run_distributed, tmp_p
     for world_size in (1, 2):
         ckpt = str(tmp_path / f"ckpt{world_size}")
         assert run_distributed(_save_and_load_tied, world_size, ckpt) == [True] * world_size
+
+
+class NeedsValues(FusedQKV):
+    """A ``state_dict`` hook that reads a value (meta tensors have none): the load falls back to
+    the ordinary state dict instead of failing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_state_dict_post_hook(self._norm)
+
+    @staticmethod
+    def _norm(module, state_dict, prefix, local_metadata) -> None:
+        weight = state_dict[f"{prefix}out.weight"]
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        float(local.abs().sum())  # raises on a meta tensor
+
+
+def _save_and_load_needs_values(rank, world_size, ckpt):
+    saved = _build(world_size, 0, NeedsValues)
+    save_model_and_optim_state(ckpt, saved, torch.optim.SGD(saved.parameters(), lr=0.1))
+    model = _build(world_size, 1, NeedsValues)
+    SPLIT_SAW.clear()
+    load_model_and_optim_state(ckpt, model)
+    assert SPLIT_SAW[-1] == "cpu", SPLIT_SAW  # the ordinary state dict, after the stand-ins failed
+    assert_same(_params(saved), _params(model), f"parameters on rank {rank}")
+    return True
+
+
+def test_a_hook_that_needs_values_falls_back_to_the_ordinary_state_dict(run_distributed, tmp_path):
+    assert run_distributed(_save_and_load_needs_values, 2, str(tmp_path / "ckpt")) == [True, True]
