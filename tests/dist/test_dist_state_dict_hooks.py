@@ -157,12 +157,19 @@ class TiedWithHook(FusedQKV):
         self.head.weight = self.emb.weight
 
 
-def _save_and_load_tied(rank, world_size, ckpt):
-    saved = _build(world_size, 0, TiedWithHook)
+def _round_trip(world_size: int, ckpt: str, cls: type[FusedQKV]) -> tuple[FusedQKV, FusedQKV]:
+    """A model of ``cls`` saved, and a fresh one (other values) loaded from it, the split hook's
+    sightings of the load in ``SPLIT_SAW``."""
+    saved = _build(world_size, 0, cls)
     save_model_and_optim_state(ckpt, saved, torch.optim.SGD(saved.parameters(), lr=0.1))
-    model = _build(world_size, 1, TiedWithHook)
+    model = _build(world_size, 1, cls)
     SPLIT_SAW.clear()
     load_model_and_optim_state(ckpt, model)
+    return saved, model
+
+
+def _save_and_load_tied(rank, world_size, ckpt):
+    saved, model = _round_trip(world_size, ckpt, TiedWithHook)
     # Sharded, the split makes copies: only meta stand-ins; unsharded, views of wqkv (loaded in place).
     assert SPLIT_SAW == (["meta"] if world_size > 1 else ["meta", "cpu"]), SPLIT_SAW
     assert model.head.weight is model.emb.weight
@@ -192,11 +199,7 @@ class NeedsValues(FusedQKV):
 
 
 def _save_and_load_needs_values(rank, world_size, ckpt):
-    saved = _build(world_size, 0, NeedsValues)
-    save_model_and_optim_state(ckpt, saved, torch.optim.SGD(saved.parameters(), lr=0.1))
-    model = _build(world_size, 1, NeedsValues)
-    SPLIT_SAW.clear()
-    load_model_and_optim_state(ckpt, model)
+    saved, model = _round_trip(world_size, ckpt, NeedsValues)
     assert SPLIT_SAW[-1] == "cpu", SPLIT_SAW  # the ordinary state dict, after the stand-ins failed
     assert_same(_params(saved), _params(model), f"parameters on rank {rank}")
     return True
