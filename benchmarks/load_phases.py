@@ -8,7 +8,8 @@
    threads' work shows as ``_run``): the metadata broadcast, its parse, planning, the two
    agreements, building the read tasks, the reads. ``cpu/rank`` is ``time.process_time()``
    (every thread of the process) around the whole load.
-3. Prints, per phase, the median over rounds after the first (the slowest rank), and the first
+3. ``--side 64`` makes the matrices small: what is left is a load's fixed cost.
+4. Prints, per phase, the median over rounds after the first (the slowest rank), and the first
    round (a fresh process; warm page cache after the first run).
 
 Usage::
@@ -70,7 +71,7 @@ def _timed(module: str, name: str, label: str) -> None:
     setattr(mod, name, timed)
 
 
-def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str, spec: str) -> None:
+def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str, spec: str, side: int) -> None:
     import torch
     import torch.distributed as tdist
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,7 +83,7 @@ def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str, 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
-    ref, expected = build_state(checkpoint_specs(1.0, False)[spec], mesh, "alt01")
+    ref, expected = build_state(dict(checkpoint_specs(1.0, False)[spec], shape=[side, side]), mesh, "alt01")
     if rounds == 0:
         checkpointer.Checkpointer().save(ckpt, ref)
     else:
@@ -123,13 +124,15 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="the checkpoint (saved there if absent; default a temp dir)")
     ap.add_argument("--spec", default="mix", choices=["mix", "bf16"],
                     help="tp_compare's checkpoint: fp32 (mix_same, default) or bf16 (its bf16 case)")
+    ap.add_argument("--side", type=int, default=1024,
+                    help="the matrices' side (default 1024; a small one leaves the fixed cost of a load)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.dir or f"{tmp}/ckpt"
         if not os.path.exists(os.path.join(ckpt, "metadata.json")):
-            mp.spawn(_worker, args=(2, _port(), ckpt, 0, "", args.spec), nprocs=2)
+            mp.spawn(_worker, args=(2, _port(), ckpt, 0, "", args.spec, args.side), nprocs=2)
         out = f"{tmp}/phases"
-        mp.spawn(_worker, args=(4, _port(), ckpt, args.rounds, out, args.spec), nprocs=4)
+        mp.spawn(_worker, args=(4, _port(), ckpt, args.rounds, out, args.spec, args.side), nprocs=4)
         per_rank = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(4)]
     labels = ["total", "cpu/rank"] + [f"{label} {kind}" for _, _, label in PHASES for kind in ("wall", "cpu")]
     print(f"load average {os.getloadavg()[0]:.1f}; ms, slowest rank; median of rounds 2-{args.rounds}, then round 1")

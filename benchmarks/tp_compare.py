@@ -23,6 +23,11 @@ Cases (saved at world size 2, loaded at world size 4, unless stated):
   into a freshly allocated full tensor), a load into a plain tensor, and (ours only)
   ``lazy_load``; each op in its own process, killed after ``--case-timeout-s``.
 
+With ``--device cuda`` the DTensors live on the GPU (every rank on GPU 0, the process group
+still gloo): the loads and saves go between the files and CUDA memory, each timed op ends with
+``torch.cuda.synchronize()``, and the plain write includes its device-to-host copy.
+``shard2_tiny`` stays on the CPU.
+
 Loads are warm for both systems (every checkpoint file is read once, untimed, before the
 rounds; the page cache is not dropped). Every load is checked: the targets are zeroed before
 it and every local tensor is compared with ``torch.equal`` to the expected values after it; a
@@ -33,6 +38,7 @@ Usage::
     python benchmarks/tp_compare.py                       # all cases, 3 rounds
     python benchmarks/tp_compare.py --cases mix_same,bf16 --rounds 5 --scale 0.5
     python benchmarks/tp_compare.py --full-shard2 --profile
+    python benchmarks/tp_compare.py --device cuda --cases mix_same,bf16   # CUDA destinations
 
 Writes ``<name>.md`` and ``<name>.json`` (``--name``, default ``tp_compare``) to ``--out``.
 """
@@ -142,6 +148,18 @@ def key_name(i: int) -> str:
     return f"w{i:03d}"
 
 
+def synced(fn):
+    """``fn`` then, where CUDA is in use, a wait for the GPU: a timed op ends when its copies have."""
+    import torch
+
+    def run() -> None:
+        fn()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    return run
+
+
 def build_state(spec: dict, mesh, rule: Any) -> tuple[dict, dict]:
     """(state dict of DTensors holding the values, expected local tensors) on ``mesh``."""
     import torch
@@ -218,7 +236,7 @@ def plain_write(path: str, locals_: list) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for t in locals_:
-            mv = memoryview(t.view(-1).view(torch.uint8).numpy())
+            mv = memoryview(t.cpu().view(-1).view(torch.uint8).numpy())
             done = 0
             while done < len(mv):
                 done += os.write(fd, mv[done: done + (64 * MiB)])
@@ -245,10 +263,10 @@ def preload() -> None:
 # --------------------------------------------------------------------------- workers
 
 
-def _mesh(shape: list[int]):
+def _mesh(shape: list[int], device: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", tuple(shape))
+    return init_device_mesh(device, tuple(shape))
 
 
 def run_save_group(cfg: dict, rank: int) -> None:
@@ -259,7 +277,7 @@ def run_save_group(cfg: dict, rank: int) -> None:
     g = Group(cfg, rank)
     preload()
     specs, work, rounds = cfg["specs"], cfg["work"], cfg["rounds"]
-    mesh = _mesh([g.world])
+    mesh = _mesh([g.world], cfg["device"])
     dirs: dict[str, dict[str, str]] = {}
     extra: dict[str, Any] = {"rank_bytes": {}}
     for name in cfg["ckpts"]:
@@ -282,7 +300,7 @@ def run_save_group(cfg: dict, rank: int) -> None:
                     if ("save", s) in g.failed:
                         continue
                     d = f"{work}/{s}/{name}_r{r}"
-                    g.timed("save", s, r, lambda: SAVE[s](d, state))
+                    g.timed("save", s, r, synced(lambda: SAVE[s](d, state)))
                     if s in last:
                         g.rm(last[s])
                     last[s] = d
@@ -311,7 +329,7 @@ def run_load_group(cfg: dict, rank: int) -> None:
     extra: dict[str, Any] = {"rank_bytes": {}, "verify_failures": []}
     for case in cfg["cases"]:
         ckpt, mesh_shape, rule = LOAD_LAYOUTS[case]
-        mesh = meshes.setdefault(tuple(mesh_shape), _mesh(mesh_shape))
+        mesh = meshes.setdefault(tuple(mesh_shape), _mesh(mesh_shape, cfg["device"]))
         ref, expected = build_state(specs[ckpt], mesh, rule)
         cases[case] = {"ckpt": ckpt, "expected": expected, "targets": {s: zeros_like_state(ref) for s in SYSTEMS}}
         del ref
@@ -344,7 +362,7 @@ def run_load_group(cfg: dict, rank: int) -> None:
                 target = cases[case]["targets"][s]
                 for v in target.values():  # untimed; pages stay touched
                     v.to_local().zero_()
-                rec = g.timed(case, s, r, lambda: LOAD[s](dirs[ckpt][s], target))
+                rec = g.timed(case, s, r, synced(lambda: LOAD[s](dirs[ckpt][s], target)))
                 if not rec["any_failed"]:
                     verify(case, s, r)
 
@@ -484,7 +502,7 @@ def build_report(meta: dict, rows: list[dict]) -> str:
     L = [f"# Tensor-parallel layouts: checkpointer vs DCP ({meta['name']})", ""]
     L.append(f"- commit: `{meta['commit']}`{' (working tree dirty)' if meta['dirty'] else ''} on `{meta['branch']}`")
     L.append(f"- date: {meta['date']}")
-    L.append(f"- machine: {meta['machine']}; torch {meta['torch']}")
+    L.append(f"- machine: {meta['machine']}; torch {meta['torch']}; tensors on {meta.get('device', 'cpu')}")
     L.append(f"- command: `{meta['command']}`")
     L.append(f"- {meta['rounds']} rounds, systems interleaved (ours first in even rounds), medians; "
              f"wall time {meta['wall_s']:.0f} s; 1-minute load average during the run: {meta['loadavg']}")
@@ -545,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-timeout-s", type=float, default=900, help="limit per save/load process group (default 900)")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds, cProfile rank 0 of one extra (untimed) load of mix_same")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the DTensors live (default cpu; cuda: every rank on GPU 0, gloo)")
     ap.add_argument("--out", default=str(HERE / "results"), help="output directory (default benchmarks/results)")
     ap.add_argument("--name", default="tp_compare", help="output file stem (default tp_compare)")
     ap.add_argument("--work-dir", default=None, help="where checkpoints go (default a temp dir)")
@@ -579,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = f"{work}/ctl"
     os.makedirs(tmp)
     print(f"cases {cases}; checkpoints {needed}; rounds {args.rounds}; work dir {work}", flush=True)
-    base = {"specs": specs, "rounds": args.rounds, "work": work, "pg_timeout_s": args.group_timeout_s}
+    base = {"specs": specs, "rounds": args.rounds, "work": work, "pg_timeout_s": args.group_timeout_s,
+            "device": args.device}
     records: list[dict] = []
     notes: list[str] = []
     loadavgs: list[float] = []
@@ -699,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} cores (nproc), "
                    f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM",
         "torch": torch.__version__,
+        "device": args.device if args.device == "cpu" else f"cuda ({torch.cuda.get_device_name(0)}), every rank on GPU 0",
         "command": " ".join(["python", os.path.relpath(__file__, REPO)] + sys.argv[1:]),
         "rounds": args.rounds,
         "scale": args.scale,
