@@ -276,7 +276,8 @@ def order_for_alignment(
 
     Contiguous CPU pieces of at least ``min_bytes`` (smaller ones reach the writer in batches,
     copied) whose sizes are multiples of ``align`` keep each other's agreement when they follow
-    one another. The remainder of their addresses shared by the most bytes wins, and those
+    one another. The remainder of their addresses that sends the most bytes from memory wins
+    (a piece whose address is not aligned loses one ``align`` block of its bytes), and those
     pieces go first, in their order; the rest follows, in its order. ``(tensors, None)`` when
     no piece qualifies."""
     if align % DATA_ALIGNMENT:
@@ -284,8 +285,8 @@ def order_for_alignment(
     remainders = [_address_remainder(lt, align, min_bytes) for _, lt in tensors]
     bytes_at: dict[int, int] = {}
     for (_, lt), r in zip(tensors, remainders):
-        if r is not None:
-            bytes_at[r] = bytes_at.get(r, 0) + lt.numel * itemsize(lt.dtype)
+        if r is not None:  # what goes from memory: all but the unaligned head and its block's rest
+            bytes_at[r] = bytes_at.get(r, 0) + lt.numel * itemsize(lt.dtype) - (align if r else 0)
     if not bytes_at:
         return list(tensors), None
     best = max(bytes_at, key=lambda r: (bytes_at[r], -r))
