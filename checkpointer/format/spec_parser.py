@@ -47,7 +47,7 @@ class SpecParser:
     def __init__(self) -> None:
         self._good_names: set[str] = set()
         self._layouts: dict[tuple, list[Layout]] = {}
-        self._rules: dict[tuple, tuple[Layout, dict]] = {}
+        self._rules: dict[tuple | None, tuple[Layout, dict, int, int, int]] = {}
         self.rule_cells = 0
         self.max_file = -1
         """The largest rank file index a rule names (checked against ``world_size``)."""
@@ -56,19 +56,27 @@ class SpecParser:
 
     def parse_rule(self, shape: tuple[int, ...], raw: Any) -> ShardSpecs:
         """A ``shard_rule`` (see :mod:`~checkpointer.format.rules`): checked in time linear in
-        its size, then expanded once per distinct (shape, rule), within a budget of
+        its size, then expanded, once per distinct (shape, rule), within a budget of
         :data:`~checkpointer.format.rules.MAX_RULE_CELLS` pieces for the whole document."""
-        self.count(raw)
-        cells, top = check_rule(shape, raw)
-        key = (shape, json.dumps(raw, separators=(",", ":")))
-        known = self._rules.get(key)
+        try:
+            key = (shape, json.dumps(raw, separators=(",", ":")))
+        except (TypeError, ValueError, RecursionError):
+            key = None  # not a rule: check_rule says why
+        known = self._rules.get(key) if key is not None else None
         if known is None:
+            members, colons = self.members, self.colons
+            self.count(raw)
+            cells, top = check_rule(shape, raw)
             self.rule_cells += cells
             if self.rule_cells > MAX_RULE_CELLS:
                 raise ValueError(f"the document's shard rules describe more than {MAX_RULE_CELLS} pieces together")
             names, flat, ls, go = expand_rule(shape, raw)
-            known = self._rules[key] = (Layout(shape, names, flat, ls, go), raw)
-        self.max_file = max(self.max_file, top)
+            known = (Layout(shape, names, flat, ls, go), raw, self.members - members, self.colons - colons, top)
+            self._rules[key] = known
+        else:  # the same rule again: its counts and checks are known
+            self.members += known[2]
+            self.colons += known[3]
+        self.max_file = max(self.max_file, known[4])
         return ShardSpecs(known[0], None, None, known[1])
 
     def parse(self, shape: tuple[int, ...], raw: Any) -> ShardSpecs:

@@ -82,6 +82,19 @@ def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Rang
     else:
         layout, files = None, list(specs)
         all_flat = all(specs[f].flattened_offsets is not None for f in files)
+    if layout is not None:  # tensors of one layout wanting the same piece read the same items
+        known = layout.memo.get(("items", piece))
+        if known is not None:
+            return TensorLoadPlan(key, meta.dtype, known)
+        plan = _build(key, meta, piece, layout, files, all_flat)
+        layout.memo[("items", piece)] = plan.items
+        return plan
+    return _build(key, meta, piece, layout, files, all_flat)
+
+
+def _build(
+    key: str, meta: TensorStorageMetadata, piece: Piece, layout: Layout | None, files: Sequence[str], all_flat: bool
+) -> TensorLoadPlan:
     if piece.flat is None and all_flat and box_run_count(piece.local_shape, piece.global_offset, meta.shape) <= 1:
         piece = Piece(flat=tuple(piece_ranges(piece, meta.shape)))  # one run: the flattened ranges' own path
     if not (piece.flat is not None and all_flat):

@@ -323,3 +323,53 @@ def test_a_few_short_runs_are_one_scattered_read(tmp_path, monkeypatch):
     got = load_piece(storage, wanted, torch.float32)
     assert torch.equal(got, full[:, 8:24].reshape(-1))
     assert calls == [("runs", 64)], calls
+
+
+def _two_tensor_doc(rule_texts: tuple[str, str]) -> bytes:
+    entry = '{{"shape":[4,6],"is_sharded":true,"dtype":"F32","shard_rule":{}}}'
+    return ('{"tensors":{"a":' + entry.format(rule_texts[0]) + ',"b":' + entry.format(rule_texts[1])
+            + '},"world_size":2,"format_version":2}').encode()
+
+
+COLUMNS = '{"form":"box","cuts":[[1,3]],"files":[0,[[1,2,1]]]}'  # Shard(1) over 2 files
+
+
+def test_tensors_of_one_layout_share_their_read_items():
+    """Planning works once per (layout, wanted piece): a second tensor with the same stored
+    layout and the same wanted piece gets the first one's items; another piece its own, as a
+    fresh parse plans it."""
+    tensors = parse_metadata(_two_tensor_doc((COLUMNS, COLUMNS)), where="m").tensors
+    left, middle = Piece(local_shape=(4, 2), global_offset=(0, 0)), Piece(local_shape=(4, 2), global_offset=(0, 2))
+    a = build_load_plan("a", tensors["a"], middle)
+    b = build_load_plan("b", tensors["b"], middle)
+    assert b.key == "b" and b.items is a.items
+    assert len(a.items) == 2  # column 2 from file 0, column 3 from file 1
+    other = build_load_plan("b", tensors["b"], left)
+    fresh = parse_metadata(_two_tensor_doc((COLUMNS, COLUMNS)), where="m").tensors
+    assert other.items == build_load_plan("b", fresh["b"], left).items != a.items
+
+
+def test_a_plan_that_fails_is_not_remembered(tmp_path):
+    """A layout with a gap fails for every tensor that uses it, not only the first."""
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(4, 3), global_offset=(0, 0)), Piece(local_shape=(4, 3), global_offset=(0, 3))])
+    text = storage.read(METADATA_FILENAME, 0, storage.size(METADATA_FILENAME)).replace(b'"local_shape":[4,3],"global_offset":[0,3]', b'"local_shape":[3,3],"global_offset":[0,3]')
+    meta = parse_metadata(text, where="m").tensors["w"]
+    for _ in range(2):
+        with pytest.raises(CorruptCheckpointError, match=r"'w': 3 of the 24 elements to load are in no file"):
+            build_load_plan("w", meta, whole((4, 6)))
+
+
+def test_a_repeated_rule_is_checked_once_and_still_counted(monkeypatch):
+    """The second tensor with the same rule text skips the rule's check and expansion, but its
+    members still count: a duplicate key inside it is still refused."""
+    from checkpointer.format import spec_parser
+
+    checked = []
+    real = spec_parser.check_rule
+    monkeypatch.setattr(spec_parser, "check_rule", lambda shape, raw: checked.append(shape) or real(shape, raw))
+    parse_metadata(_two_tensor_doc((COLUMNS, COLUMNS)), where="m")
+    assert checked == [(4, 6)]
+    duplicate = COLUMNS.replace('"form":"box",', '"form":"box","form":"box",')
+    with pytest.raises(CorruptCheckpointError, match=r"tensors\['b'\] gives a key twice"):
+        parse_metadata(_two_tensor_doc((COLUMNS, duplicate)), where="m")
