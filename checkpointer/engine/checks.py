@@ -15,12 +15,13 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import CHECKSUMS_KEY, FILE_ID_KEY, METADATA_FILENAME
 from ..format.metadata import TensorStorageMetadata
+from ..format.specs import ShardSpecs
 from ..format.safetensors_header import PREFIX_BYTES, SafetensorsHeader, header_length, parse_header
 from ..storage.base import FileChangedError, ReadRequest, Storage
 
 __all__ = [
     "HeaderCache", "piece_start", "check_files_hold", "read_small_file", "read_with", "check_chunk", "HashedRun",
-    "verified_requests", "read_hashed", "verify_tasks", "FileChecksums", "checksums_for",
+    "verified_requests", "read_hashed", "verify_tasks", "FileChecksums", "piece_files",
 ]
 
 T = TypeVar("T")
@@ -148,12 +149,19 @@ class FileChecksums(Mapping):
         return len(self.files)
 
 
-def checksums_for(headers: HeaderCache, metadata: Any, key: str, specs: Sequence[tuple[str, Any]]) -> Mapping:
-    """Each file's checksums of ``key``'s piece: from ``metadata.json`` (format 1) or, lazily,
-    from the files themselves (format 2)."""
+def piece_files(headers: HeaderCache, metadata: Any, key: str, files: Sequence[str]) -> tuple[dict[str, int], Mapping]:
+    """For ``files`` of stored tensor ``key``: each one's element count of its piece, and its
+    checksums of it, from ``metadata.json`` (format 1) or, lazily, from the files (format 2)."""
+    specs = metadata.tensors[key].shard_spec_per_file
+    if isinstance(specs, ShardSpecs):  # no spec object per file
+        numels = {f: specs.local_numel(f) for f in files}
+        stored: Callable[[str], Any] = specs.checksums_of
+    else:
+        numels = {f: specs[f].local_numel for f in files}
+        stored = lambda f: specs[f].checksums  # noqa: E731
     if getattr(metadata, "checksums_in_files", None) and metadata.checksum_chunk_bytes:
-        return FileChecksums(headers, key, [f for f, _ in specs], metadata.checksum_chunk_bytes)
-    return {f: spec.checksums for f, spec in specs}
+        return numels, FileChecksums(headers, key, list(files), metadata.checksum_chunk_bytes)
+    return numels, {f: stored(f) for f in files}
 
 
 def _file_size(storage: Storage, name: str, what: str) -> int:

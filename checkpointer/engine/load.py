@@ -28,7 +28,7 @@ from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..sharding import LocalTensor
 from ..storage.base import Storage
 from .locate import missing_metadata_message
-from .checks import HeaderCache, checksums_for
+from .checks import HeaderCache, piece_files
 from .reader import CheckpointReader
 from .reads import ReadJob, execute_reads, execute_reads_from
 from .save import describe_state_dict
@@ -178,16 +178,8 @@ def plan_local_loads(
         saved_key = key if key in metadata.tensors else metadata.aliases[key]  # type: ignore[index]
         plan = build_load_plan(saved_key, meta, lt.piece)
         # Only the files read: a tensor of a large job has thousands, most not this rank's.
-        specs = [(f, meta.shard_spec_per_file[f]) for f in plan.files]
-        out.append(
-            LocalLoad(
-                key,
-                lt,
-                plan,
-                {f: spec.local_numel for f, spec in specs},
-                checksums_for(headers, metadata, saved_key, specs),  # type: ignore[arg-type]
-            )
-        )
+        numels, crcs = piece_files(headers, metadata, saved_key, plan.files)  # type: ignore[arg-type]
+        out.append(LocalLoad(key, lt, plan, numels, crcs))
     return out
 
 

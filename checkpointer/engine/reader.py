@@ -21,7 +21,7 @@ from ..planning.pieces import Piece
 from ..planning.load_plan import TensorLoadPlan, build_load_plan, stored_cover_exactly
 from ..planning.pieces import spec_ranges, whole
 from ..storage.base import Storage
-from .checks import HeaderCache, check_files_hold, checksums_for
+from .checks import HeaderCache, check_files_hold, piece_files
 from .reads import ReadJob, execute_reads
 
 __all__ = ["CheckpointReader", "HEADER_BYTES_FIELD", "header_bytes_of"]
@@ -76,9 +76,8 @@ class CheckpointReader:
     def job(self, plan: TensorLoadPlan, dest: torch.Tensor) -> ReadJob:
         """A read of ``plan`` into ``dest`` (flat, contiguous, on the CPU), with the file sizes and
         checksums of just the files it reads."""
-        specs = [(f, self.metadata.tensors[plan.key].shard_spec_per_file[f]) for f in plan.files]
-        crcs = checksums_for(self.headers, self.metadata, plan.key, specs)
-        return ReadJob(plan, dest, {f: s.local_numel for f, s in specs}, crcs)  # type: ignore[arg-type]
+        numels, crcs = piece_files(self.headers, self.metadata, plan.key, plan.files)
+        return ReadJob(plan, dest, numels, crcs)
 
     def read(self, jobs: Sequence[ReadJob], *, verify: bool = False) -> None:
         """Fill the jobs' destinations; with ``verify``, every checksum chunk they touch is checked."""

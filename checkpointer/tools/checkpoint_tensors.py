@@ -22,7 +22,7 @@ from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..format.layout import METADATA_FILENAME
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
-from ..engine.checks import check_files_hold, checksums_for
+from ..engine.checks import check_files_hold, piece_files
 from ..engine.load import read_metadata
 from ..engine.locate import PARTS, model_checkpoint
 from ..engine.reader import CheckpointReader, new_tensor
@@ -93,8 +93,7 @@ class CheckpointTensors:
         if not meta.numel:
             return full, iter(())
         flat, size, specs = full.view(-1), itemsize(meta.dtype), meta.shard_spec_per_file
-        numels = {f: s.local_numel for f, s in specs.items()}
-        crcs = checksums_for(self.headers, self.metadata, key, list(specs.items()))  # format 2: in the files
+        numels, crcs = piece_files(self.headers, self.metadata, key, list(specs))  # format 2: in the files
         step = max(1, _STREAM_BLOCK // size)
         ready: queue.Queue[int | BaseException | None] = queue.Queue()
 
