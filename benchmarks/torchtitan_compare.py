@@ -9,9 +9,11 @@ mode (``--modes``: ``async``, ``disabled``) and each backend, in turn (DCP first
    save blocks the trainer for its ``save()`` call plus the ``maybe_wait_for_staging()`` calls
    before the following optimizer steps (where a backend copies the state to host memory while
    the next forward and backward run), both measured inside the trainer;
-2. a resume launch from the same folder, which loads the newest step ``--load-repeats`` times
-   (each in place) and stops; the time each ``load()`` blocks is measured the same way, and the
-   median is reported. Before it, the folder's files are dropped from the page cache (``fsync``,
+2. ``--resume-launches`` resume launches from the same folder (the backends alternating, DCP
+   first in even rounds), each of which loads the newest step ``--load-repeats`` times (each in
+   place) and stops; the time each ``load()`` blocks is measured the same way. A launch's load
+   time is the median of its loads, its first load is its first; the report gives the median of
+   each over the launches. Before each, the folder's files are dropped from the page cache (``fsync``,
    then ``posix_fadvise(DONTNEED)``), so each backend's first load reads from the disk, as a
    resume in a new job does (without this, DCP's files were still cached and ours, written with
    ``O_DIRECT``, were not); the later loads are warm for both.
@@ -55,7 +57,7 @@ def _launch(args, root: Path, backend: str, mode: str, what: str, stop: int, ass
     losses = root / f"{name}-{what}.losses"
     env = {"TITAN_TIMINGS": str(timing), "TITAN_LOSSES": str(losses), "TITAN_STOP_AFTER": str(stop),
            "TITAN_DIM": str(args.dim), "TITAN_LAYERS": str(args.layers), "OMP_NUM_THREADS": str(args.threads)}
-    if what == "load":
+    if what.startswith("load"):
         env["TITAN_DUMP_LOADED"] = str(root / f"{name}.loaded.pt")
         env["TITAN_LOAD_REPEATS"] = str(args.load_repeats)
     tokenizer, data = assets
@@ -124,6 +126,8 @@ def main() -> int:
     parser.add_argument("--saves", type=int, default=3, help="interval saves per training launch")
     parser.add_argument("--modes", default="async,disabled")
     parser.add_argument("--load-repeats", type=int, default=5, help="loads per resume launch (median)")
+    parser.add_argument("--resume-launches", type=int, default=1,
+                        help="resume launches per backend and mode, alternating backends (median over them)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "other"))
     parser.add_argument("--name", default="torchtitan_compare")
@@ -143,33 +147,43 @@ def main() -> int:
             for backend in ("dcp", "ours"):
                 # one step past the last save: its staging wait (if any) is counted too
                 train = _launch(args, root, backend, mode, "train", stop + 1, assets)
-                _drop_from_page_cache(root / f"{backend}-{mode}")
-                load = _launch(args, root, backend, mode, "load", stop, assets)
-                results["runs"][f"{backend}-{mode}"] = {"train": train, "load": load}
-                loaded[backend] = torch.load(root / f"{backend}-{mode}.loaded.pt", weights_only=True)
-                load["load_s"] = statistics.median(load["load_all_s"])
-                print(f"{backend:4} {mode:8} saves {['%.3f' % s for s in train['save_s']]} s, "
-                      f"loads {['%.3f' % s for s in load['load_all_s']]} s", flush=True)
+                results["runs"][f"{backend}-{mode}"] = {"train": train, "load": {"launches": []}}
+                print(f"{backend:4} {mode:8} saves {['%.3f' % s for s in train['save_s']]} s", flush=True)
+            for i in range(args.resume_launches):
+                for backend in ("dcp", "ours") if i % 2 == 0 else ("ours", "dcp"):
+                    _drop_from_page_cache(root / f"{backend}-{mode}")
+                    launch = _launch(args, root, backend, mode, f"load{i}", stop, assets)
+                    results["runs"][f"{backend}-{mode}"]["load"]["launches"].append(launch)
+                    loaded[backend] = torch.load(root / f"{backend}-{mode}.loaded.pt", weights_only=True)
+                    print(f"{backend:4} {mode:8} resume {i}: loads {['%.3f' % s for s in launch['load_all_s']]} s",
+                          flush=True)
+                    failures += [f"{mode}: {backend}'s resume {i} loaded state differs from DCP's at {d}"
+                                 for d in (_same(loaded["dcp"], loaded["ours"], "state") if len(loaded) == 2 else [])]
+            for backend in ("dcp", "ours"):
+                load = results["runs"][f"{backend}-{mode}"]["load"]
+                load["load_s"] = statistics.median(statistics.median(x["load_all_s"]) for x in load["launches"])
+                load["first_load_s"] = statistics.median(x["load_all_s"][0] for x in load["launches"])
             if results["runs"][f"dcp-{mode}"]["train"]["losses"] != results["runs"][f"ours-{mode}"]["train"]["losses"]:
                 failures.append(f"{mode}: the training losses differ between the backends")
-            failures += [f"{mode}: loaded state differs at {d}" for d in _same(loaded["dcp"], loaded["ours"], "state")]
     lines = [f"# torchtitan: checkpointer's backend vs DCP ({args.world_size} CPU ranks, gloo)", "",
              f"llama3 debug model widened to dim {args.dim}, {args.layers} layers; saves every "
-             f"{args.interval} steps, {args.saves} per launch; times are the slowest rank's.", "",
+             f"{args.interval} steps, {args.saves} per launch; times are the slowest rank's; loads: "
+             f"{args.resume_launches} resume launch(es) per backend and mode, {args.load_repeats} loads each "
+             f"(medians over the launches of each launch's median and of its first load).", "",
              "| mode | DCP save blocks (median) | ours | ratio | DCP load (median) | ours | ratio | DCP first load (cold) | ours | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for mode in args.modes.split(","):
         d, o = results["runs"][f"dcp-{mode}"], results["runs"][f"ours-{mode}"]
         ds, os_ = statistics.median(d["train"]["save_s"]), statistics.median(o["train"]["save_s"])
         dl, ol = d["load"]["load_s"], o["load"]["load_s"]
-        df, of = d["load"]["load_all_s"][0], o["load"]["load_all_s"][0]
+        df, of = d["load"]["first_load_s"], o["load"]["first_load_s"]
         results[mode] = {"save_ratio": os_ / ds, "load_ratio": ol / dl, "first_load_ratio": of / df}
         lines.append(f"| {mode} | {ds:.3f} s | {os_:.3f} s | {os_ / ds:.2f}x | {dl:.3f} s | {ol:.3f} s | {ol / dl:.2f}x "
                      f"| {df:.3f} s | {of:.3f} s | {of / df:.2f}x |")
     lines += ["", "Every save's blocking time, then every load's (s), in order:", ""]
     for key, run in results["runs"].items():
-        lines.append(f"- {key}: saves {', '.join('%.3f' % s for s in run['train']['save_s'])}; "
-                     f"loads {', '.join('%.3f' % s for s in run['load']['load_all_s'])}")
+        launches = " | ".join(", ".join("%.3f" % s for s in x["load_all_s"]) for x in run["load"]["launches"])
+        lines.append(f"- {key}: saves {', '.join('%.3f' % s for s in run['train']['save_s'])}; loads {launches}")
     if failures:
         lines += ["", "**Check failed:**", *[f"- {f}" for f in failures]]
     out = Path(args.out)
