@@ -24,6 +24,10 @@ from .rule_reads import rule_copies
 
 __all__ = ["ReadItem", "TensorLoadPlan", "build_load_plan", "whole_file_plan", "stored_cover_exactly"]
 
+_REMEMBERED_PIECES = 1024
+"""Wanted pieces whose items a layout keeps (a model's ranks want a few each; a streaming read
+of a large tensor wants one per block, and those are not worth keeping)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ReadItem:
@@ -82,14 +86,17 @@ def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Rang
     else:
         layout, files = None, list(specs)
         all_flat = all(specs[f].flattened_offsets is not None for f in files)
-    if layout is not None:  # tensors of one layout wanting the same piece read the same items
-        known = layout.memo.get(("items", piece))
-        if known is not None:
-            return TensorLoadPlan(key, meta.dtype, known)
-        plan = _build(key, meta, piece, layout, files, all_flat)
-        layout.memo[("items", piece)] = plan.items
-        return plan
-    return _build(key, meta, piece, layout, files, all_flat)
+    remembered = layout.memo.setdefault("items", {}) if layout is not None else None
+    try:
+        known = remembered.get(piece) if remembered is not None else None
+    except TypeError:  # a Piece holding lists: planned, not remembered
+        remembered = known = None
+    if known is not None:  # tensors of one layout wanting the same piece read the same items
+        return TensorLoadPlan(key, meta.dtype, known)
+    plan = _build(key, meta, piece, layout, files, all_flat)
+    if remembered is not None and len(remembered) < _REMEMBERED_PIECES:
+        remembered[piece] = plan.items
+    return plan
 
 
 def _build(

@@ -349,6 +349,37 @@ def test_tensors_of_one_layout_share_their_read_items():
     assert other.items == build_load_plan("b", fresh["b"], left).items != a.items
 
 
+def test_a_piece_of_lists_is_planned_not_remembered():
+    tensors = parse_metadata(_two_tensor_doc((COLUMNS, COLUMNS)), where="m").tensors
+    listed = Piece(local_shape=[4, 2], global_offset=[0, 2])  # type: ignore[arg-type]
+    assert build_load_plan("a", tensors["a"], listed).items == build_load_plan("b", tensors["b"], Piece(local_shape=(4, 2), global_offset=(0, 2))).items
+
+
+def test_tensors_sharing_items_read_their_own_bytes(tmp_path):
+    """Two tensors of one layout, read through one parse of the metadata: the second tensor's
+    plan comes from the first's, and each destination gets its own tensor's values."""
+    fulls = {"a": torch.arange(48, dtype=torch.float32).reshape(6, 8), "b": -torch.arange(48, dtype=torch.float32).reshape(6, 8)}
+    saved = [Piece(local_shape=(6, 4), global_offset=(0, 0)), Piece(local_shape=(6, 4), global_offset=(0, 4))]
+    plan = build_save_plan([[PieceDesc(k, (6, 8), "F32", True, p) for k in fulls] for p in saved])
+    storage = LocalStorage(str(tmp_path))
+    crcs = {}
+    for rank, piece in enumerate(saved):
+        pieces = [(k, LocalTensor(extract(full, piece), (6, 8), "F32", True, piece)) for k, full in fulls.items()]
+        crcs[rank_filename(rank)] = write_rank_file(storage, rank_filename(rank), pieces)
+    storage.write(METADATA_FILENAME, plan.metadata.with_checksums(crcs, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES).to_json_bytes())
+    metadata = parse_metadata(storage.read(METADATA_FILENAME, 0, storage.size(METADATA_FILENAME)), where="m")
+    for wanted in (Piece(local_shape=(6, 3), global_offset=(0, 3)), Piece(local_shape=(2, 8), global_offset=(4, 0))):
+        plans = {k: build_load_plan(k, metadata.tensors[k], wanted) for k in fulls}
+        assert plans["b"].items is plans["a"].items
+        jobs = []
+        for k, p in plans.items():
+            specs = metadata.tensors[k].shard_spec_per_file
+            jobs.append(ReadJob(p, torch.full((wanted.numel,), 7.0), {f: specs[f].local_numel for f in p.files}, {f: specs[f].checksums for f in p.files}))
+        execute_reads(storage, jobs)
+        for k, job in zip(plans, jobs):
+            assert torch.equal(job.dest, extract(fulls[k], wanted)), k
+
+
 def test_a_plan_that_fails_is_not_remembered(tmp_path):
     """A layout with a gap fails for every tensor that uses it, not only the first."""
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
@@ -373,3 +404,15 @@ def test_a_repeated_rule_is_checked_once_and_still_counted(monkeypatch):
     duplicate = COLUMNS.replace('"form":"box",', '"form":"box","form":"box",')
     with pytest.raises(CorruptCheckpointError, match=r"tensors\['b'\] gives a key twice"):
         parse_metadata(_two_tensor_doc((COLUMNS, duplicate)), where="m")
+
+
+def test_a_layout_keeps_a_bounded_number_of_pieces(monkeypatch):
+    """A streaming read wants a new piece per block: a layout keeps the first few, then plans
+    without remembering."""
+    from checkpointer.planning import load_plan
+
+    monkeypatch.setattr(load_plan, "_REMEMBERED_PIECES", 2)
+    meta = parse_metadata(_two_tensor_doc((COLUMNS, COLUMNS)), where="m").tensors["a"]
+    for start in range(4):
+        assert build_load_plan("a", meta, Piece(flat=((start * 6, start * 6 + 6),))).numel == 6
+    assert len(meta.shard_spec_per_file.layout.memo["items"]) == 2
