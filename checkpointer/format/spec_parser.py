@@ -47,7 +47,7 @@ class SpecParser:
     def __init__(self) -> None:
         self._good_names: set[str] = set()
         self._layouts: dict[tuple, list[Layout]] = {}
-        self._rules: dict[tuple | None, tuple[Layout, dict, int, int, int]] = {}
+        self._rules: dict[tuple, tuple[Layout, dict, int, int, int]] = {}
         self.rule_cells = 0
         self.max_file = -1
         """The largest rank file index a rule names (checked against ``world_size``)."""
@@ -72,7 +72,8 @@ class SpecParser:
                 raise ValueError(f"the document's shard rules describe more than {MAX_RULE_CELLS} pieces together")
             names, flat, ls, go = expand_rule(shape, raw)
             known = (Layout(shape, names, flat, ls, go), raw, self.members - members, self.colons - colons, top)
-            self._rules[key] = known
+            if key is not None:
+                self._rules[key] = known
         else:  # the same rule again: its counts and checks are known
             self.members += known[2]
             self.colons += known[3]

@@ -86,15 +86,17 @@ def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Rang
     else:
         layout, files = None, list(specs)
         all_flat = all(specs[f].flattened_offsets is not None for f in files)
-    remembered = layout.memo.setdefault("items", {}) if layout is not None else None
+    if layout is None:
+        return _build(key, meta, piece, layout, files, all_flat)
+    remembered = layout.memo.setdefault("items", {})  # tensors of one layout wanting one piece share items
     try:
-        known = remembered.get(piece) if remembered is not None else None
-    except TypeError:  # a Piece holding lists: planned, not remembered
-        remembered = known = None
-    if known is not None:  # tensors of one layout wanting the same piece read the same items
+        known = remembered.get(piece)
+    except TypeError:  # a Piece holding lists cannot be a key: planned, not remembered
+        return _build(key, meta, piece, layout, files, all_flat)
+    if known is not None:
         return TensorLoadPlan(key, meta.dtype, known)
     plan = _build(key, meta, piece, layout, files, all_flat)
-    if remembered is not None and len(remembered) < _REMEMBERED_PIECES:
+    if len(remembered) < _REMEMBERED_PIECES:
         remembered[piece] = plan.items
     return plan
 
