@@ -281,10 +281,8 @@ def load_model_and_optim_state(
     def fill_train_state(result: LoadResult) -> None:
         result.train_state = saved_train_state.apply(result.missing_keys)
 
-    # A strict load fills every entry: the copies state_dict hooks make need no values of their own.
-    model_state = load_targets(model) if strict else model_state_dict(model)
-    return load_model_and_optim(storages, model, optim, model_state, strict=strict, strategy=strategy,
-                                then=fill_train_state)
+    return load_model_and_optim(storages, model, optim, load_targets(model, strict=strict), strict=strict,
+                                strategy=strategy, then=fill_train_state)
 
 
 def _part(dir: str, name: str) -> Storage:

@@ -46,7 +46,7 @@ from ..tools.hf import HFSource, INDEX_NAME, SINGLE_NAME, has_file
 from ..tools.hub import fetch_hf, is_hf_url
 from ..tools.sources import Where
 from .load_result import LoadResult
-from .names import load_hook_copies, load_targets, model_state_dict
+from .names import load_hook_copies, load_targets
 from .strict import difference_message, keys_to_load
 
 __all__ = ["KeyMap", "load_hf", "is_hf_checkpoint", "map_name", "CAST_BATCH_BYTES"]
@@ -110,7 +110,7 @@ def load_hf(
     ``cast_batch_bytes`` per rank at a time (one load each batch after the first)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, not {dtype!r}")
-    model_state = load_targets(model) if strict else model_state_dict(model)  # strict: every entry is filled
+    model_state = load_targets(model, strict=strict)
 
     def wanted(key: str) -> bool:
         name = map_name(key_map, key)

@@ -60,14 +60,15 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     return {clean_name(k): v for k, v in model.state_dict().items()}
 
 
-def load_targets(model: nn.Module) -> dict[str, Any]:
-    """:func:`model_state_dict` for a load that fills every entry (a strict one): the same views of
-    the model's memory, and, for each tensor the model's ``state_dict`` hooks make, a new
-    uninitialised tensor of its shape, dtype and placement. The hooks see meta stand-ins of the
-    parameters and buffers, so they compute nothing and exchange nothing; where they cannot run
-    on those (or a value is not a tensor), this is :func:`model_state_dict`."""
+def load_targets(model: nn.Module, *, strict: bool) -> dict[str, Any]:
+    """The state dict a load fills. A strict load fills every entry: the same views of the model's
+    memory as :func:`model_state_dict`, and, for each tensor the model's ``state_dict`` hooks make,
+    a new uninitialised tensor of its shape, dtype and placement. The hooks see meta stand-ins of
+    the parameters and buffers, so they compute nothing and exchange nothing. A partial load keeps
+    the values of what it does not load, and hooks that cannot run on stand-ins (or give a value
+    that is not a tensor) need the real ones: there, this is :func:`model_state_dict`."""
     model = _unwrap(model)
-    if _is_fsdp1(model) or not _has_state_dict_hooks(model):
+    if not strict or _is_fsdp1(model) or not _has_state_dict_hooks(model):
         return model_state_dict(model)
     device = next((t.device for t in _tensors(model) if not t.is_meta), None)
     stand_ins: dict[int, Any] = {}  # one per tensor: tied parameters stay one object
@@ -80,7 +81,7 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
                         continue
                     stand_in = stand_ins.get(id(tensor))
                     if stand_in is None:
-                        stand_in = stand_ins[id(tensor)] = _meta_like(tensor)
+                        stand_in = stand_ins[id(tensor)] = _alike(tensor, "meta")
                     swapped.append((table, name, tensor, stand_in))
                     table[name] = stand_in
         state = model.state_dict(keep_vars=True)
@@ -102,7 +103,7 @@ def load_targets(model: nn.Module) -> dict[str, Any]:
             return model_state_dict(model)  # a view of a parameter: loaded in place by the ordinary path
         if value.is_meta:
             if id(value) not in made:
-                made[id(value)] = _empty_like_meta(value, device)
+                made[id(value)] = _alike(value, device)
             out[clean_name(key)] = made[id(value)]
         else:
             out[clean_name(key)] = value.detach()
@@ -124,25 +125,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+def _alike(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised tensor on ``device`` with ``tensor``'s shape, strides, dtype and placement."""
     from torch.distributed.tensor import DTensor
 
+    local = _local(tensor)
+    new = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device)
     if isinstance(tensor, DTensor):
-        local = torch.empty_like(tensor._local_tensor, device="meta")
-        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+        return DTensor.from_local(new, tensor.device_mesh, tensor.placements, run_check=False,
                                   shape=tensor.shape, stride=tensor.stride())
-    return torch.empty_like(tensor, device="meta")
-
-
-def _empty_like_meta(value: torch.Tensor, device: torch.device) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        local = torch.empty_strided(value._local_tensor.shape, value._local_tensor.stride(),
-                                    dtype=value.dtype, device=device)
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+    return new
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
@@ -150,11 +142,7 @@ def param_names(model: nn.Module) -> dict[int, str]:
 
 
 def _storage_of(tensor: Any) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
-        tensor = tensor._local_tensor
-    return tensor.untyped_storage().data_ptr()
+    return _local(tensor).untyped_storage().data_ptr()
 
 
 def load_hook_copies(model: nn.Module, state: dict[str, Any]) -> None:

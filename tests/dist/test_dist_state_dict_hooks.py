@@ -147,14 +147,23 @@ def test_a_hook_made_view_of_a_parameter_loads_in_place(run_distributed, tmp_pat
     assert run_distributed(_save_and_load_view, 1, str(tmp_path / "ckpt")) == [True]
 
 
+TIED_SAW: list[bool] = []  # whether the tied-weights hook saw head and embedding as one tensor
+
+
 class TiedWithHook(FusedQKV):
-    """The fused model plus an embedding tied to a head: tied parameters keep one stand-in."""
+    """The fused model plus an embedding tied to a head, and a hook that sees whether the two are
+    one tensor: on the stand-ins too, tied parameters stay one object."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(5, 4)
         self.head = nn.Linear(4, 5, bias=False)
         self.head.weight = self.emb.weight
+        self.register_state_dict_post_hook(self._see_tied)
+
+    @staticmethod
+    def _see_tied(module, state_dict, prefix, local_metadata) -> None:
+        TIED_SAW.append(module.head.weight is module.emb.weight)
 
 
 def _round_trip(world_size: int, ckpt: str, cls: type[FusedQKV]) -> tuple[FusedQKV, FusedQKV]:
@@ -169,7 +178,9 @@ def _round_trip(world_size: int, ckpt: str, cls: type[FusedQKV]) -> tuple[FusedQ
 
 
 def _save_and_load_tied(rank, world_size, ckpt):
+    TIED_SAW.clear()
     saved, model = _round_trip(world_size, ckpt, TiedWithHook)
+    assert TIED_SAW and all(TIED_SAW), TIED_SAW
     # Sharded, the split makes copies: only meta stand-ins; unsharded, views of wqkv (loaded in place).
     assert SPLIT_SAW == (["meta"] if world_size > 1 else ["meta", "cpu"]), SPLIT_SAW
     assert model.head.weight is model.emb.weight
