@@ -7,7 +7,7 @@ every rank raises.
 
 When a collective fails, the survivors say which rank stopped answering: entering each of
 the byte collectives below, a rank counts its arrival in the rendezvous store (one
-``add`` per rank and collective, on a short-lived thread so a store that stopped answering
+``add`` per rank and collective, on a thread of its own so a store that stopped answering
 never holds up the collective); a survivor compares its own count with the others' and
 names the ranks that never arrived. Every store access on the failure path is bounded in
 time: when the store itself is gone (under ``env://`` or ``tcp://`` rank 0 hosts it), the
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from . import settings
 from .buffers import memoryview_of
 from .errors import RankError, RankFailedError, remote_error
+from .storage.parallel import on_idle_thread
 
 __all__ = [
     "is_distributed", "get_rank", "get_world_size", "timeout_seconds", "all_gather_bytes", "broadcast_bytes", "gather_bytes",
@@ -75,24 +76,19 @@ class _Arrival:
     def __init__(self, group: Any = None):
         self.group = group or dist.group.WORLD
         self.me = get_rank()
-        self.count: Future[int]
-        self.count, self._thread = _in_thread(lambda: int(_store().add(self._key(self.me), 1)))
+        self.count: Future[int] = _in_thread(lambda: int(_store().add(self._key(self.me), 1)))
 
     def _key(self, rank: int) -> str:
         return f"{_ARRIVALS}/{self.group.group_name}/{rank}"
 
     def settle(self) -> None:
-        """After the collective: let the count's thread finish. One still inside the store's C++
+        """After the collective: let the count finish. A thread still inside the store's C++
         client when the process exits (or destroys its group) aborts the process: 'terminate
         called without an active exception', seen at the end of CLI runs under torchrun."""
         try:
             self.count.exception(timeout=_STORE_S)
         except FutureTimeout:
-            return
-        # Gone too, not only done: a thread still holding the store when the group is destroyed
-        # can drop its last reference later, in the store's C++ destructor, and abort the process
-        # at exit ('terminate called without an active exception'; seen in 3-process runs here).
-        self._thread.join(timeout=_STORE_S)
+            pass
 
     def missing(self) -> list[int]:
         """The ranks that have not entered this collective (after waiting a little for stragglers)."""
@@ -117,20 +113,10 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _in_thread(fn: Callable[[], Any]) -> tuple[Future, threading.Thread]:
+def _in_thread(fn: Callable[[], Any]) -> Future:
     """``fn()`` on a daemon thread: a future of its result or error, to be waited for with a
-    bound, and the thread."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
-            future.set_exception(ex)
-
-    thread = threading.Thread(target=run, name="checkpointer-store", daemon=True)
-    thread.start()
-    return future, thread
+    bound (a thread stuck in a store that stopped answering holds up no later request)."""
+    return on_idle_thread(fn, name="checkpointer-store")
 
 
 def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
@@ -142,7 +128,7 @@ def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
         return "another rank", ""
     store = "rank 0 or the rendezvous store (rank 0 hosts it under env:// and tcp://)"
     try:
-        missing = _in_thread(arrival.missing)[0].result(timeout=_STORE_S + _STRAGGLER_S)
+        missing = _in_thread(arrival.missing).result(timeout=_STORE_S + _STRAGGLER_S)
     except FutureTimeout:
         return store, f"; the store did not answer within {_STORE_S:g}s"
     except Exception as ex:  # noqa: BLE001 - the store's own failure is the diagnosis

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -316,27 +317,43 @@ def verify_reads(
 
 
 def _run(num_threads: int | None, tasks: list[tuple]) -> None:
+    """Run ``tasks`` (``(fn, *args)``) on at most ``num_threads`` threads, this one among them:
+    each takes the next task until none is left, so a load hands its pool a few long turns, not a
+    wake-up per task (a tiny load's reads are done before the pool's threads start their first)."""
     most = num_threads or io_threads()
     threads = min(most, len(tasks))
     if threads <= 1:
         for fn, *args in tasks:
             fn(*args)
         return
+    pending = collections.deque(tasks)
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        while not errors:
+            try:
+                fn, *args = pending.popleft()
+            except IndexError:
+                return
+            try:
+                fn(*args)
+            except Exception as ex:  # raised once every thread has stopped
+                errors.append(ex)
+
     pool = shared_pool(most)  # starts at most ``threads`` of its threads for these tasks
-    if pool is None:
-        with ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-io") as own:
-            for future in [own.submit(fn, *args) for fn, *args in tasks]:
-                future.result()
-        return
-    futures = [pool.submit(fn, *args) for fn, *args in tasks]
+    own = ThreadPoolExecutor(threads - 1, thread_name_prefix="checkpointer-io") if pool is None else None
+    helpers = [(pool or own).submit(drain) for _ in range(threads - 1)]  # type: ignore[union-attr]
     try:
-        wait(futures)
+        drain()
     finally:  # interrupted too: no task writes into the callers' memory once this returns
-        for future in futures:
-            future.cancel()
-        wait(futures)
-    for future in futures:
-        future.result()
+        pending.clear()
+        wait(helpers)
+        if own is not None:
+            own.shutdown()
+    for helper in helpers:
+        helper.result()  # what escaped a helper's drain (not an Exception)
+    if errors:
+        raise errors[0]
 
 
 def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:

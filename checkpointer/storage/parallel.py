@@ -1,14 +1,16 @@
 """Thread pools for batches of I/O: one bounded pool per batch of remote requests (ranged GETs,
-composes, deletes), and process-wide pools that a load's reads reuse from one load to the next."""
+composes, deletes), and process-wide pools that a load's reads reuse from one load to the next;
+and daemon threads, kept when idle, for single requests their caller waits on with a bound."""
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, TypeVar
 
-__all__ = ["run_parallel", "shared_pool"]
+__all__ = ["on_idle_thread", "run_parallel", "shared_pool"]
 
 T = TypeVar("T")
 
@@ -16,6 +18,7 @@ _MAX_SHARED = 8  # distinct pool sizes kept; more (a caller trying many) get a p
 _shared: dict[int, ThreadPoolExecutor] = {}
 _shared_lock = threading.Lock()
 _on_shared = threading.local()
+_idle: list[queue.SimpleQueue] = []  # inboxes of the threads of on_idle_thread waiting for work
 
 
 def run_parallel(fn: Callable[[T], None], items: Iterable[T], max_workers: int) -> None:
@@ -55,6 +58,39 @@ def shared_pool(workers: int) -> ThreadPoolExecutor | None:
         return pool
 
 
+def on_idle_thread(fn: Callable[[], T], name: str) -> Future[T]:
+    """``fn()`` on a daemon thread: a future of its result or error. An idle thread of an earlier
+    call takes it, else a new one starts (a start costs about a millisecond of a busy machine).
+    A thread that never returns (stuck in a server that stopped answering) is never idle again,
+    so it holds up no later call; and an idle thread holds nothing of the calls it ran."""
+    future: Future[T] = Future()
+    with _shared_lock:
+        inbox = _idle.pop() if _idle else None
+    if inbox is None:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(inbox,), name=name, daemon=True).start()
+    inbox.put((fn, future))
+    return future
+
+
+def _serve(inbox: queue.SimpleQueue) -> None:
+    while True:
+        fn, future = inbox.get()
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
+            error = ex
+        del fn
+        with _shared_lock:  # idle before the caller hears back: its next call finds this thread
+            _idle.append(inbox)
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+        del future, result, error  # nothing of the call stays with the thread while it waits
+
+
 def _mark_shared() -> None:
     _on_shared.flag = True
 
@@ -63,6 +99,7 @@ def _after_fork_in_child() -> None:
     global _shared_lock
     _shared_lock = threading.Lock()  # a parent's thread may have held it at the fork
     _shared.clear()
+    _idle.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -284,37 +284,52 @@ def test_a_rank_that_dies_does_not_hang_the_others(run_distributed, tmp_path):
         assert r["seconds"] < 60, f"rank {rank} took {r['seconds']:.1f}s"
 
 
-def _store_threads_after_collectives(rank, world_size):
-    """How many arrival-count threads are still alive right after each of many collectives."""
+def _store_use_across_collectives(rank, world_size):
+    """After each of many collectives: how many store handles the arrival counts took are still
+    referenced; and which threads took them."""
+    import gc
     import threading
-    import time
-    from concurrent.futures import Future
+    import weakref
 
     from checkpointer import dist as cdist
 
-    class LingeringFuture(Future):
-        """A thread that goes on for a while after handing over its result."""
+    real = cdist._store
+    handed: list = []
+    takers: set = set()
 
-        def set_result(self, result):
-            super().set_result(result)
-            time.sleep(0.02)
+    class Handle:
+        def __init__(self, store):
+            self.store = store
 
-    cdist.Future = LingeringFuture  # this worker process serves other tests: restored below
+        def add(self, key, n):
+            return self.store.add(key, n)
+
+    def store():
+        handle = Handle(real())
+        handed.append(weakref.ref(handle))
+        takers.add(threading.current_thread())
+        return handle
+
+    cdist._store = store  # this worker process serves other tests: restored below
     try:
-        alive = 0
+        held = 0
         for _ in range(10):
             cdist.barrier()
             cdist.all_gather_bytes(b"x" * rank)
-            alive += sum(t.name == "checkpointer-store" and t.is_alive() for t in threading.enumerate())
-        return alive
+            gc.collect()
+            held += sum(ref() is not None for ref in handed)
+        return held, len(handed), len(takers), all(t.daemon and t is not threading.main_thread() for t in takers)
     finally:
-        cdist.Future = Future
+        cdist._store = real
 
 
-def test_collectives_leave_no_store_thread_behind(run_distributed):
+def test_collectives_leave_no_store_reference_behind_and_reuse_their_thread(run_distributed):
     """A thread that still holds the rendezvous store when the group is destroyed can abort the
-    process at exit: every collective waits for its arrival thread to end, not only to count."""
-    assert run_distributed(_store_threads_after_collectives, 2) == [0, 0]
+    process at exit: once a collective returns, its arrival count holds no store reference. The
+    counts run on a kept daemon thread, not one started per collective."""
+    for rank, (held, taken, threads, daemons) in enumerate(run_distributed(_store_use_across_collectives, 2)):
+        assert (held, taken, daemons) == (0, 20, True), f"rank {rank}"
+        assert threads == 1, f"rank {rank}: {threads} threads took the 20 counts"
 
 
 def _broadcasts(rank, world_size):

@@ -1,0 +1,84 @@
+"""Threads kept between calls: the daemon threads of the store requests (``on_idle_thread``)
+and the read tasks of a load (``reads._run``, in which the caller's thread takes turns)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+
+from checkpointer.engine import reads
+from checkpointer.storage.parallel import on_idle_thread
+
+
+def test_an_idle_thread_takes_the_next_call():
+    first = on_idle_thread(threading.current_thread, name="test-idle").result(timeout=5)
+    time.sleep(0.05)  # it has gone back to waiting for work
+    assert on_idle_thread(threading.current_thread, name="test-idle").result(timeout=5) is first
+    assert first is not threading.current_thread()
+
+
+def test_a_stuck_thread_holds_up_no_later_call():
+    release = threading.Event()
+    stuck = on_idle_thread(lambda: release.wait(10), name="test-stuck")
+    try:
+        other = on_idle_thread(threading.get_ident, name="test-stuck").result(timeout=5)
+        assert not stuck.done()
+    finally:
+        release.set()
+    assert stuck.result(timeout=5) is True
+    assert other != threading.get_ident()
+
+
+def test_errors_reach_the_caller_and_nothing_of_a_call_stays_with_the_thread():
+    class Held:
+        pass
+
+    held = Held()
+    gone = weakref.ref(held)
+
+    def fail(obj=held):
+        raise KeyError(f"no {type(obj).__name__}")
+
+    future = on_idle_thread(fail, name="test-error")
+    with pytest.raises(KeyError, match="no Held"):
+        future.result(timeout=5)
+    del fail, future, held
+    time.sleep(0.05)
+    gc.collect()
+    assert gone() is None
+
+
+def test_reads_run_every_task_once_on_the_callers_thread_too():
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def task(i: int) -> None:
+        time.sleep(0.002)
+        with lock:
+            seen.append((i, threading.get_ident()))
+
+    reads._run(3, [(task, i) for i in range(40)])
+    assert sorted(i for i, _ in seen) == list(range(40))
+    threads = {t for _, t in seen}
+    assert threading.get_ident() in threads and 1 < len(threads) <= 3
+
+
+def test_reads_run_stops_after_a_failure_and_raises_it():
+    ran: list[int] = []
+
+    def task(i: int) -> None:
+        if i == 2:
+            raise OSError("bad read of rank_1.safetensors")
+        time.sleep(0.01)
+        ran.append(i)
+
+    with pytest.raises(OSError, match="rank_1.safetensors"):
+        reads._run(2, [(task, i) for i in range(50)])
+    assert len(ran) < 48  # the rest never started
+    n = len(ran)
+    time.sleep(0.05)
+    assert len(ran) == n  # and nothing runs once _run has returned
