@@ -347,10 +347,13 @@ def _run(num_threads: int | None, tasks: list[tuple]) -> None:
         drain()
     finally:  # interrupted too: no task writes into the callers' memory once this returns
         pending.clear()
-        wait(helpers)
+        # One still queued behind another load's work is dropped, not waited for (``wait`` would
+        # wait for a cancelled future until a pool thread reaches it).
+        started = [helper for helper in helpers if not helper.cancel()]
+        wait(started)
         if own is not None:
             own.shutdown()
-    for helper in helpers:
+    for helper in started:
         helper.result()  # what escaped a helper's drain (not an Exception)
     if errors:
         raise errors[0]

@@ -62,7 +62,8 @@ def on_idle_thread(fn: Callable[[], T], name: str) -> Future[T]:
     """``fn()`` on a daemon thread: a future of its result or error. An idle thread of an earlier
     call takes it, else a new one starts (a start costs about a millisecond of a busy machine).
     A thread that never returns (stuck in a server that stopped answering) is never idle again,
-    so it holds up no later call; and an idle thread holds nothing of the calls it ran."""
+    so it holds up no later call; and an idle thread holds nothing of the calls it ran. ``name``
+    names a thread this call starts."""
     future: Future[T] = Future()
     with _shared_lock:
         inbox = _idle.pop() if _idle else None

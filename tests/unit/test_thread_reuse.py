@@ -82,3 +82,24 @@ def test_reads_run_stops_after_a_failure_and_raises_it():
     n = len(ran)
     time.sleep(0.05)
     assert len(ran) == n  # and nothing runs once _run has returned
+
+
+def test_reads_run_does_not_wait_for_a_pool_busy_with_other_work():
+    """The caller's thread does every task when the shared pool's threads are all taken (another
+    load's reads, say), and returns without waiting for them to free up."""
+    from checkpointer.storage.parallel import shared_pool
+
+    size = 7  # a pool of its own size: no other test's
+    release = threading.Event()
+    busy = [shared_pool(size).submit(release.wait, 10) for _ in range(size)]
+    try:
+        seen: list[int] = []
+        done = threading.Event()
+        caller = threading.Thread(target=lambda: (reads._run(size, [(seen.append, i) for i in range(20)]), done.set()))
+        caller.start()
+        assert done.wait(5), "reads._run waited for the busy pool"
+        assert seen == list(range(20))
+    finally:
+        release.set()
+        for future in busy:
+            future.result(timeout=10)
