@@ -7,7 +7,7 @@ every rank raises.
 
 When a collective fails, the survivors say which rank stopped answering: entering each of
 the byte collectives below, a rank counts its arrival in the rendezvous store (one
-``add`` per rank and collective, on a thread of its own so a store that stopped answering
+``add`` per rank and collective, on another thread so a store that stopped answering
 never holds up the collective); a survivor compares its own count with the others' and
 names the ranks that never arrived. Every store access on the failure path is bounded in
 time: when the store itself is gone (under ``env://`` or ``tcp://`` rank 0 hosts it), the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import product
 from typing import Sequence
@@ -330,33 +330,50 @@ def _run(num_threads: int | None, tasks: list[tuple]) -> None:
     errors: list[BaseException] = []
 
     def drain() -> None:
-        while not errors:
-            try:
-                fn, *args = pending.popleft()
-            except IndexError:
-                return
-            try:
-                fn(*args)
-            except Exception as ex:  # raised once every thread has stopped
-                errors.append(ex)
+        with torch.no_grad():  # the same on every thread: in-place copies into the callers' tensors
+            while not errors:
+                try:
+                    fn, *args = pending.popleft()
+                except IndexError:
+                    return
+                try:
+                    fn(*args)
+                except Exception as ex:  # raised once every thread has stopped
+                    errors.append(ex)
 
-    pool = shared_pool(most)  # starts at most ``threads`` of its threads for these tasks
+    pool = shared_pool(most)  # starts at most ``threads - 1`` of its threads for these tasks
     own = ThreadPoolExecutor(threads - 1, thread_name_prefix="checkpointer-io") if pool is None else None
-    helpers = [(pool or own).submit(drain) for _ in range(threads - 1)]  # type: ignore[union-attr]
+    helpers: list[Future] = []
     try:
+        for _ in range(threads - 1):
+            helpers.append((pool or own).submit(drain))  # type: ignore[union-attr]
         drain()
     finally:  # interrupted too: no task writes into the callers' memory once this returns
         pending.clear()
-        # One still queued behind another load's work is dropped, not waited for (``wait`` would
-        # wait for a cancelled future until a pool thread reaches it).
-        started = [helper for helper in helpers if not helper.cancel()]
-        wait(started)
+        _stopped(helpers)
         if own is not None:
             own.shutdown()
-    for helper in started:
-        helper.result()  # what escaped a helper's drain (not an Exception)
     if errors:
         raise errors[0]
+
+
+def _stopped(helpers: list[Future]) -> None:
+    """Wait until no helper runs a task; one still queued behind other work in the shared pool is
+    dropped (``wait`` would wait for a cancelled future until a pool thread reaches it). An
+    interrupt while waiting is raised after the wait: a helper may be writing into the callers'
+    memory (a raw ``preadv`` into a tensor its caller would free)."""
+    started = [helper for helper in helpers if not helper.cancel()]
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(started)
+            break
+        except BaseException as ex:  # noqa: BLE001 - raised below, once the helpers have stopped
+            interrupted = interrupted or ex
+    if interrupted is not None:
+        raise interrupted
+    for helper in started:
+        helper.result()  # what escaped a helper's drain (not an Exception)
 
 
 def read_file_ranges(storage: Storage, name: str, reqs: list[ReadRequest]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import traceback
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, TypeVar
 
@@ -75,17 +76,24 @@ def on_idle_thread(fn: Callable[[], T], name: str) -> Future[T]:
 
 
 def _serve(inbox: queue.SimpleQueue) -> None:
+    # The rendezvous store's last reference dropped on this thread at process exit aborts the
+    # process (dist.py's arrival counts): every reference a call made is gone before its caller
+    # hears back, its error's frames included.
     while True:
         fn, future = inbox.get()
         result, error = None, None
-        try:
-            result = fn()
-        except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
-            error = ex
+        if future.set_running_or_notify_cancel():  # False: the caller cancelled it meanwhile
+            try:
+                result = fn()
+            except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
+                error = ex
+                traceback.clear_frames(ex.__traceback__)
         del fn
         with _shared_lock:  # idle before the caller hears back: its next call finds this thread
             _idle.append(inbox)
-        if error is None:
+        if future.cancelled():
+            pass
+        elif error is None:
             future.set_result(result)
         else:
             future.set_exception(error)

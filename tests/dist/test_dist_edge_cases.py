@@ -289,6 +289,7 @@ def _store_use_across_collectives(rank, world_size):
     referenced; and which threads took them."""
     import gc
     import threading
+    import time
     import weakref
 
     from checkpointer import dist as cdist
@@ -302,7 +303,9 @@ def _store_use_across_collectives(rank, world_size):
             self.store = store
 
         def add(self, key, n):
-            return self.store.add(key, n)
+            got = self.store.add(key, n)
+            time.sleep(0.05)  # outlasts the collective it counts: a collective must wait for it
+            return got
 
     def store():
         handle = Handle(real())

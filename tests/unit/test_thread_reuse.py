@@ -4,6 +4,7 @@ and the read tasks of a load (``reads._run``, in which the caller's thread takes
 from __future__ import annotations
 
 import gc
+import queue
 import threading
 import time
 import weakref
@@ -16,7 +17,6 @@ from checkpointer.storage.parallel import on_idle_thread
 
 def test_an_idle_thread_takes_the_next_call():
     first = on_idle_thread(threading.current_thread, name="test-idle").result(timeout=5)
-    time.sleep(0.05)  # it has gone back to waiting for work
     assert on_idle_thread(threading.current_thread, name="test-idle").result(timeout=5) is first
     assert first is not threading.current_thread()
 
@@ -50,6 +50,21 @@ def test_errors_reach_the_caller_and_nothing_of_a_call_stays_with_the_thread():
     time.sleep(0.05)
     gc.collect()
     assert gone() is None
+
+
+def test_a_call_cancelled_before_its_turn_is_skipped_and_the_thread_serves_the_next():
+    from concurrent.futures import Future
+
+    from checkpointer.storage import parallel
+
+    inbox = queue.SimpleQueue()
+    ran: list[str] = []
+    skipped, served = Future(), Future()
+    skipped.cancel()
+    inbox.put((lambda: ran.append("skipped"), skipped))
+    inbox.put((lambda: ran.append("served") or 7, served))
+    threading.Thread(target=parallel._serve, args=(inbox,), daemon=True).start()
+    assert served.result(timeout=5) == 7 and ran == ["served"]
 
 
 def test_reads_run_every_task_once_on_the_callers_thread_too():
@@ -103,3 +118,47 @@ def test_reads_run_does_not_wait_for_a_pool_busy_with_other_work():
         release.set()
         for future in busy:
             future.result(timeout=10)
+
+
+def test_reads_run_interrupted_stops_every_thread_before_it_raises():
+    caller = threading.current_thread()
+    ran: list[int] = []
+
+    def task(i: int) -> None:
+        if threading.current_thread() is caller and i >= 4:
+            raise KeyboardInterrupt
+        time.sleep(0.01)
+        ran.append(i)
+
+    with pytest.raises(KeyboardInterrupt):
+        reads._run(2, [(task, i) for i in range(60)])
+    n = len(ran)
+    time.sleep(0.05)
+    assert len(ran) == n  # nothing ran once _run had raised
+    assert n < 50  # and the tasks not started were dropped
+
+
+def test_a_second_interrupt_while_the_helpers_stop_waits_for_them(monkeypatch):
+    """A raw read into a tensor its caller frees once _run raises would corrupt memory: an
+    interrupt during the wait for the helpers is raised only once they have stopped."""
+    from concurrent.futures import wait as real_wait
+
+    calls = []
+
+    def interrupted_once(futures):
+        calls.append(len(futures))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(futures)
+
+    monkeypatch.setattr(reads, "wait", interrupted_once)
+    finished: list[int] = []
+
+    def task(i: int) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)  # a helper's task outlasts the caller's
+        finished.append(i)
+
+    with pytest.raises(KeyboardInterrupt):
+        reads._run(2, [(task, i) for i in range(2)])
+    assert sorted(finished) == [0, 1] and calls[1:] == calls[:1]
