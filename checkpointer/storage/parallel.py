@@ -81,8 +81,9 @@ def _serve(inbox: queue.SimpleQueue) -> None:
     # hears back, its error's frames included.
     while True:
         fn, future = inbox.get()
+        ran = future.set_running_or_notify_cancel()  # False: cancelled before its turn
         result, error = None, None
-        if future.set_running_or_notify_cancel():  # False: the caller cancelled it meanwhile
+        if ran:
             try:
                 result = fn()
             except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
@@ -91,11 +92,9 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         del fn
         with _shared_lock:  # idle before the caller hears back: its next call finds this thread
             _idle.append(inbox)
-        if future.cancelled():
-            pass
-        elif error is None:
+        if ran and error is None:
             future.set_result(result)
-        else:
+        elif ran:
             future.set_exception(error)
         del future, result, error  # nothing of the call stays with the thread while it waits
 
