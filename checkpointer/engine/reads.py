@@ -323,14 +323,15 @@ def _run(num_threads: int | None, tasks: list[tuple]) -> None:
     most = num_threads or io_threads()
     threads = min(most, len(tasks))
     if threads <= 1:
-        for fn, *args in tasks:
-            fn(*args)
+        with torch.no_grad():
+            for fn, *args in tasks:
+                fn(*args)
         return
     pending = collections.deque(tasks)
     errors: list[BaseException] = []
 
     def drain() -> None:
-        with torch.no_grad():  # the same on every thread: in-place copies into the callers' tensors
+        with torch.no_grad():  # on every thread (grad mode is per thread): in-place copies into the callers' tensors
             while not errors:
                 try:
                     fn, *args = pending.popleft()

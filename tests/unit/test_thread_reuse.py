@@ -52,6 +52,37 @@ def test_errors_reach_the_caller_and_nothing_of_a_call_stays_with_the_thread():
     assert gone() is None
 
 
+def test_a_failed_calls_frames_hold_nothing_once_its_caller_hears_back():
+    """The error stays with the caller; the locals of the frames it came from do not (a store
+    reference dropped later, on the kept thread, at process exit, aborts the process)."""
+
+    class Held:
+        pass
+
+    refs: list[weakref.ref] = []
+
+    def fail():
+        held = Held()  # a local of the failing frame only
+        refs.append(weakref.ref(held))
+        raise KeyError("store gone")
+
+    future = on_idle_thread(fail, name="test-frames")
+    error = future.exception(timeout=5)
+    assert isinstance(error, KeyError) and error.__traceback__ is not None
+    gc.collect()
+    assert refs[0]() is None
+
+
+def test_reads_run_runs_every_task_without_grad_on_every_thread():
+    import torch
+
+    modes: list[bool] = []
+    with torch.enable_grad():
+        reads._run(1, [(lambda: modes.append(torch.is_grad_enabled()),)])
+        reads._run(3, [(lambda: (time.sleep(0.005), modes.append(torch.is_grad_enabled())),) for _ in range(12)])
+    assert modes == [False] * 13
+
+
 def test_a_call_cancelled_before_its_turn_is_skipped_and_the_thread_serves_the_next():
     from concurrent.futures import Future
 
