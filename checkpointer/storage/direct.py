@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 from .. import settings
+from . import libc
 
 __all__ = ["BLOCK_BYTES", "DEPTH", "MIN_FROM_SOURCE", "PIECE_BYTES", "DirectStream", "dio_alignment", "direct_io_enabled"]
 
@@ -55,17 +56,7 @@ def direct_io_enabled() -> bool:
     return hasattr(os, "O_DIRECT") and settings.direct_io()
 
 
-def _load_statx():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).statx
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_statx = _load_statx()
+_statx = libc.function("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p], ctypes.c_int)
 _AT_EMPTY_PATH = 0x1000
 _STATX_DIOALIGN = 0x2000
 _STATX_DIO_OFFSETS = 0x98  # stx_dio_mem_align, stx_dio_offset_align: two u32 (Linux 6.1+)

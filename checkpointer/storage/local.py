@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import ctypes.util
 import errno
 import os
 import shutil
@@ -27,7 +26,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-from . import scatter
+from . import libc, scatter
 from .base import FileChangedError, ReadRequest, Storage, Writer, check_name
 from .open_files import PINNED_FILES, OpenFile, OpenFiles, inside, where_opened
 from .direct import DirectStream, direct_io_enabled
@@ -40,20 +39,7 @@ _WRITEBACK_BYTES = 32 << 20
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """Linux's ``sync_file_range(fd, offset, nbytes, flags)``; ``None`` where libc lacks it
-    (Python has no binding)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = libc.function("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint], ctypes.c_int)
 
 
 def _drop_cached(fd: int, start: int, size: int) -> None:

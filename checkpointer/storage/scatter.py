@@ -13,10 +13,11 @@ Gaps longer than :data:`MAX_GAP` end a call (reading them would cost more than a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 import numpy as np
+
+from . import libc
 
 __all__ = ["available", "preadv_runs", "MAX_GAP"]
 
@@ -25,18 +26,7 @@ _IOV_MAX = 1024  # POSIX's minimum; Linux's own
 _RUNS_PER_CALL = (_IOV_MAX + 1) // 2
 
 
-def _load_preadv():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        preadv = libc.preadv
-    except (OSError, AttributeError):
-        return None
-    preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    preadv.restype = ctypes.c_ssize_t
-    return preadv
-
-
-_PREADV = _load_preadv()
+_PREADV = libc.function("preadv", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64], ctypes.c_ssize_t)
 
 
 def available() -> bool:

@@ -127,3 +127,11 @@ def test_a_committed_file_leaves_no_page_cached(tmp_path):
     assert resident_pages(path) == 0
     with open(path, "rb") as f:
         assert f.read() == data
+
+
+def test_libc_functions_are_found_by_name_and_missing_ones_are_none():
+    from checkpointer.storage import libc
+
+    getpid = libc.function("getpid", [], ctypes.c_int)
+    assert getpid is not None and getpid() == os.getpid()
+    assert libc.function("checkpointer_no_such_function", [ctypes.c_int], ctypes.c_int) is None
