@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -13,9 +13,11 @@ from ..buffers import memoryview_of
 from ..checksums import CHUNK_BYTES, chunk_crcs, crc32c, crc32c_extend
 from ..format.layout import CHECKSUMS_KEY, FILE_ID_KEY
 from ..format.safetensors_header import build_header
+from ..errors import ReplicaMismatchError
 from ..sharding import LocalTensor
 from ..storage.base import Storage, Writer
 from ..storage.direct import MIN_FROM_SOURCE
+from ..storage.parallel import Workers
 from ..format.dtypes import itemsize
 from ..format.safetensors_header import DATA_ALIGNMENT
 
@@ -143,18 +145,19 @@ def hash_pieces(tensors: Sequence[torch.Tensor], *, threads: int = 1) -> list[li
     views = {i: memoryview_of(tensors[i].detach()) for i in direct}
     out: list[list[int]] = [[] for _ in tensors]
     chunks = [(i, view[at : at + CHUNK_BYTES]) for i, view in views.items() for at in range(0, len(view), CHUNK_BYTES)]
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="checkpointer-hash") if threads > 1 and len(chunks) > 1 else None
+    pool = Workers(threads, "checkpointer-hash") if threads > 1 and len(chunks) > 1 else None
     try:
-        hashed = pool.map(crc32c, [c for _, c in chunks]) if pool is not None else None
+        hashed = [pool.submit(crc32c, c) for _, c in chunks] if pool is not None else None
         staging = _Staging()
         for i, data in enumerate(tensors):
             if i not in views:
                 out[i] = _write_staged(_DISCARD, data.detach(), staging, True)
-        for (i, chunk), crc in zip(chunks, hashed if hashed is not None else map(crc32c, (c for _, c in chunks))):
+        crcs = (f.result() for f in hashed) if hashed is not None else map(crc32c, (c for _, c in chunks))
+        for (i, _), crc in zip(chunks, crcs):
             out[i].append(crc)
     finally:
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(cancel_futures=True)
     return out
 
 
@@ -341,8 +344,60 @@ def start_hashing(copies: Mapping[str, int], described: Mapping[str, LocalTensor
         done = Future()
         done.set_result(run())  # a few small tensors (an optimizer's steps): sooner than a thread starts
         return done
-    pool = ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replica-hash")
+    pool = Workers(1, "checkpointer-replica-hash")
     try:
         return pool.submit(run)
     finally:
         pool.shutdown(wait=False)  # the thread ends with its one task
+
+
+# ---------------------------------------------------------------------------------------
+# Replicas agree before a commit: rank 0 compares every copy's checksums with the writer's
+# ---------------------------------------------------------------------------------------
+
+VERIFY_ENV = settings.VERIFY_REPLICAS_ENV
+_SHOWN = 5  # tensors described in the error; the rest are counted
+
+
+def check_copies(statuses: Sequence[Mapping[str, Any]]) -> None:
+    """Rank 0, before committing: raise :class:`ReplicaMismatchError` if a copy in any rank's
+    status (``copies``) differs from the checksums its writer reported (``crcs``)."""
+    differing: set[tuple[str, int]] = set()
+    for status in statuses:
+        for key, writer, crcs in status.get("copies", ()):
+            if crcs != statuses[writer]["crcs"].get(key):
+                differing.add((key, writer))
+    if not differing:
+        return
+    # Every holder of each differing piece, grouped by what it holds; the writer's group first.
+    groups: dict[tuple[str, int], dict[tuple[int, ...], list[int]]] = {
+        (key, writer): {tuple(statuses[writer]["crcs"].get(key) or ()): [writer]} for key, writer in differing
+    }
+    for rank, status in enumerate(statuses):
+        for key, writer, crcs in status.get("copies", ()):
+            if (key, writer) in differing:
+                groups[key, writer].setdefault(tuple(crcs), []).append(rank)
+    shown = sorted(differing)[:_SHOWN]
+    details = "; ".join(_describe(key, writer, groups[key, writer]) for key, writer in shown)
+    more = f"; and {len(differing) - len(shown)} more" if len(differing) > len(shown) else ""
+    raise ReplicaMismatchError(
+        f"replicas disagree, so this save is not committed: {details}{more}. A copy was corrupted in "
+        "memory, or a value that differs per rank was saved under one key: save per-rank values under "
+        f"per-rank keys (f'rng.rank{{rank}}'), or as PerRank(value) in train_state. {VERIFY_ENV}=0 turns this check off."
+    )
+
+
+def _describe(key: str, writer: int, groups: dict[tuple[int, ...], list[int]]) -> str:
+    values = list(groups.items())  # the writer's group first (inserted first)
+    who = [_ranks(sorted(ranks)) for _, ranks in values]
+    who[0] += f" (rank {writer}'s copy was written)"
+    a, b = values[0][0], values[1][0]
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return (
+        f"tensor {key!r} differs between {' / '.join(who)}, first in the {CHUNK_BYTES >> 20} MiB chunk "
+        f"at byte {first * CHUNK_BYTES} of the piece"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

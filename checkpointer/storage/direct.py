@@ -31,11 +31,12 @@ import mmap
 import os
 import struct
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Sequence
 
 from .. import settings
 from . import libc
+from .parallel import Workers
 
 __all__ = ["BLOCK_BYTES", "DEPTH", "MIN_FROM_SOURCE", "PIECE_BYTES", "DirectStream", "dio_alignment", "direct_io_enabled"]
 
@@ -105,7 +106,7 @@ class DirectStream:
         self._current: int | None = None  # the buffer being filled
         self._fill = 0
         self._offset = 0  # file offset of the current buffer's first byte: a multiple of align
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Workers | None = None
         self._pending: deque[tuple[int | None, Future]] = deque()  # (buffer or None, its write), oldest first
 
     def write(self, buffers: Sequence[memoryview]) -> None:
@@ -160,7 +161,7 @@ class DirectStream:
         while self._pending:
             self._pending.popleft()[1].exception()  # wait; an error here is the caller's to have seen, or moot
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
             self._pool = None
         for view in self._views:
             view.release()
@@ -225,7 +226,7 @@ class DirectStream:
         if not self._pending:
             self._set_direct(True)  # nothing in flight: the flags may change (a short write cleared it)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(DEPTH - 1, thread_name_prefix="checkpointer-write")
+            self._pool = Workers(DEPTH - 1, "checkpointer-write")
         self._pending.append((index, self._pool.submit(self._write_block, view, offset, index is None)))
 
     def _retire_oldest(self) -> None:

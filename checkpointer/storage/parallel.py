@@ -1,6 +1,12 @@
-"""Thread pools for batches of I/O: one bounded pool per batch of remote requests (ranged GETs,
-composes, deletes), and process-wide pools that a load's reads reuse from one load to the next;
-and daemon threads, kept when idle, for single requests their caller waits on with a bound."""
+"""Threads for I/O: a bounded group per batch of remote requests (ranged GETs, composes,
+deletes) or per writer (:class:`Workers`), process-wide pools that a load's reads reuse from one
+load to the next, and daemon threads, kept when idle, for single requests their caller waits on
+with a bound.
+
+What a save runs goes to :class:`Workers`, not to ``ThreadPoolExecutor``: ``concurrent.futures``
+refuses new work once the interpreter starts to exit, and the exit waits for an async save still
+writing (:mod:`~checkpointer.engine.async_save`), whose writes, uploads and hashing then need
+threads."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import traceback
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, TypeVar
 
-__all__ = ["on_idle_thread", "run_parallel", "shared_pool"]
+__all__ = ["Workers", "on_idle_thread", "run_parallel", "shared_pool"]
 
 T = TypeVar("T")
 
@@ -32,7 +38,7 @@ def run_parallel(fn: Callable[[T], None], items: Iterable[T], max_workers: int) 
         for item in items:
             fn(item)
         return
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(items)), thread_name_prefix="ckpt-io") as pool:
+    with Workers(min(max_workers, len(items)), "ckpt-io") as pool:
         futures = [pool.submit(fn, item) for item in items]
         _, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for fut in pending:
@@ -40,6 +46,66 @@ def run_parallel(fn: Callable[[T], None], items: Iterable[T], max_workers: int) 
         for fut in futures:
             if fut.done() and not fut.cancelled() and fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
+
+
+class Workers:
+    """Up to ``workers`` daemon threads running the calls given to :meth:`submit`, in order, each a
+    future; :meth:`shutdown` (or leaving the ``with`` block) ends and joins them. Unlike
+    ``ThreadPoolExecutor``, it takes work while the interpreter exits (see the module's text)."""
+
+    def __init__(self, workers: int, name: str):
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._workers, self._name = max(1, workers), name
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        future: Future[T] = Future()
+        self._work.put((fn, args, future))
+        if len(self._threads) < self._workers:
+            thread = threading.Thread(target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            task = self._work.get()
+            if task is None:
+                return
+            fn, args, future = task
+            del task
+            if future.set_running_or_notify_cancel():
+                result, error = _outcome(fn, *args)
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
+                del result, error
+            del fn, args, future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """End the threads once the calls given have run (``cancel_futures``: those not started
+        are cancelled); ``wait``: return only when the threads have ended."""
+        if cancel_futures:
+            while True:
+                try:
+                    task = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if task is not None:
+                    task[2].cancel()
+        for _ in self._threads:
+            self._work.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+        self._threads = []
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 def shared_pool(workers: int) -> ThreadPoolExecutor | None:
@@ -82,13 +148,7 @@ def _serve(inbox: queue.SimpleQueue) -> None:
     while True:
         fn, future = inbox.get()
         ran = future.set_running_or_notify_cancel()  # False: cancelled before its turn
-        result, error = None, None
-        if ran:
-            try:
-                result = fn()
-            except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the future
-                error = ex
-                traceback.clear_frames(ex.__traceback__)
+        result, error = _outcome(fn) if ran else (None, None)
         del fn
         with _shared_lock:  # idle before the caller hears back: its next call finds this thread
             _idle.append(inbox)
@@ -97,6 +157,16 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         elif ran:
             future.set_exception(error)
         del future, result, error  # nothing of the call stays with the thread while it waits
+
+
+def _outcome(fn: Callable[..., T], *args: object) -> tuple[T | None, BaseException | None]:
+    """``(fn(*args), None)``, or ``(None, its error)`` with the error's frames cleared: a thread that
+    goes on to wait for more work holds nothing of the call."""
+    try:
+        return fn(*args), None
+    except BaseException as ex:  # noqa: BLE001 - handed to whoever waits on the call's future
+        traceback.clear_frames(ex.__traceback__)
+        return None, ex
 
 
 def _mark_shared() -> None:

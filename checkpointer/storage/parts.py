@@ -14,10 +14,11 @@ import bisect
 import itertools
 import threading
 from abc import abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Iterator, Sequence
 
 from .base import Writer
+from .parallel import Workers
 
 __all__ = ["Part", "PartBuffer", "PartReader", "PartWriter", "part_bytes"]
 
@@ -155,7 +156,7 @@ class PartWriter(Writer):
         self._max_parts = max_parts
         self._grow_every = grow_every
         self._futures: list[Future] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Workers | None = None
         self._offset = 0
         self._closed = False
 
@@ -203,7 +204,7 @@ class PartWriter(Writer):
             raise OSError(f"{self.url} needs more than {self._max_parts} parts: raise part_size")
         if self._pool is None:
             self._begin()
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ckpt-upload")
+            self._pool = Workers(self._workers, "ckpt-upload")
         offset, self._offset = self._offset, self._offset + part_bytes(part)
         self._slots.acquire()
         fut = None
@@ -234,4 +235,4 @@ class PartWriter(Writer):
         if self._pool is not None:
             for fut in self._futures:
                 fut.cancel()
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()

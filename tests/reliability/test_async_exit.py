@@ -24,10 +24,20 @@ out, world, rank, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.ar
 if world > 1:
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[5]}", rank=rank, world_size=world)
 torch.manual_seed(0)
-model = torch.nn.Linear(256, 256)
+side = 1024 if mode == "slow" else 256
+model = torch.nn.Linear(side, side)
 optim = torch.optim.AdamW(model.parameters())
-model(torch.ones(2, 256)).sum().backward()
+model(torch.ones(2, side)).sum().backward()
 optim.step()
+if mode == "slow":  # each parallel block write and upload takes a while: the exit starts mid-save
+    import time
+    from checkpointer.storage import direct, parallel
+    write_block = direct.DirectStream._write_block
+    direct.DirectStream._write_block = lambda *a: (time.sleep(0.2), write_block(*a))[1]
+    submit = parallel.Workers.submit
+    parallel.Workers.submit = lambda self, fn, *a: submit(self, lambda *b: (time.sleep(0.2), fn(*b))[1], *a)
+    checkpointer.async_save_model_and_optim_state(out, model, optim, train_state={"step": 7})
+    sys.exit(0)
 if mode == "exists":
     checkpointer.save_model_and_optim_state(out, model, optim)
 checkpointer.async_save_model_and_optim_state(out, model, optim)  # its future is never read
@@ -36,11 +46,11 @@ if world > 1:
 """
 
 
-def _expected_model() -> torch.nn.Module:
+def _expected_model(side: int = 256) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Linear(256, 256)
+    model = torch.nn.Linear(side, side)
     optim = torch.optim.AdamW(model.parameters())
-    model(torch.ones(2, 256)).sum().backward()
+    model(torch.ones(2, side)).sum().backward()
     optim.step()
     return model
 
@@ -60,9 +70,9 @@ def _run(tmp_path, out: str, world: int, mode: str = "plain") -> list[subprocess
     return done
 
 
-def _check_saved(out: str) -> None:
-    expected = _expected_model()
-    model = torch.nn.Linear(256, 256)
+def _check_saved(out: str, side: int = 256) -> None:
+    expected = _expected_model(side)
+    model = torch.nn.Linear(side, side)
     checkpointer.load_model_and_optim_state(out, model)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
 
@@ -89,3 +99,14 @@ def test_a_failed_async_save_no_one_read_is_printed_and_fails_the_exit(tmp_path)
     (done,) = _run(tmp_path, out, 1, "exists")
     assert done.returncode == 1, done
     assert f"the async save of {out} failed" in done.stderr and "FileExistsError" in done.stderr, done.stderr
+
+
+def test_an_async_save_still_writing_in_parallel_at_exit_is_finished(tmp_path):
+    """The exit starts while the save's writer threads still have blocks to write: new work for
+    them must be taken (concurrent.futures refuses it once the interpreter exits)."""
+    out = str(tmp_path / "run" / "step1")
+    (done,) = _run(tmp_path, out, 1, "slow")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert checkpointer.latest_checkpoint(str(tmp_path / "run")) == out
+    _check_saved(out, 1024)
+    assert checkpointer.load_model_and_optim_state(out, torch.nn.Linear(1024, 1024), train_state={}).train_state["step"] == 7

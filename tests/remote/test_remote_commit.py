@@ -5,14 +5,19 @@
 * without ``save_overwrite`` a save over a checkpoint is ``FileExistsError`` on every rank
   and changes nothing; with it, rank files the new checkpoint does not use are removed;
 * a prefix without ``metadata.json`` is incomplete: loading it is ``IncompleteCheckpointError``
-  and ``latest_checkpoint`` skips it.
+  and ``latest_checkpoint`` skips it;
+* an async save whose parts are still uploading when the process exits is finished first.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from urllib.parse import unquote
 
 import pytest
+import torch
 from dist_helpers import build_model, build_optim, train
 from remote_workers import caught, flat_full, flat_state, load_flat, save_flat
 
@@ -119,3 +124,38 @@ def test_incomplete_checkpoints(backend, capsys):
         Checkpointer().save(f"{run}/step40", flat_state(flat_full(seed=2), 1))
     backend.delete(f"{run}/step20", "metadata.json")
     assert latest_checkpoint(run) == f"{run}/step40"
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXIT_JOB = r"""
+import sys, time
+import torch
+import checkpointer
+from checkpointer.storage import parallel
+
+torch.manual_seed(0)
+model = torch.nn.Linear(2048, 2048)
+optim = torch.optim.AdamW(model.parameters())
+model(torch.ones(2, 2048)).sum().backward()
+optim.step()
+submit = parallel.Workers.submit  # every upload takes a while: the exit starts mid-save
+parallel.Workers.submit = lambda self, fn, *a: submit(self, lambda *b: (time.sleep(0.3), fn(*b))[1], *a)
+checkpointer.async_save_model_and_optim_state(sys.argv[1], model, optim)
+"""
+
+
+def test_an_async_save_still_uploading_parts_at_exit_is_finished(backend):
+    run = backend.url("run")
+    url = f"{run}/step1"
+    env = {k: v for k, v in {**os.environ, **backend.env(), "PYTHONPATH": REPO}.items() if v is not None}
+    done = subprocess.run([sys.executable, "-c", EXIT_JOB, url], env=env, capture_output=True, text=True, timeout=240)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert latest_checkpoint(run) == url
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(2048, 2048)
+    expected_optim = torch.optim.AdamW(expected.parameters())
+    expected(torch.ones(2, 2048)).sum().backward()
+    expected_optim.step()
+    model = torch.nn.Linear(2048, 2048)
+    load_model_and_optim_state(url, model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))

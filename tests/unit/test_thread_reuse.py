@@ -1,8 +1,10 @@
 """Threads kept between calls: the daemon threads of the store requests (``on_idle_thread``)
-and the read tasks of a load (``reads._run``, in which the caller's thread takes turns)."""
+and the read tasks of a load (``reads._run``, in which the caller's thread takes turns); and the
+threads of one writer (``Workers``), which take work while the interpreter exits."""
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import gc
 import queue
 import threading
@@ -12,7 +14,7 @@ import weakref
 import pytest
 
 from checkpointer.engine import reads
-from checkpointer.storage.parallel import on_idle_thread
+from checkpointer.storage.parallel import Workers, on_idle_thread, run_parallel
 
 
 def test_an_idle_thread_takes_the_next_call():
@@ -193,3 +195,57 @@ def test_a_second_interrupt_while_the_helpers_stop_waits_for_them(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         reads._run(2, [(task, i) for i in range(2)])
     assert sorted(finished) == [0, 1] and calls[1:] == calls[:1]
+
+
+def test_workers_take_work_once_the_interpreter_exits(monkeypatch):
+    """concurrent.futures refuses new work once its exit hook ran (and an async save still
+    writing then needs threads); Workers and run_parallel do not."""
+    monkeypatch.setattr(concurrent.futures.thread, "_shutdown", True)
+    with pytest.raises(RuntimeError, match="interpreter shutdown"):
+        concurrent.futures.ThreadPoolExecutor(1).submit(int)
+    with Workers(2, "test-exit") as workers:
+        assert [f.result(timeout=5) for f in [workers.submit(lambda x: x * 2, i) for i in range(5)]] == [0, 2, 4, 6, 8]
+    seen = []
+    run_parallel(seen.append, range(4), 3)
+    assert sorted(seen) == [0, 1, 2, 3]
+
+
+def test_workers_run_at_most_their_count_at_once_and_end_their_threads():
+    running, most, lock = [0], [0], threading.Lock()
+
+    def task(i):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        if i == 3:
+            raise ValueError("task 3")
+        return i
+
+    workers = Workers(2, "test-bound")
+    futures = [workers.submit(task, i) for i in range(6)]
+    assert [f.result(timeout=5) for f in futures if f is not futures[3]] == [0, 1, 2, 4, 5]
+    with pytest.raises(ValueError, match="task 3"):
+        futures[3].result()
+    workers.shutdown()
+    assert most[0] == 2
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-bound")]
+
+
+def test_workers_shutdown_cancels_what_has_not_started():
+    release = threading.Event()
+    workers = Workers(1, "test-cancel")
+    first = workers.submit(release.wait, 5)
+    queued = [workers.submit(int) for _ in range(3)]
+    stopping = threading.Thread(target=workers.shutdown, kwargs={"cancel_futures": True})
+    stopping.start()  # cancels the queued calls, then waits for the running one
+    deadline = time.monotonic() + 5
+    while not all(f.cancelled() for f in queued) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(f.cancelled() for f in queued) and not first.done()
+    release.set()
+    stopping.join(5)
+    assert first.result() is True
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-cancel")]
