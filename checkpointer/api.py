@@ -82,7 +82,9 @@ def save_model_and_optim_state(
 
     Raises:
         FileExistsError: ``dir`` holds a checkpoint and ``save_overwrite`` is False (no rank
-            writes anything then).
+            writes anything then). A step a dead save left incomplete (``model/`` or ``train/``
+            committed, ``optim/`` not) is taken over instead; one whose save still holds its lock
+            is refused.
         ReplicaMismatchError: ranks holding copies of one tensor (a replicated parameter, say)
             hold different bytes; nothing is committed (``CHECKPOINTER_VERIFY_REPLICAS=0`` skips
             the check).
@@ -137,10 +139,14 @@ def async_save_model_and_optim_state(
         targets = save_parts(dir, model, optim, train_state)
         _DEFAULT.wait()
         files = WatchedFuture(dir)
-        if save_overwrite:  # without it, the async saver refuses an existing checkpoint (from .result())
+        try:
             _claim(dir, save_overwrite, has_train=len(targets) == 3)
+        except Exception as refused:  # from .result(), as the async saver's own refusals
+            files.staged.set_result(None)
+            files.set_exception(refused)
+            return files
         # The async saver locks every part (retiring old ones) before writing any; without a
-        # train_state, an old train/ (a crashed save's) is refused too, else it passes as this save's.
+        # train_state, an old train/ is refused too, else it passes as this save's.
         absent = [f"{dir}/{TRAIN_PART}"] if len(targets) == 2 else []
         both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite, absent=absent,
                                         stage_in_background=stage_in_background)

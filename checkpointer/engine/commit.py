@@ -2,8 +2,9 @@
 
 Which rank calls what, in order (after Orbax's ``path/atomicity.py``):
 
-1. Every rank, before planning: :func:`claim_parts` (a model + optimizer save) or, for an async
-   save without ``save_overwrite``, :func:`refuse_existing_everywhere`: a directory that holds a
+1. Every rank, before planning: :func:`claim_parts` (a model + optimizer save, sync or async;
+   it also takes over a step a dead save left half committed) or :func:`refuse_existing_everywhere`
+   (an async save of several directories without ``save_overwrite``): a directory that holds a
    checkpoint refuses the save on every rank before anything is locked or written.
 2. Rank 0, once the plan is agreed and before any rank writes: :func:`check_directory` with
    ``retire_old`` (or :func:`take_locks` for several targets) creates ``.lock`` exclusively
@@ -42,7 +43,7 @@ by one of them. Each other holder hashes its copy (:func:`~checkpointer.engine.r
 :data:`~checkpointer.checksums.CHUNK_BYTES`, as the writer computes them while writing): a
 synchronous save on a thread while the rank writes its file, an async save before the call
 returns, while the state is the one it staged. The checksums reach rank 0 in the commit's
-gather of every rank's status (no collective of their own), and :func:`check_copies` refuses
+gather of every rank's status (no collective of their own), and :func:`~checkpointer.engine.rankfile.check_copies` refuses
 the commit with :class:`~checkpointer.errors.ReplicaMismatchError`, naming the tensors and
 ranks, where a copy differs. ``CHECKPOINTER_VERIFY_REPLICAS=0`` turns the check off.
 """
@@ -57,11 +58,10 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .. import dist, settings
-from ..checksums import CHUNK_BYTES
-from ..errors import CheckpointError, ReplicaMismatchError
+from ..errors import CheckpointError
 from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename
 from ..format.metadata import StorageMetadata
 from ..storage.base import Storage
@@ -70,25 +70,60 @@ from ..storage.base import Storage
 def claim_parts(
     model: Storage, optim: Storage, save_overwrite: bool, *, train: Storage | None = None, keep_train: bool = False
 ) -> None:
-    """Every rank, before any part of a model + optimizer save is planned. Without
-    ``save_overwrite``, every rank raises ``FileExistsError`` when ``model/``, ``optim/`` or
-    ``train/`` holds a checkpoint, so a refused save writes none. With it, rank 0 first makes the
-    old ``optim/`` incomplete: the optimizer is committed last, so a save that dies between the
-    parts leaves the directory incomplete, never the new model beside the old optimizer state.
+    """Every rank, before any part of a model + optimizer save is planned; rank 0 checks, and its
+    refusal is raised on every rank, so a refused save writes nothing.
+
+    Without ``save_overwrite``: ``FileExistsError`` when ``optim/`` (committed last: the step's
+    commit point) holds a checkpoint. A step whose ``model/`` or ``train/`` committed but whose
+    ``optim/`` did not is what a save that died between the parts leaves: it is taken over (a
+    restarted job re-reaching the step is not blocked) once no part holds the live lock of a save
+    still writing it (``FileExistsError`` naming the holder otherwise); its committed parts are
+    retired first, so they never pass as the new save's.
+
+    With ``save_overwrite``, the old ``optim/`` is made incomplete first: a save that dies between
+    the parts leaves the directory incomplete, never the new model beside the old optimizer state.
+
     Then, when the new save has no training state (``keep_train`` False), the old ``train/`` is
-    removed (its ``metadata.json`` first), so that it is not read as the new checkpoint's."""
+    removed (its ``metadata.json`` first), so that it is not read as the new checkpoint's: with
+    ``save_overwrite``, and when taking over a dead save's step."""
+    parts = [model, optim] + ([train] if train is not None else [])
 
     def check() -> bytes:
-        if not save_overwrite:
-            refuse_existing([model, optim] + ([train] if train is not None else []))
-            return b""
-        if optim.exists(METADATA_FILENAME):
-            optim.delete(METADATA_FILENAME)
+        if save_overwrite:
+            if optim.exists(METADATA_FILENAME):
+                optim.delete(METADATA_FILENAME)
+        else:
+            refuse_existing([optim])
+            left = [part for part in parts if part.exists(METADATA_FILENAME)]
+            if not left:
+                return b""
+            refuse_live_locks(parts, f"the parts {', '.join(p.url for p in left)} of an earlier save committed")
+            for part in left:
+                part.delete(METADATA_FILENAME)
+            log.warning("taking over %s: an earlier save committed %s and died before the rest",
+                        optim.url.rsplit("/", 1)[0], ", ".join(p.url.rsplit("/", 1)[-1] + "/" for p in left))
         if train is not None and not keep_train:
             remove_checkpoint_files(train)
         return b""
 
     dist.share_from(0, check, "save")
+
+
+def refuse_live_locks(storages: list[Storage], what: str) -> None:
+    """``FileExistsError`` where one of ``storages`` holds a save lock that is not stale (a save
+    that may still be writing there); a lock this cannot read counts as live."""
+    for storage in storages:
+        try:
+            held = storage.read(LOCK_FILENAME, 0, _LOCK_READ)
+        except FileNotFoundError:
+            continue
+        if stale_reason(held) is None:
+            raise FileExistsError(
+                f"{what}, and another save may still be writing there: {storage.join(LOCK_FILENAME)} "
+                f"exists{_holder(held)} (it is taken over once its process is known gone or "
+                f"{settings.LOCK_LEASE_S_ENV}={settings.lock_lease_s():g}s pass without its heartbeat; "
+                "or pass save_overwrite=True)"
+            )
 
 
 def remove_checkpoint_files(storage: Storage) -> None:
@@ -395,55 +430,3 @@ def release_lock(storage: Storage, lock: bytes | None) -> None:
             storage.delete(LOCK_FILENAME)
     except OSError:
         pass  # the checkpoint stands; a leftover lock only makes the next save here ask for save_overwrite
-
-
-# ---------------------------------------------------------------------------------------
-# Replicas agree before a commit
-# ---------------------------------------------------------------------------------------
-
-
-
-VERIFY_ENV = settings.VERIFY_REPLICAS_ENV
-_SHOWN = 5  # tensors described in the error; the rest are counted
-def check_copies(statuses: Sequence[Mapping[str, Any]]) -> None:
-    """Rank 0, before committing: raise :class:`ReplicaMismatchError` if a copy in any rank's
-    status (``copies``) differs from the checksums its writer reported (``crcs``)."""
-    differing: set[tuple[str, int]] = set()
-    for status in statuses:
-        for key, writer, crcs in status.get("copies", ()):
-            if crcs != statuses[writer]["crcs"].get(key):
-                differing.add((key, writer))
-    if not differing:
-        return
-    # Every holder of each differing piece, grouped by what it holds; the writer's group first.
-    groups: dict[tuple[str, int], dict[tuple[int, ...], list[int]]] = {
-        (key, writer): {tuple(statuses[writer]["crcs"].get(key) or ()): [writer]} for key, writer in differing
-    }
-    for rank, status in enumerate(statuses):
-        for key, writer, crcs in status.get("copies", ()):
-            if (key, writer) in differing:
-                groups[key, writer].setdefault(tuple(crcs), []).append(rank)
-    shown = sorted(differing)[:_SHOWN]
-    details = "; ".join(_describe(key, writer, groups[key, writer]) for key, writer in shown)
-    more = f"; and {len(differing) - len(shown)} more" if len(differing) > len(shown) else ""
-    raise ReplicaMismatchError(
-        f"replicas disagree, so this save is not committed: {details}{more}. A copy was corrupted in "
-        "memory, or a value that differs per rank was saved under one key: save per-rank values under "
-        f"per-rank keys (f'rng.rank{{rank}}'), or as PerRank(value) in train_state. {VERIFY_ENV}=0 turns this check off."
-    )
-
-
-def _describe(key: str, writer: int, groups: dict[tuple[int, ...], list[int]]) -> str:
-    values = list(groups.items())  # the writer's group first (inserted first)
-    who = [_ranks(sorted(ranks)) for _, ranks in values]
-    who[0] += f" (rank {writer}'s copy was written)"
-    a, b = values[0][0], values[1][0]
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return (
-        f"tensor {key!r} differs between {' / '.join(who)}, first in the {CHUNK_BYTES >> 20} MiB chunk "
-        f"at byte {first * CHUNK_BYTES} of the piece"
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

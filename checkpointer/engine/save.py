@@ -44,10 +44,10 @@ from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_sa
 from ..sharding import LocalTensor, describe
 from ..storage.base import Storage
 from .commit import (
-    check_copies, check_directory, commit_metadata, refuse_existing_everywhere, refuse_if_committed, release_lock,
+    check_directory, commit_metadata, refuse_existing_everywhere, refuse_if_committed, release_lock,
     take_locks,
 )
-from .rankfile import Copies, start_hashing, write_rank_file
+from .rankfile import Copies, check_copies, start_hashing, write_rank_file
 
 __all__ = [
     "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict",

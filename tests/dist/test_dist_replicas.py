@@ -31,7 +31,7 @@ from checkpointer import (
     load_model_and_optim_state,
     save_model_and_optim_state,
 )
-from checkpointer.engine.commit import VERIFY_ENV
+from checkpointer.engine.rankfile import VERIFY_ENV
 
 
 def _flip_bit(t: torch.Tensor, index: int = 3, bit: int = 7) -> None:

@@ -96,9 +96,10 @@ def test_overwriting_without_train_state_removes_the_old_one(ckpt):
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_a_save_without_train_state_refuses_a_crashed_saves_train_state(ckpt, use_async):
-    """A save killed after ``train/`` committed leaves it behind; a save without ``train_state`` and
-    without ``save_overwrite`` into that step is refused (async too), never committed beside it."""
+def test_a_save_without_train_state_takes_over_a_crashed_saves_step(ckpt, use_async):
+    """A save killed after ``train/`` committed leaves it behind; a save without ``train_state``
+    and without ``save_overwrite`` into that step (a restarted job re-reaching it) succeeds, async
+    too, and the old ``train/`` is gone: never read as the new checkpoint's."""
     top = os.path.join(ckpt.run_dir, "step20")
     model = build_model(1, seed=3)
     optim = build_optim(model, "adamw")
@@ -106,10 +107,16 @@ def test_a_save_without_train_state_refuses_a_crashed_saves_train_state(ckpt, us
     for part in ("model", "optim"):  # as if killed after train/ committed
         os.remove(os.path.join(top, part, "metadata.json"))
     other = torch.nn.Linear(5, 7)  # a model never saved: its plan is made in full, not reused
-    for model, optim in ((model, optim), (other, torch.optim.AdamW(other.parameters()))):
-        with pytest.raises(FileExistsError, match="train"):
-            if use_async:
-                checkpointer.async_save_model_and_optim_state(top, model, optim).result()
-            else:
-                checkpointer.save_model_and_optim_state(top, model, optim)
-    assert checkpointer.latest_checkpoint(ckpt.run_dir) == ckpt.top
+    other_optim = torch.optim.AdamW(other.parameters())
+    if use_async:
+        checkpointer.async_save_model_and_optim_state(top, other, other_optim).result()
+    else:
+        checkpointer.save_model_and_optim_state(top, other, other_optim)
+    train_dir = os.path.join(top, "train")
+    assert not os.path.exists(train_dir) or os.listdir(train_dir) == []
+    assert checkpointer.latest_checkpoint(ckpt.run_dir) == top
+    loaded = torch.nn.Linear(5, 7)
+    assert checkpointer.load_model_and_optim_state(top, loaded).train_state == {}
+    assert torch.equal(loaded.weight, other.weight)
+    with pytest.raises(FileExistsError, match="optim"):  # a complete step still refuses a save
+        checkpointer.save_model_and_optim_state(top, other, other_optim)

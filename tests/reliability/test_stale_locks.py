@@ -2,6 +2,8 @@
 
 The lock is judged stale when its process, on this host, is gone, or when its heartbeat is
 older than ``CHECKPOINTER_LOCK_LEASE_S``; of saves that find one stale lock, one takes it over.
+A model + optimizer step whose ``model/`` committed and whose ``optim/`` did not (a save that died
+between the parts) is taken over the same way, and refused while its save lives.
 Locally and on S3 (moto, behind a proxy that makes conditional creates atomic). The real crash
 (a save killed with SIGKILL, then saved again) is in ``test_crash_safety.py``.
 """
@@ -21,6 +23,7 @@ import torch
 from storage_fixtures import loopback_env, moto_endpoint  # noqa: F401  (fixtures)
 from storage_servers import S3_BUCKET, FaultProxy
 
+import checkpointer
 from checkpointer import Checkpointer
 from checkpointer.engine import commit, save as save_module
 from checkpointer.format.layout import LOCK_FILENAME
@@ -230,3 +233,25 @@ def test_a_save_overtaken_while_silent_leaves_the_committed_files_alone(tmp_path
     Checkpointer().load(where, out)
     assert torch.equal(out["w"], theirs["w"])
     assert sorted(os.listdir(where)) == ["metadata.json", "rank_0.safetensors"]
+
+
+def test_a_step_a_dead_save_left_half_committed_is_taken_over_and_a_live_ones_is_not(where):
+    torch.manual_seed(0)
+    old = torch.nn.Linear(4, 3)
+    top = f"{where}/step5"
+    checkpointer.save_model_and_optim_state(top, old, torch.optim.AdamW(old.parameters()))
+    optim_part = open_storage(f"{top}/optim")
+    optim_part.delete("metadata.json")  # as if the save were still writing optim/, or died there
+    optim_part.write(LOCK_FILENAME, _lock(socket.gethostname(), os.getpid(), _now_ms()))  # live: this process
+    new = torch.nn.Linear(4, 3)
+    with pytest.raises(FileExistsError, match="may still be writing"):
+        checkpointer.save_model_and_optim_state(top, new, torch.optim.AdamW(new.parameters()))
+    assert open_storage(f"{top}/model").exists("metadata.json"), "a refused save retired model/"
+    assert checkpointer.latest_checkpoint(where) is None
+
+    optim_part.write(LOCK_FILENAME, _lock(socket.gethostname(), _dead_pid(), _now_ms()))  # its process is gone
+    checkpointer.save_model_and_optim_state(top, new, torch.optim.AdamW(new.parameters()))
+    assert checkpointer.latest_checkpoint(where) == top
+    loaded = torch.nn.Linear(4, 3)
+    checkpointer.load_model_and_optim_state(top, loaded)
+    assert torch.equal(loaded.weight, new.weight) and not torch.equal(loaded.weight, old.weight)

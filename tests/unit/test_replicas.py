@@ -1,6 +1,6 @@
 """Replicas agree before a commit, in one process: which copies each rank hashes
 (``SavePlan.copies_for``), that a copy hashes to exactly what the writer computes, and what
-rank 0 says when they differ (``replicas.check_copies``). The multi-process saves are in
+rank 0 says when they differ (``rankfile.check_copies``). The multi-process saves are in
 tests/dist/test_dist_replicas.py."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import torch
 
 from checkpointer import CheckpointError, ReplicaMismatchError
 from checkpointer.checksums import CHUNK_BYTES
-from checkpointer.engine import commit as replicas
 from checkpointer.engine import rankfile
 from checkpointer.engine.rankfile import hash_pieces, write_rank_file
 from checkpointer.planning.plan import Piece, PieceDesc, build_save_plan
@@ -121,7 +120,7 @@ def _status(crcs=None, copies=None) -> dict:
 
 
 def test_agreeing_copies_pass():
-    replicas.check_copies([_status({"w": [1, 2]}), _status(copies=[["w", 0, [1, 2]]])])
+    rankfile.check_copies([_status({"w": [1, 2]}), _status(copies=[["w", 0, [1, 2]]])])
 
 
 def test_a_differing_copy_names_the_key_and_ranks():
@@ -131,26 +130,26 @@ def test_a_differing_copy_names_the_key_and_ranks():
         _status({"x": [5]}, copies=[["w", 0, [1, 9]]]),
     ]
     with pytest.raises(ReplicaMismatchError) as info:
-        replicas.check_copies(statuses)
+        rankfile.check_copies(statuses)
     msg = str(info.value)
     assert isinstance(info.value, CheckpointError)
     assert "'w'" in msg and "ranks 0, 1 (rank 0's copy was written) / rank 2" in msg
-    assert f"byte {CHUNK_BYTES}" in msg and "not committed" in msg and replicas.VERIFY_ENV in msg
+    assert f"byte {CHUNK_BYTES}" in msg and "not committed" in msg and rankfile.VERIFY_ENV in msg
 
 
 def test_many_differing_tensors_are_counted():
     n = 9
     statuses = [_status({f"k{i}": [i] for i in range(n)}), _status(copies=[[f"k{i}", 0, [-1]] for i in range(n)])]
     with pytest.raises(ReplicaMismatchError, match=f"and {n - 5} more"):
-        replicas.check_copies(statuses)
+        rankfile.check_copies(statuses)
 
 
 def test_turned_off(monkeypatch):
     piece = describe(torch.ones(3))
-    monkeypatch.setenv(replicas.VERIFY_ENV, "0")
+    monkeypatch.setenv(rankfile.VERIFY_ENV, "0")
     assert not rankfile.replica_check_enabled()
     assert rankfile.start_hashing({"w": 0}, {"w": piece}).result() == []
-    monkeypatch.delenv(replicas.VERIFY_ENV)
+    monkeypatch.delenv(rankfile.VERIFY_ENV)
     assert rankfile.replica_check_enabled()
     (entry,) = rankfile.start_hashing({"w": 0}, {"w": piece}).result()
     assert entry[:2] == ["w", 0] and entry[2] == hash_pieces([torch.ones(3)])[0]
