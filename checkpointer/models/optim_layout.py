@@ -156,9 +156,11 @@ def _plan_optim_load(
     the optimizer's parameter names the checkpoint lacks and the checkpoint's the optimizer lacks.
 
     Parameters are matched by name: in their own param group with ``strict`` (any difference
-    raises), in any group without. Each group's hyperparameters come from the checkpoint's group
-    of the same index; a parameter the checkpoint lacks keeps the state it has (none, for an
-    optimizer just built)."""
+    raises; each group's hyperparameters come from the checkpoint's group of the same index), in
+    any group without (the groups may differ in number: each takes the hyperparameters of the
+    checkpoint's group that held its parameters, and keeps its own where they were in none, a new
+    head's group, or in several). A parameter the checkpoint lacks keeps the state it has (none,
+    for an optimizer just built)."""
     dir = storage.url
     for key in ("num_param_groups", "state_keys"):
         if key not in metadata.tensors:
@@ -166,7 +168,7 @@ def _plan_optim_load(
     reader = CheckpointReader(storage, metadata)
     small = reader.full_tensors([k for k in metadata.tensors if not k.startswith("state.")])
     num_groups = int(small["num_param_groups"].item())
-    if num_groups != len(optim.param_groups):
+    if strict and num_groups != len(optim.param_groups):
         raise CheckpointMismatchError(
             f"the checkpoint has {num_groups} optimizer param groups, the optimizer has {len(optim.param_groups)}"
         )
@@ -178,7 +180,7 @@ def _plan_optim_load(
             raise CorruptCheckpointError(f"{dir}: {OPTIM_CLASS_KEY} is not a str")
     names = param_names(model)
     saved_groups, saved_names = [], []
-    for i, group in enumerate(optim.param_groups):
+    for i in range(num_groups):
         key = f"param_group{i}"
         if key not in small:
             raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
@@ -203,6 +205,8 @@ def _plan_optim_load(
             )
         current_names.append(current)
     skipped = _optim_difference(current_names, saved_names, strict, dir)
+    if not strict:
+        saved_groups = _groups_by_names(optim, current_names, saved_groups, saved_names)
     absent = set(skipped[0])
     groups: list[dict[str, Any]] = []
     to_fill: dict[str, Any] = {}
@@ -245,6 +249,22 @@ def _plan_optim_load(
                 state_of[index] = param_state
             index += 1
     return to_fill, {"state": state_of, "param_groups": groups}, skipped
+
+
+def _groups_by_names(
+    optim: torch.optim.Optimizer, current: list[list[str]], saved_groups: list[dict[str, Any]], saved: list[list[str]]
+) -> list[dict[str, Any]]:
+    """Without ``strict``: each param group's hyperparameters, from the checkpoint's group that
+    held its parameters, or its own where none or several did."""
+    held_in = {name: i for i, names in enumerate(saved) for name in names}
+    out = []
+    for group, names in zip(optim.param_groups, current):
+        sources = {held_in[n] for n in names if n in held_in}
+        if len(sources) == 1:
+            out.append(dict(saved_groups[sources.pop()]))
+        else:
+            out.append({k: v for k, v in group.items() if k not in ("params", "param_names")})
+    return out
 
 
 def _optim_difference(

@@ -144,6 +144,51 @@ def test_fine_tuning_with_a_new_head(tmp_path):
     assert not torch.equal(tuned.classifier.weight, new_head["weight"])
 
 
+def test_fine_tuning_with_the_new_head_in_a_param_group_of_its_own(tmp_path):
+    """The usual set-up: the new head trains at its own rate, in a second param group. Without
+    ``strict`` the body's group takes the saved group's hyperparameters and state, the head's
+    group keeps its own; with it, the groups' count differing is refused."""
+    ckpt, model, optim = saved(tmp_path)
+    saved_optim = optim_by_name(model, optim)
+    tuned = Net(head_name="classifier", classes=5, seed=7)
+    same = Net(seed=2)
+    with pytest.raises(CheckpointMismatchError, match="1 optimizer param groups, the optimizer has 2"):
+        checkpointer.load_model_and_optim_state(
+            ckpt, same, torch.optim.AdamW([{"params": same.body.parameters()}, {"params": same.head.parameters()}]))
+    tuned_optim = torch.optim.AdamW([{"params": tuned.body.parameters(), "lr": 0.5},
+                                     {"params": tuned.classifier.parameters(), "lr": 0.25, "weight_decay": 0.0}])
+    result = checkpointer.load_model_and_optim_state(ckpt, tuned, tuned_optim, strict=False)
+    assert result.missing_keys == ["classifier.weight", "classifier.bias", "optim:classifier.weight", "optim:classifier.bias"]
+    body, head = tuned_optim.param_groups
+    assert (body["lr"], body["weight_decay"]) == (1e-2, 1e-2)  # the saved group's
+    assert (head["lr"], head["weight_decay"]) == (0.25, 0.0)  # its own
+    got = optim_by_name(tuned, tuned_optim)
+    assert sorted(got) == sorted(k for k in saved_optim if k.startswith("body."))
+    for name, st in got.items():
+        assert all(torch.equal(v, saved_optim[name][k]) for k, v in st.items()), name
+    step(tuned, tuned_optim, 2)
+    after = optim_by_name(tuned, tuned_optim)
+    assert float(after["classifier.weight"]["step"]) == 1.0 and float(after["body.0.weight"]["step"]) == 3.0
+
+
+def test_param_groups_regrouped_take_the_hyperparameters_of_the_group_that_held_them(tmp_path):
+    """Saved with two groups, loaded into an optimizer whose groups list them the other way
+    round: each group's hyperparameters follow its parameters, not its index."""
+    ckpt = str(tmp_path / "ckpt")
+    model = Net()
+    optim = torch.optim.AdamW([{"params": model.body.parameters(), "lr": 0.1}, {"params": model.head.parameters(), "lr": 0.2}])
+    step(model, optim)
+    checkpointer.save_model_and_optim_state(ckpt, model, optim)
+    fresh = Net(seed=3)
+    swapped = torch.optim.AdamW([{"params": fresh.head.parameters(), "lr": 9.0}, {"params": fresh.body.parameters(), "lr": 9.0}])
+    assert checkpointer.load_model_and_optim_state(ckpt, fresh, swapped, strict=False) == LoadResult()
+    assert [g["lr"] for g in swapped.param_groups] == [0.2, 0.1]
+    saved_state, got = optim_by_name(model, optim), optim_by_name(fresh, swapped)
+    assert sorted(got) == sorted(saved_state)
+    for name, st in got.items():
+        assert all(torch.equal(v, saved_state[name][k]) for k, v in st.items()), name
+
+
 def test_a_shape_mismatch_is_an_error_in_both_modes(tmp_path):
     ckpt, _, _ = saved(tmp_path)
     for strict in (True, False):
