@@ -67,6 +67,10 @@ def _device(group: Any = None) -> torch.device:
 _ARRIVALS = "checkpointer/arrivals"
 _STRAGGLER_S = 5.0  # how long a survivor waits for ranks that have not arrived yet, at most
 _STORE_S = 10.0  # the most the store may take to answer on the failure path
+
+
+def _straggler_s() -> float:
+    return min(_STRAGGLER_S, timeout_seconds() / 4)
 _PULSE_S = 5.0  # how often ranks that wait for another's long work show they are alive
 
 
@@ -93,7 +97,7 @@ class _Arrival:
     def missing(self) -> list[int]:
         """The ranks that have not entered this collective (after waiting a little for stragglers)."""
         mine = self.count.result()  # raises what the store raised
-        deadline = time.monotonic() + min(_STRAGGLER_S, timeout_seconds())
+        deadline = time.monotonic() + _straggler_s()
         behind = [r for r in dist.get_process_group_ranks(self.group) if r != self.me]
         behind = [r for r, n in zip(behind, self._counts(behind)) if n < mine]
         while behind and time.monotonic() < deadline:
@@ -148,7 +152,8 @@ def _wait(work: dist.Work | None, what: str, arrival: _Arrival | None = None, pe
     if work is None:
         return
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_seconds()))
+        # The wait for stragglers comes out of the timeout: the error comes within it.
+        work.wait(timeout=datetime.timedelta(seconds=timeout_seconds() - (_straggler_s() if arrival else 0.0)))
     except Exception as ex:
         who, detail = _who_stopped(arrival, peer)
         raise RankFailedError(

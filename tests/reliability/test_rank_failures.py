@@ -282,21 +282,23 @@ def _save_on_rank_0_only(rank, world_size, top, flag):
         return None
     model = torch.nn.Linear(4, 4)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
     try:
         checkpointer.save_model_and_optim_state(top, model, optim)
     except checkpointer.CheckpointError as ex:
-        return f"{type(ex).__name__}: {ex}"
+        return f"{type(ex).__name__}: {ex}", time.monotonic() - start
     finally:
         open(flag, "w").close()
-    return "saved"
+    return "saved", time.monotonic() - start
 
 
 def test_a_save_called_by_rank_0_only_says_every_rank_must_call_it(tmp_path):
     results = rel_helpers.run_group(
         _save_on_rank_0_only, 2, str(tmp_path / "step1"), str(tmp_path / "flag"), checkpointer_timeout_s=3.0
     )
-    first, second = rel_helpers.values(results)
+    (first, seconds), second = rel_helpers.values(results)
     assert second is None
+    assert seconds < 3.0 + 0.5, f"the error came {seconds:.1f}s after the call, CHECKPOINTER_TIMEOUT_S=3"
     assert first.startswith("RankFailedError"), first
     assert "rank 1" in first and "never entered this collective" in first, first
     assert "Every rank must call it together" in first and "no_dist=True" in first, first
