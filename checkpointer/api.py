@@ -19,6 +19,8 @@ from .engine.checkpointer import Checkpointer, Strategy
 from .engine.async_save import WatchedFuture
 from .engine.commit import claim_parts
 from .engine.locate import newest_checkpoint
+from .errors import IncompleteCheckpointError
+from .format.layout import METADATA_FILENAME
 from .models.hf_load import KeyMap, is_hf_checkpoint, load_hf
 from .models.load_result import LoadResult
 from .models.names import load_targets, model_state_dict
@@ -276,6 +278,13 @@ def load_model_and_optim_state(
             )
         return load_hf(dir, model, key_map=key_map, dtype=dtype, strict=strict, strategy=strategy)
     if key_map is not None or dtype is not None:
+        top = open_storage(dir)
+        if not (top.exists(METADATA_FILENAME) or top.part("model").exists(METADATA_FILENAME)):
+            raise IncompleteCheckpointError(
+                f"no checkpoint at {dir}: neither this library's (metadata.json) nor a Hugging Face one "
+                "(model.safetensors, or its .index.json) is there (a directory served over http(s) cannot be "
+                "listed: name its .safetensors file)"
+            )
         raise ValueError(
             f"key_map and dtype are for Hugging Face checkpoints; {dir} is a checkpoint of this library "
             "(it loads by the model's own names and dtypes)"

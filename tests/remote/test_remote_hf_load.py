@@ -19,7 +19,7 @@ from dist_helpers import full, mesh
 from hf_helpers import LARGER, OwnGPT2, gpt2_key_map, hf_gpt2, hf_gpt2_names, own_to_hf, save_hf, zero_
 from remote_workers import remote_env
 
-from checkpointer import load_model_and_optim_state
+from checkpointer import IncompleteCheckpointError, load_model_and_optim_state
 from checkpointer.sharding import local_data
 
 pytest.importorskip("transformers", reason="transformers is not installed")
@@ -150,3 +150,20 @@ def test_over_http(run_distributed, file_server, proxies, tmp_path, loopback_env
     run_distributed(load_fsdp_from_url, 2, f"{proxy.url}/one")
     gets = [s for s in proxy.seen if s.method == "GET" and s.path.endswith(".safetensors")]
     assert gets and all(s.headers.get("Range", "").startswith("bytes=") for s in gets)
+
+
+def test_an_http_directory_whose_one_file_has_another_name_says_to_name_the_file(file_server, tmp_path, loopback_env):
+    """Neither this library's checkpoint nor one whose files have the Hugging Face names: the
+    refusal says so (http(s) cannot list the directory), and naming the file loads it."""
+    model = hf_gpt2(seed=6)
+    save_hf(model, str(tmp_path / "served" / "one"), sharded=False)
+    os.rename(tmp_path / "served" / "one" / "model.safetensors", tmp_path / "served" / "one" / "weights.safetensors")
+    server = file_server(str(tmp_path / "served"))
+    target = zero_(OwnGPT2())
+    for url in (f"{server.url}/one", str(tmp_path / "nothing-here")):
+        with pytest.raises(IncompleteCheckpointError, match="neither this library's") as info:
+            load_model_and_optim_state(url, target, key_map=gpt2_key_map)
+        assert url in str(info.value)
+    load_model_and_optim_state(f"{server.url}/one/weights.safetensors", target, key_map=gpt2_key_map)
+    state = own_to_hf(target.state_dict())
+    assert all(torch.equal(state[k], model.state_dict()[k]) for k in hf_gpt2_names())
