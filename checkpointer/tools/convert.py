@@ -100,7 +100,7 @@ def convert(
 
 def _convert_alone(fmt, src, dst, to, allow_pickle, max_shard_size, dtype, save_overwrite, make_progress, notes) -> list[str]:
     if to == "olmo":
-        return write_olmo(src, dst, save_overwrite=save_overwrite, make_progress=make_progress, notes=notes)
+        return write_olmo(src, dst, save_overwrite=save_overwrite, make_progress=make_progress)
     source = open_source(src, allow_pickle=allow_pickle)
     if source.format != fmt:
         raise CheckpointError(f"{src} changed while it was converted: it held a {fmt} checkpoint, now a {source.format} one")

@@ -8,6 +8,9 @@ directory, in the order a save commits them, or the one directory given):
 1. Read ``metadata.json`` and each rank file's header (its file id checked against the metadata);
    in format 2, read each file's checksums (its ``__checkpointer_crc32c__`` tensor).
 2. Copy every rank file as it is, byte for byte (a format-1 reader ignores the checksums tensor).
+   A tied key (saved once, as an alias of its target) gets a copy of its target's pieces under
+   its own name, in a file beside each rank file that holds them (``rank_0.tied.safetensors``):
+   OLMo-core reads every key of a model's state dict from a file that holds it by that name.
 3. Write ``metadata.json`` last: :meth:`~checkpointer.StorageMetadata.verbose`, ``format_version``
    1, each piece's checksums and each file's id listed in it.
 
@@ -24,7 +27,8 @@ from ..engine.commit import check_directory, commit_metadata, refuse_existing, r
 from ..engine.load import read_metadata
 from ..engine.locate import checkpoint_parts
 from ..errors import CheckpointError
-from ..format.layout import FORMAT_VERSION, LEGACY_FORMAT_VERSION, METADATA_FILENAME
+from ..format.layout import FILE_ID_KEY, FORMAT_VERSION, LEGACY_FORMAT_VERSION, METADATA_FILENAME
+from ..format.safetensors_header import build_header
 from ..format.metadata import StorageMetadata
 from ..storage import open_storage
 from ..storage.base import Storage
@@ -61,7 +65,6 @@ def write_olmo(
     *,
     save_overwrite: bool = False,
     make_progress: Callable[[int, int], Any] | None = None,
-    notes: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Write ``src`` (a checkpoint directory of this library, or a top-level one holding
     ``model/`` and ``optim/``) to ``dst`` in format 1; returns the files written.
@@ -78,11 +81,6 @@ def write_olmo(
         parts["train"] = source.part("train")
     names = [name for name in _COMMIT_ORDER if name in parts] or [""]
     read = [(name, parts[name], read_metadata(parts[name], no_dist=True)) for name in names]
-    for name, _, metadata in read:
-        if metadata.aliases and notes is not None:
-            where = f"{name}/" if name else src
-            notes(f"{where}: {len(metadata.aliases)} tied tensors are saved once under another name "
-                  f"(aliases), which OLMo-core 0.1.0 does not read: it loads them only through this library")
     targets = [target.part(name) if name else target for name, _, _ in read]
     if not save_overwrite:  # every part refused before any is written
         refuse_existing(targets)
@@ -107,7 +105,7 @@ def _total_bytes(storage: Storage, metadata: StorageMetadata) -> int:
 def _convert_part(source: Storage, target: Storage, metadata: StorageMetadata, save_overwrite: bool, bar: Any) -> list[str]:
     headers = HeaderCache(source, metadata.file_ids)
     try:
-        converted = olmo_metadata(metadata, headers)
+        converted, tied = _untie(olmo_metadata(metadata, headers))
         files = metadata.files()
         for name in files:
             headers.get(name)  # every file of this save, before anything is written
@@ -116,6 +114,8 @@ def _convert_part(source: Storage, target: Storage, metadata: StorageMetadata, s
         try:
             for name in files:
                 _copy(headers.storage, target, name, bar)
+            for name, copies in tied.items():
+                _write_tied(headers, target, name, copies, (converted.file_ids or {}).get(name))
             commit_metadata(target, converted, lock)
             committed = True
         finally:
@@ -123,7 +123,48 @@ def _convert_part(source: Storage, target: Storage, metadata: StorageMetadata, s
                 release_lock(target, lock)
     finally:
         headers.close()
-    return [target.join(name) for name in files] + [target.join(METADATA_FILENAME)]
+    return [target.join(name) for name in files + list(tied)] + [target.join(METADATA_FILENAME)]
+
+
+def _untie(metadata: StorageMetadata) -> tuple[StorageMetadata, dict[str, list[tuple[str, str, str]]]]:
+    """``metadata`` with each alias listed as a tensor of its own, held in the ``.tied`` file beside
+    each file that holds its target; and per such file its ``(key, source file, target key)``."""
+    if not metadata.aliases:
+        return metadata, {}
+    tensors, tied = dict(metadata.tensors), {}
+    for alias, saved in sorted(metadata.aliases.items()):
+        meta = metadata.tensors[saved]
+        specs = {}
+        for name, spec in meta.shard_spec_per_file.items():
+            specs[_tied_name(name)] = spec
+            tied.setdefault(_tied_name(name), []).append((alias, name, saved))
+        tensors[alias] = meta.model_copy(update={"shard_spec_per_file": specs})
+    ids = dict(metadata.file_ids or {})
+    if ids:  # a .tied file has the id of the file it sits beside
+        ids.update({_tied_name(name): ids[name] for name in metadata.files() if _tied_name(name) in tied})
+    return metadata.model_copy(update={"tensors": tensors, "aliases": None, "file_ids": ids or None}), tied
+
+
+def _tied_name(name: str) -> str:
+    return f"{name.removesuffix('.safetensors')}.tied.safetensors"
+
+
+def _write_tied(headers: HeaderCache, target: Storage, name: str, copies: list[tuple[str, str, str]], file_id: str | None) -> None:
+    """A ``.tied`` file: each key's bytes, copied from its target's piece in ``source``."""
+    sources = [headers.get(source).entries[saved] for _, source, saved in copies]
+    header, _ = build_header([(key, e.dtype, e.numel) for (key, _, _), e in zip(copies, sources)],
+                             user_metadata={FILE_ID_KEY: file_id} if file_id else None)
+    storage = headers.storage
+    with target.open_writer(name) as writer:
+        writer.write([memoryview(header)])
+        for (_, source, _), entry in zip(copies, sources):
+            for at in range(entry.start, entry.end, _BLOCK):
+                end = min(entry.end, at + _BLOCK)
+                block = read_with(storage, source, lambda: storage.read(source, at, end))
+                if len(block) != end - at:
+                    raise CheckpointError(f"{storage.join(source)}: changed while it was copied")
+                writer.write([memoryview(block)])
+        writer.commit()
 
 
 def _copy(source: Storage, target: Storage, name: str, bar: Any) -> None:

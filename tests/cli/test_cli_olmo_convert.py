@@ -174,3 +174,24 @@ def test_convert_to_olmo_into_a_checkpoint_refuses_every_part_before_writing_one
     state: dict = {"step": 0}
     load_model_and_optim_state(dst, fresh, fresh_optim, train_state=state)
     assert_same_tensors(full_state(fresh), full_state(model)) and state == {"step": 3}
+
+
+def test_convert_to_olmo_of_tied_checkpoints_loads_in_olmo(ckpts, tmp_path, capsys):
+    """A tied head is saved once (an alias of the embedding); the conversion gives it a copy of
+    its own, in a .tied file beside each rank file, which OLMo-core reads by its name."""
+    for src, want, ranks in ((ckpts.ws1, ckpts.ws1_full, 1), (ckpts.ws3, ckpts.ws3_full, 3)):
+        assert _metadata(os.path.join(src, "model")).get("aliases"), "the fixture's head is not tied"
+        dst = str(tmp_path / f"olmo{ranks}")
+        assert cli(capsys, "convert", src, dst, "--to", "olmo", "-q") == (0, "", "")
+        meta = _metadata(os.path.join(dst, "model"))
+        assert not meta.get("aliases")
+        tied = sorted(n for n in os.listdir(os.path.join(dst, "model")) if n.endswith(".tied.safetensors"))
+        assert tied and set(tied) <= {f"rank_{r}.tied.safetensors" for r in range(ranks)}, tied
+        assert_same_tensors(olmo.unshard_model_state(dst, no_dist=True), want)
+        model, optim = build(20 + ranks)  # tied, as saved
+        olmo.load_model_and_optim_state(dst, model, optim)
+        assert_same_tensors(full_state(model), want)
+        model, optim = build(30 + ranks)
+        load_model_and_optim_state(dst, model, optim)
+        assert_same_tensors(full_state(model), want)
+        assert cli(capsys, "verify", dst, "-q") == (0, "", "")
