@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .engine.checkpointer import Checkpointer, Strategy
 from .engine.async_save import WatchedFuture
-from .engine.commit import claim_parts
+from .engine.commit import claim_parts, claim_step
 from .engine.locate import newest_checkpoint
 from .errors import IncompleteCheckpointError
 from .format.layout import METADATA_FILENAME
@@ -141,17 +141,12 @@ def async_save_model_and_optim_state(
         targets = save_parts(dir, model, optim, train_state)
         _DEFAULT.wait()
         files = WatchedFuture(dir)
-        try:
-            _claim(dir, save_overwrite, has_train=len(targets) == 3)
-        except Exception as refused:  # from .result(), as the async saver's own refusals
-            files.staged.set_result(None)
-            files.set_exception(refused)
-            return files
-        # The async saver locks every part (retiring old ones) before writing any; without a
-        # train_state, an old train/ is refused too, else it passes as this save's.
-        absent = [f"{dir}/{TRAIN_PART}"] if len(targets) == 2 else []
-        both = _DEFAULT.async_save_many(targets, save_overwrite=save_overwrite, absent=absent,
-                                        stage_in_background=stage_in_background)
+        # The async saver locks every part (retiring old ones) before writing any; rank 0 claims
+        # the step first, in a collective the save makes anyway (a refusal from .result()).
+        storages = [open_storage(f"{dir}/{name}") for name in ("model", "optim", TRAIN_PART)]
+        both = _DEFAULT.async_save_many(
+            targets, save_overwrite=save_overwrite, stage_in_background=stage_in_background,
+            claim=lambda: claim_step(*storages[:2], save_overwrite, train=storages[2], keep_train=len(targets) == 3))
 
     def done(f: Future) -> None:
         if f.exception() is not None:

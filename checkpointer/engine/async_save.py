@@ -30,7 +30,7 @@ import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -172,9 +172,11 @@ class AsyncSaver:
         cache: dict[str, SavePlanCache],
         absent: Sequence[Storage] = (),
         stage_in_background: bool = False,
+        claim: Callable[[], None] | None = None,
     ) -> WatchedFuture:
         """Plan and stage every ``(storage, state_dict)`` now; write them all in the background.
-        Without ``save_overwrite``, a checkpoint in any of ``absent`` refuses the save too.
+        Without ``save_overwrite``, a checkpoint in any of ``absent`` refuses the save too. ``claim``:
+        instead, rank 0's check before any lock (:func:`~checkpointer.engine.commit.claim_step`).
 
         With every plan cached, the caller waits for one all-reduce and the copy: rank 0 takes
         the save locks in the background, which then agrees on them and on every rank's
@@ -201,7 +203,9 @@ class AsyncSaver:
                 if not locked:
                     planned = reused  # type: ignore[assignment]
                     return
-                if not save_overwrite:  # before any target's lock: a refused save locks none
+                if claim is not None:  # before any target's lock: a refused save locks none
+                    dist.share_from(0, lambda: claim() or b"", "async save")
+                elif not save_overwrite:
                     refuse_existing_everywhere([st for st, _ in targets] + list(absent))
                 # each plan and the locking end with an agreement: their errors reach every rank
                 fresh: dict[int, PlannedSave] = {}
@@ -240,14 +244,14 @@ class AsyncSaver:
                 def stage_then_write() -> None:
                     staging_error = ready_error or dist.attempt(lambda: _on_side_streams(ready, stage))[1]
                     result.staged.set_result(None)
-                    self._write(planned, staged, copies, staging_error, locked, save_overwrite, result, absent)
+                    self._write(planned, staged, copies, staging_error, locked, save_overwrite, result, absent, claim)
 
                 return self._submit(result, planned, stage_then_write)
             # One rank's staging error: the background agreement tells the others.
             _, staging_error = dist.attempt(stage)
             result.staged.set_result(None)
             return self._submit(result, planned, lambda: self._write(
-                planned, staged, copies, staging_error, locked, save_overwrite, result, absent))
+                planned, staged, copies, staging_error, locked, save_overwrite, result, absent, claim))
 
     def _submit(self, result: WatchedFuture, planned: list[PlannedSave], work: Any) -> WatchedFuture:
         """Hand ``work`` (which settles ``result``) to the writer thread; if it cannot take it (the
@@ -273,13 +277,16 @@ class AsyncSaver:
         save_overwrite: bool,
         result: Future,
         absent: Sequence[Storage],
+        claim: Callable[[], None] | None,
     ) -> None:
         out: list[tuple[StorageMetadata, list[str]]] = []
         try:
             error = staging_error
             if error is None and not locked and dist.get_rank() == 0:
                 def refuse_then_lock() -> list[bytes | None]:
-                    if not save_overwrite:
+                    if claim is not None:
+                        claim()
+                    elif not save_overwrite:
                         refuse_existing(list(absent))
                     return take_locks([p.storage for p in planned], save_overwrite)
 

@@ -102,15 +102,17 @@ class Checkpointer:
     def async_save_many(
         self, targets: list[tuple[str | Storage, Mapping[str, Any]]], *, save_overwrite: bool = False,
         absent: Sequence[str | Storage] = (), stage_in_background: bool = False,
+        claim: Callable[[], None] | None = None,
     ) -> WatchedFuture:
         """:meth:`async_save` of several ``(dir, state_dict)`` at once, written one after another.
         Without ``save_overwrite``, a checkpoint in any of ``absent`` refuses it as one in a target does.
-        ``stage_in_background``: :meth:`AsyncSaver.save`'s (wait for the future's ``staged``)."""
+        ``stage_in_background``, ``claim``: :meth:`AsyncSaver.save`'s."""
         if self._async is None:
             self._async = AsyncSaver()
         opened = [(open_storage(d), sd) for d, sd in targets]
         return self._async.save(opened, save_overwrite=save_overwrite, cache=self._plan_cache,
-                                absent=[open_storage(d) for d in absent], stage_in_background=stage_in_background)
+                                absent=[open_storage(d) for d in absent], stage_in_background=stage_in_background,
+                                claim=claim)
 
     def wait(self) -> None:
         """Block until an async save in flight has finished."""

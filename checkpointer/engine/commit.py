@@ -70,8 +70,16 @@ from ..storage.base import Storage
 def claim_parts(
     model: Storage, optim: Storage, save_overwrite: bool, *, train: Storage | None = None, keep_train: bool = False
 ) -> None:
-    """Every rank, before any part of a model + optimizer save is planned; rank 0 checks, and its
-    refusal is raised on every rank, so a refused save writes nothing.
+    """Every rank, before any part of a model + optimizer save is planned: :func:`claim_step` on
+    rank 0, its refusal raised on every rank, so a refused save writes nothing."""
+    dist.share_from(0, lambda: claim_step(model, optim, save_overwrite, train=train, keep_train=keep_train) or b"", "save")
+
+
+def claim_step(
+    model: Storage, optim: Storage, save_overwrite: bool, *, train: Storage | None = None, keep_train: bool = False
+) -> None:
+    """Rank 0, before any lock of a model + optimizer save is taken (an async save makes this
+    check inside a collective it makes anyway).
 
     Without ``save_overwrite``: ``FileExistsError`` when ``optim/`` (committed last: the step's
     commit point) holds a checkpoint. A step whose ``model/`` or ``train/`` committed but whose
@@ -87,26 +95,21 @@ def claim_parts(
     removed (its ``metadata.json`` first), so that it is not read as the new checkpoint's: with
     ``save_overwrite``, and when taking over a dead save's step."""
     parts = [model, optim] + ([train] if train is not None else [])
-
-    def check() -> bytes:
-        if save_overwrite:
-            if optim.exists(METADATA_FILENAME):
-                optim.delete(METADATA_FILENAME)
-        else:
-            refuse_existing([optim])
-            left = [part for part in parts if part.exists(METADATA_FILENAME)]
-            if not left:
-                return b""
-            refuse_live_locks(parts, f"the parts {', '.join(p.url for p in left)} of an earlier save committed")
-            for part in left:
-                part.delete(METADATA_FILENAME)
-            log.warning("taking over %s: an earlier save committed %s and died before the rest",
-                        optim.url.rsplit("/", 1)[0], ", ".join(p.url.rsplit("/", 1)[-1] + "/" for p in left))
-        if train is not None and not keep_train:
-            remove_checkpoint_files(train)
-        return b""
-
-    dist.share_from(0, check, "save")
+    if save_overwrite:
+        if optim.exists(METADATA_FILENAME):
+            optim.delete(METADATA_FILENAME)
+    else:
+        refuse_existing([optim])
+        left = [part for part in parts if part.exists(METADATA_FILENAME)]
+        if not left:
+            return
+        refuse_live_locks(parts, f"the parts {', '.join(p.url for p in left)} of an earlier save committed")
+        for part in left:
+            part.delete(METADATA_FILENAME)
+        log.warning("taking over %s: an earlier save committed %s and died before the rest",
+                    optim.url.rsplit("/", 1)[0], ", ".join(p.url.rsplit("/", 1)[-1] + "/" for p in left))
+    if train is not None and not keep_train:
+        remove_checkpoint_files(train)
 
 
 def refuse_live_locks(storages: list[Storage], what: str) -> None:
