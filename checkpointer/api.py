@@ -190,8 +190,10 @@ def load_model_and_optim_state(
     - ``LoadResult.unexpected_keys``: checkpoint model keys the model lacks, then
       ``optim:{param}`` for each saved optimizer parameter the optimizer lacks (not read).
 
-    Optimizer parameters are matched by name across param groups; the param groups must be as
-    many as saved, and each takes its hyperparameters from the saved group of its index. A
+    Optimizer parameters are matched by name across param groups; with ``strict`` the param
+    groups must be as many as saved, each taking the hyperparameters of the saved group of its
+    index; without, each takes those of the saved group that held its parameters (its own where
+    none or several did). A
     shape or dtype that differs is an error in both modes (no casting), as is an optimizer of
     another kind than the saved one: the class name a save records (``optim_class``) must be
     equal (Adam is not AdamW), and for a checkpoint without it (OLMo-core's, older saves) the
@@ -248,8 +250,8 @@ def load_model_and_optim_state(
             ``key_map`` or ``dtype`` for this library's (raised on every rank, before any read).
         CheckpointMismatchError: with ``strict``, a key of the model or optimizer the checkpoint
             lacks or a checkpoint key they lack (the message names the difference, at most 10
-            keys of each side); in both modes, a shape or dtype that differs, another number of
-            param groups, or an optimizer of another kind (naming both). Raised on every rank.
+            keys of each side), or another number of param groups; in both modes, a shape or dtype
+            that differs, or an optimizer of another kind (naming both). Raised on every rank.
 
     Example::
 

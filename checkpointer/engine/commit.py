@@ -104,6 +104,7 @@ def claim_step(
         if not left:
             return
         refuse_live_locks(parts, f"the parts {', '.join(p.url for p in left)} of an earlier save committed")
+        refuse_existing([optim])  # again, after the locks: a live save may have committed meanwhile
         for part in left:
             part.delete(METADATA_FILENAME)
         log.warning("taking over %s: an earlier save committed %s and died before the rest",
