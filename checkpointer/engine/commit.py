@@ -62,7 +62,7 @@ from typing import Any
 
 from .. import dist, settings
 from ..errors import CheckpointError
-from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename
+from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename, is_save_file
 from ..format.metadata import StorageMetadata
 from ..storage.base import Storage
 
@@ -103,6 +103,8 @@ def claim_step(
         left = [part for part in parts if part.exists(METADATA_FILENAME)]
         if not left:
             return
+        if not any(is_save_file(name) for name in optim.list()):  # no save died writing optim/
+            raise FileExistsError(_exists_message(left[0]))
         refuse_live_locks(parts, f"the parts {', '.join(p.url for p in left)} of an earlier save committed")
         refuse_existing([optim])  # again, after the locks: a live save may have committed meanwhile
         for part in left:

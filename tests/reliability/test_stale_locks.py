@@ -255,3 +255,17 @@ def test_a_step_a_dead_save_left_half_committed_is_taken_over_and_a_live_ones_is
     loaded = torch.nn.Linear(4, 3)
     checkpointer.load_model_and_optim_state(top, loaded)
     assert torch.equal(loaded.weight, new.weight) and not torch.equal(loaded.weight, old.weight)
+
+
+def test_a_committed_model_beside_an_optim_no_save_wrote_is_not_taken_over(tmp_path):
+    """model/ committed and optim/ empty (a model saved alone, or optim/ deleted by hand): nothing
+    shows a save that died there, so a save without save_overwrite is refused and changes nothing."""
+    top = str(tmp_path / "step5")
+    model = torch.nn.Linear(4, 3)
+    checkpointer.save_model_and_optim_state(top, model, torch.optim.AdamW(model.parameters()))
+    optim_dir = os.path.join(top, "optim")
+    for name in os.listdir(optim_dir):
+        os.remove(os.path.join(optim_dir, name))
+    with pytest.raises(FileExistsError, match="model"):
+        checkpointer.save_model_and_optim_state(top, model, torch.optim.AdamW(model.parameters()))
+    assert os.path.exists(os.path.join(top, "model", "metadata.json"))
