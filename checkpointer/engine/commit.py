@@ -78,64 +78,55 @@ def claim_parts(
 def claim_step(
     model: Storage, optim: Storage, save_overwrite: bool, *, train: Storage | None = None, keep_train: bool = False
 ) -> None:
-    """Rank 0, before any lock of a model + optimizer save is taken (an async save makes this
-    check inside a collective it makes anyway).
+    """Rank 0, before a model + optimizer save takes its locks (an async save makes this check
+    inside a collective it makes anyway).
 
     Without ``save_overwrite``: ``FileExistsError`` when ``optim/`` (committed last: the step's
     commit point) holds a checkpoint. A step whose ``model/`` or ``train/`` committed but whose
-    ``optim/`` did not is what a save that died between the parts leaves: it is taken over (a
-    restarted job re-reaching the step is not blocked) once no part holds the live lock of a save
-    still writing it (``FileExistsError`` naming the holder otherwise); its committed parts are
-    retired first, so they never pass as the new save's.
+    ``optim/`` did not, beside a dead save's files in ``optim/``, is what a save that died between
+    the parts leaves: it is taken over once no part holds a live lock (``FileExistsError`` naming
+    the holder otherwise), its committed parts retired while this holds their locks.
 
     With ``save_overwrite``, the old ``optim/`` is made incomplete first: a save that dies between
     the parts leaves the directory incomplete, never the new model beside the old optimizer state.
 
-    Then, when the new save has no training state (``keep_train`` False), the old ``train/`` is
-    removed (its ``metadata.json`` first), so that it is not read as the new checkpoint's: with
-    ``save_overwrite``, and when taking over a dead save's step."""
+    A save without training state (``keep_train`` False) removes an old ``train/``, committed or
+    a dead save's leftovers, so that it is never read as the new checkpoint's."""
     parts = [model, optim] + ([train] if train is not None else [])
+    drop_train = train is not None and not keep_train
     if save_overwrite:
         if optim.exists(METADATA_FILENAME):
             optim.delete(METADATA_FILENAME)
-    else:
-        refuse_existing([optim])
-        left = [part for part in parts if part.exists(METADATA_FILENAME)]
-        if not left:
-            return
-        if not any(is_save_file(name) for name in optim.list()):  # no save died writing optim/
-            raise FileExistsError(_exists_message(left[0]))
-        refuse_live_locks(parts, f"the parts {', '.join(p.url for p in left)} of an earlier save committed")
-        refuse_existing([optim])  # again, after the locks: a live save may have committed meanwhile
+        if drop_train:
+            remove_checkpoint_files(train)
+        return
+    refuse_existing([optim])
+    left = [part for part in parts if part.exists(METADATA_FILENAME)]
+    if left and not any(is_save_file(name) for name in optim.list()):  # no save died writing optim/
+        raise FileExistsError(_exists_message(left[0]))
+    stale = [train] if drop_train and train not in left and train.list() else []
+    if not left and not stale:
+        return
+    held: list[tuple[Storage, bytes | None]] = []
+    try:  # retired under their locks: a live save's lock refuses this one (FileExistsError)
+        for part in [optim, *left, *stale] if left else stale:
+            held.append((part, _acquire(part, False)))
+        refuse_existing([optim])  # again: a live save may have committed meanwhile
         for part in left:
             part.delete(METADATA_FILENAME)
+        if drop_train:
+            remove_checkpoint_files(train, keep=LOCK_FILENAME)
+    finally:
+        release_locks(held)
+    if left:
         log.warning("taking over %s: an earlier save committed %s and died before the rest",
                     optim.url.rsplit("/", 1)[0], ", ".join(p.url.rsplit("/", 1)[-1] + "/" for p in left))
-    if train is not None and not keep_train:
-        remove_checkpoint_files(train)
 
 
-def refuse_live_locks(storages: list[Storage], what: str) -> None:
-    """``FileExistsError`` where one of ``storages`` holds a save lock that is not stale (a save
-    that may still be writing there); a lock this cannot read counts as live."""
-    for storage in storages:
-        try:
-            held = storage.read(LOCK_FILENAME, 0, _LOCK_READ)
-        except FileNotFoundError:
-            continue
-        if stale_reason(held) is None:
-            raise FileExistsError(
-                f"{what}, and another save may still be writing there: {storage.join(LOCK_FILENAME)} "
-                f"exists{_holder(held)} (it is taken over once its process is known gone or "
-                f"{settings.LOCK_LEASE_S_ENV}={settings.lock_lease_s():g}s pass without its heartbeat; "
-                "or pass save_overwrite=True)"
-            )
-
-
-def remove_checkpoint_files(storage: Storage) -> None:
-    """Delete a flat checkpoint directory's files, ``metadata.json`` first (it reads as
-    incomplete from then on); a directory that does not exist is left alone."""
-    names = storage.list()
+def remove_checkpoint_files(storage: Storage, *, keep: str = "") -> None:
+    """Delete a flat checkpoint directory's files but ``keep``, ``metadata.json`` first (it reads
+    as incomplete from then on); a directory that does not exist is left alone."""
+    names = [name for name in storage.list() if name != keep]
     for name in sorted(names, key=lambda n: n != METADATA_FILENAME):
         storage.delete(name)
 
@@ -172,15 +163,7 @@ def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool)
         raise FileExistsError(_exists_message(storage))
     if not retire_old:
         return None
-    lock = _new_lock()
-    try:
-        storage.create_exclusive(LOCK_FILENAME, lock)
-    except FileExistsError:
-        if save_overwrite:
-            storage.write(LOCK_FILENAME, lock)
-        else:
-            _take_over_stale(storage, lock)
-    _HEARTBEAT.hold(storage, lock)
+    lock = _acquire(storage, save_overwrite)
     if storage.exists(METADATA_FILENAME):
         if not save_overwrite:
             # A save that held the lock committed between the first check and ours.
@@ -190,6 +173,21 @@ def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool)
                 "was planning (pass save_overwrite=True to replace it)"
             )
         storage.delete(METADATA_FILENAME)
+    return lock
+
+
+def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
+    """Create the lock exclusively; one that exists is replaced (``save_overwrite``) or taken over
+    when stale (``FileExistsError`` otherwise). Returns its bytes; the heartbeat keeps it fresh."""
+    lock = _new_lock()
+    try:
+        storage.create_exclusive(LOCK_FILENAME, lock)
+    except FileExistsError:
+        if save_overwrite:
+            storage.write(LOCK_FILENAME, lock)
+        else:
+            _take_over_stale(storage, lock)
+    _HEARTBEAT.hold(storage, lock)
     return lock
 
 

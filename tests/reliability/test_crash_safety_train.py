@@ -95,20 +95,28 @@ def test_overwriting_without_train_state_removes_the_old_one(ckpt):
         checkpointer.load_model_and_optim_state(top, model, optim, train_state={"step": RNGState()})
 
 
-@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_a_save_without_train_state_takes_over_a_crashed_saves_step(ckpt, use_async):
-    """A save killed after ``train/`` committed leaves it behind; a save without ``train_state``
-    and without ``save_overwrite`` into that step (a restarted job re-reaching it) succeeds, async
-    too, and the old ``train/`` is gone: never read as the new checkpoint's."""
+SAVES = ["sync", "async", "async-cached"]
+
+
+@pytest.mark.parametrize("train_committed", [True, False], ids=["train-committed", "train-uncommitted"])
+@pytest.mark.parametrize("how", SAVES)
+def test_a_save_without_train_state_takes_over_a_crashed_saves_step(ckpt, how, train_committed):
+    """A save killed after ``train/`` committed (or while writing it) leaves it behind; a save
+    without ``train_state`` and without ``save_overwrite`` into that step (a restarted job
+    re-reaching it) succeeds, async too (the step claimed in the background where the save's plan
+    is cached), and the old ``train/`` is gone: never read as the new checkpoint's, nor making
+    the new step look incomplete."""
     top = os.path.join(ckpt.run_dir, "step20")
     model = build_model(1, seed=3)
     optim = build_optim(model, "adamw")
     checkpointer.save_model_and_optim_state(top, model, optim, train_state={"step": 1})
-    for part in ("model", "optim"):  # as if killed after train/ committed
+    for part in ("model", "optim") + (() if train_committed else ("train",)):  # as if killed after train/ committed, or in it
         os.remove(os.path.join(top, part, "metadata.json"))
     other = torch.nn.Linear(5, 7)  # a model never saved: its plan is made in full, not reused
     other_optim = torch.optim.AdamW(other.parameters())
-    if use_async:
+    if how == "async-cached":  # the same state saved once before: the next save reuses its plan
+        checkpointer.async_save_model_and_optim_state(os.path.join(ckpt.run_dir, "step15"), other, other_optim).result()
+    if how != "sync":
         checkpointer.async_save_model_and_optim_state(top, other, other_optim).result()
     else:
         checkpointer.save_model_and_optim_state(top, other, other_optim)

@@ -244,7 +244,7 @@ def test_a_step_a_dead_save_left_half_committed_is_taken_over_and_a_live_ones_is
     optim_part.delete("metadata.json")  # as if the save were still writing optim/, or died there
     optim_part.write(LOCK_FILENAME, _lock(socket.gethostname(), os.getpid(), _now_ms()))  # live: this process
     new = torch.nn.Linear(4, 3)
-    with pytest.raises(FileExistsError, match="may still be writing"):
+    with pytest.raises(FileExistsError, match="is in progress"):
         checkpointer.save_model_and_optim_state(top, new, torch.optim.AdamW(new.parameters()))
     assert open_storage(f"{top}/model").exists("metadata.json"), "a refused save retired model/"
     assert checkpointer.latest_checkpoint(where) is None
@@ -269,3 +269,25 @@ def test_a_committed_model_beside_an_optim_no_save_wrote_is_not_taken_over(tmp_p
     with pytest.raises(FileExistsError, match="model"):
         checkpointer.save_model_and_optim_state(top, model, torch.optim.AdamW(model.parameters()))
     assert os.path.exists(os.path.join(top, "model", "metadata.json"))
+
+
+def test_a_dead_saves_uncommitted_train_state_goes_under_its_lock(where):
+    """A step whose only remains are a save's uncommitted ``train/``: a save without train state
+    removes them once it holds ``train/``'s lock (the step would otherwise read as incomplete),
+    and refuses, removing nothing, while a live save holds it."""
+    top = f"{where}/step5"
+    model = torch.nn.Linear(4, 3)
+    checkpointer.save_model_and_optim_state(top, model, torch.optim.AdamW(model.parameters()), train_state={"step": 5})
+    for part in ("model", "optim", "train"):
+        open_storage(f"{top}/{part}").delete("metadata.json")
+    train_part = open_storage(f"{top}/train")
+    left = sorted(train_part.list())
+    train_part.write(LOCK_FILENAME, _lock(socket.gethostname(), os.getpid(), _now_ms()))  # live: this process
+    with pytest.raises(FileExistsError, match="is in progress"):
+        checkpointer.save_model_and_optim_state(top, model, torch.optim.AdamW(model.parameters()))
+    assert sorted(train_part.list()) == sorted(left + [LOCK_FILENAME]), "a refused save removed train/'s files"
+
+    train_part.write(LOCK_FILENAME, _lock(socket.gethostname(), _dead_pid(), _now_ms()))  # its process is gone
+    checkpointer.save_model_and_optim_state(top, model, torch.optim.AdamW(model.parameters()))
+    assert train_part.list() == []
+    assert checkpointer.latest_checkpoint(where) == top
