@@ -10,10 +10,13 @@ threads."""
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
 import traceback
+import weakref
+import concurrent.futures
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, TypeVar
 
@@ -49,43 +52,35 @@ def run_parallel(fn: Callable[[T], None], items: Iterable[T], max_workers: int) 
 
 
 class Workers:
-    """Up to ``workers`` daemon threads running the calls given to :meth:`submit`, in order, each a
-    future; :meth:`shutdown` (or leaving the ``with`` block) ends and joins them. Unlike
-    ``ThreadPoolExecutor``, it takes work while the interpreter exits (see the module's text)."""
+    """Up to ``workers`` threads running the calls given to :meth:`submit`, in order, each a
+    future; :meth:`shutdown` (or leaving the ``with`` block) waits for them. Unlike
+    ``ThreadPoolExecutor``, it takes work while the interpreter exits (see the module's text): its
+    threads are the kept idle ones of :func:`on_idle_thread`, started by earlier work where
+    possible (Python 3.12.0-3.12.2 start none at exit), and where not even one thread can start,
+    a call runs in the caller. A ``Workers`` dropped without :meth:`shutdown` ends its threads."""
 
     def __init__(self, workers: int, name: str):
         self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._serving: list[Future] = []
         self._workers, self._name = max(1, workers), name
+        weakref.finalize(self, _end, self._work, self._serving)
 
     def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         future: Future[T] = Future()
+        if len(self._serving) < self._workers:
+            name = f"{self._name}_{len(self._serving)}"
+            try:
+                self._serving.append(on_idle_thread(functools.partial(_drain, self._work, name), "checkpointer-idle"))
+            except RuntimeError:  # no thread can start: the interpreter exits, or a limit
+                if not self._serving:
+                    _settle(future, *_outcome(fn, *args))
+                    return future
         self._work.put((fn, args, future))
-        if len(self._threads) < self._workers:
-            thread = threading.Thread(target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
         return future
 
-    def _serve(self) -> None:
-        while True:
-            task = self._work.get()
-            if task is None:
-                return
-            fn, args, future = task
-            del task
-            if future.set_running_or_notify_cancel():
-                result, error = _outcome(fn, *args)
-                if error is None:
-                    future.set_result(result)
-                else:
-                    future.set_exception(error)
-                del result, error
-            del fn, args, future
-
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        """End the threads once the calls given have run (``cancel_futures``: those not started
-        are cancelled); ``wait``: return only when the threads have ended."""
+        """End the threads' turns once the calls given have run (``cancel_futures``: those not
+        started are cancelled); ``wait``: return only when they have ended."""
         if cancel_futures:
             while True:
                 try:
@@ -94,18 +89,46 @@ class Workers:
                     break
                 if task is not None:
                     task[2].cancel()
-        for _ in self._threads:
-            self._work.put(None)
+        serving, self._serving[:] = list(self._serving), []
+        _end(self._work, serving)
         if wait:
-            for thread in self._threads:
-                thread.join()
-        self._threads = []
+            concurrent.futures.wait(serving)
 
     def __enter__(self) -> Workers:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _drain(work: queue.SimpleQueue, name: str) -> None:
+    """One turn of a kept thread serving a :class:`Workers`, named ``name`` while it does."""
+    thread = threading.current_thread()
+    idle_name, thread.name = thread.name, name
+    try:
+        while True:
+            task = work.get()
+            if task is None:
+                return
+            fn, args, future = task
+            del task
+            if future.set_running_or_notify_cancel():
+                _settle(future, *_outcome(fn, *args))
+            del fn, args, future
+    finally:
+        thread.name = idle_name
+
+
+def _end(work: queue.SimpleQueue, serving: list[Future]) -> None:
+    for _ in serving:
+        work.put(None)
+
+
+def _settle(future: Future[T], result: T | None, error: BaseException | None) -> None:
+    if error is None:
+        future.set_result(result)  # type: ignore[arg-type]
+    else:
+        future.set_exception(error)
 
 
 def shared_pool(workers: int) -> ThreadPoolExecutor | None:

@@ -97,7 +97,11 @@ def test_a_call_cancelled_before_its_turn_is_skipped_and_the_thread_serves_the_n
     inbox.put((lambda: ran.append("skipped"), skipped))
     inbox.put((lambda: ran.append("served") or 7, served))
     threading.Thread(target=parallel._serve, args=(inbox,), daemon=True).start()
-    assert served.result(timeout=5) == 7 and ran == ["served"]
+    try:
+        assert served.result(timeout=5) == 7 and ran == ["served"]
+    finally:  # two calls put in one inbox by hand made it idle twice: the others' calls must not meet it
+        with parallel._shared_lock:
+            parallel._idle[:] = [q for q in parallel._idle if q is not inbox]
 
 
 def test_reads_run_every_task_once_on_the_callers_thread_too():
@@ -238,6 +242,9 @@ def test_workers_shutdown_cancels_what_has_not_started():
     release = threading.Event()
     workers = Workers(1, "test-cancel")
     first = workers.submit(release.wait, 5)
+    deadline = time.monotonic() + 5
+    while not first.running() and time.monotonic() < deadline:  # a kept thread takes it when it wakes
+        time.sleep(0.001)
     queued = [workers.submit(int) for _ in range(3)]
     stopping = threading.Thread(target=workers.shutdown, kwargs={"cancel_futures": True})
     stopping.start()  # cancels the queued calls, then waits for the running one
@@ -249,3 +256,48 @@ def test_workers_shutdown_cancels_what_has_not_started():
     stopping.join(5)
     assert first.result() is True
     assert not [t for t in threading.enumerate() if t.name.startswith("test-cancel")]
+
+
+def _no_thread_starts(monkeypatch):
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+
+
+def test_workers_run_on_threads_started_earlier_when_none_can_start(monkeypatch):
+    """Python 3.12.0-3.12.2 start no thread once the interpreter exits: a Workers then serves its
+    calls on the idle threads earlier ones left, as many at once as it asks for."""
+    with Workers(2, "test-early") as workers:
+        meet = threading.Barrier(2, timeout=5)
+        assert [f.result(timeout=5) for f in [workers.submit(meet.wait) for _ in range(2)]] != []
+    _no_thread_starts(monkeypatch)
+    meet = threading.Barrier(3, timeout=5)  # the two calls and this thread: both calls run at once
+    with Workers(2, "test-late") as workers:
+        futures = [workers.submit(lambda: (meet.wait(), threading.current_thread().name)[1]) for _ in range(2)]
+        meet.wait()
+        assert sorted(f.result(timeout=5) for f in futures) == ["test-late_0", "test-late_1"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-late")]  # idle again, renamed
+
+
+def test_workers_run_calls_in_the_caller_when_no_thread_is_there(monkeypatch):
+    from checkpointer.storage import parallel
+
+    _no_thread_starts(monkeypatch)
+    monkeypatch.setattr(parallel, "_idle", [])
+    with Workers(3, "test-inline") as workers:
+        futures = [workers.submit(lambda x: (x, threading.current_thread()), i) for i in range(4)]
+        assert [f.result(timeout=5) for f in futures] == [(i, threading.current_thread()) for i in range(4)]
+        with pytest.raises(ZeroDivisionError):
+            workers.submit(lambda: 1 / 0).result(timeout=5)
+
+
+def test_a_workers_dropped_without_shutdown_ends_its_turns():
+    workers = Workers(2, "test-dropped")
+    assert workers.submit(int, "7").result(timeout=5) == 7
+    turns = list(workers._serving)
+    del workers
+    gc.collect()
+    concurrent.futures.wait(turns, timeout=5)
+    assert all(turn.done() for turn in turns)
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-dropped")]
