@@ -195,7 +195,6 @@ def _plan_optim_load(
         saved_names.append(group_names)
     if not isinstance(state_keys, list) or not all(isinstance(k, str) for k in state_keys):
         raise CorruptCheckpointError(f"{dir}: state_keys is not a list of str")
-    check_optim_kind(optim, saved_class, state_keys, saved_groups, dir)
     current_names = []
     for i, group in enumerate(optim.param_groups):
         current = [names.get(id(p)) for p in group["params"]]
@@ -204,9 +203,10 @@ def _plan_optim_load(
                 f"optimizer param group {i} holds tensors that are not parameters of the model"
             )
         current_names.append(current)
-    skipped = _optim_difference(current_names, saved_names, strict, dir)
-    if not strict:
+    if not strict:  # the kind is judged with each group's own saved hyperparameters
         saved_groups = _groups_by_names(optim, current_names, saved_groups, saved_names)
+    check_optim_kind(optim, saved_class, state_keys, saved_groups, dir)
+    skipped = _optim_difference(current_names, saved_names, strict, dir)
     absent = set(skipped[0])
     groups: list[dict[str, Any]] = []
     to_fill: dict[str, Any] = {}

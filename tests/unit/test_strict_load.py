@@ -272,6 +272,27 @@ def test_without_a_class_record_the_kind_is_judged_by_state_keys(tmp_path):
         checkpointer.load_model_and_optim_state(adamw_ckpt, stepped, tagged)
 
 
+def test_without_a_class_record_regrouped_groups_are_judged_by_the_groups_that_held_them(tmp_path):
+    """Saved by SGD in two groups, only the head's with momentum (the only state); loaded into one
+    group with momentum: the kind is judged with the hyperparameters that group takes (its own:
+    its parameters came from both saved groups), not those of saved group 0 (no momentum, so no
+    state, read as another kind of optimizer)."""
+    ckpt = str(tmp_path / "ckpt")
+    model = Net()
+    optim = torch.optim.SGD([{"params": model.body.parameters(), "momentum": 0.0},
+                             {"params": model.head.parameters(), "momentum": 0.9}], lr=0.1)
+    step(model, optim)
+    _save_without_class_record(ckpt, model, optim)
+    fresh = Net(seed=2)
+    one_group = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.5)
+    assert checkpointer.load_model_and_optim_state(ckpt, fresh, one_group, strict=False) == LoadResult()
+    saved_state, got = optim_by_name(model, optim), optim_by_name(fresh, one_group)
+    assert sorted(saved_state) == sorted(got) == ["head.bias", "head.weight"]
+    for name, st in got.items():
+        assert all(torch.equal(v, saved_state[name][k]) for k, v in st.items()), name
+    assert one_group.param_groups[0]["momentum"] == 0.5
+
+
 def test_tied_parameters_and_aliases_are_neither_missing_nor_unexpected(tmp_path):
     class Tied(nn.Module):
         def __init__(self, lm_head: bool = True) -> None:
