@@ -298,7 +298,7 @@ def test_a_save_called_by_rank_0_only_says_every_rank_must_call_it(tmp_path):
     )
     (first, seconds), second = rel_helpers.values(results)
     assert second is None
-    assert seconds < 3.0 + 0.5, f"the error came {seconds:.1f}s after the call, CHECKPOINTER_TIMEOUT_S=3"
+    assert seconds < 3.0 + 1.5, f"the error came {seconds:.1f}s after the call, CHECKPOINTER_TIMEOUT_S=3"
     assert first.startswith("RankFailedError"), first
     assert "rank 1" in first and "never entered this collective" in first, first
     assert "Every rank must call it together" in first and "no_dist=True" in first, first
