@@ -65,6 +65,7 @@ from ..errors import CheckpointError
 from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename, is_save_file
 from ..format.metadata import StorageMetadata
 from ..storage.base import Storage
+from ..storage.parallel import on_idle_thread
 
 
 def claim_parts(
@@ -115,7 +116,8 @@ def claim_step(
         for part in left:
             part.delete(METADATA_FILENAME)
         if drop_train:
-            remove_checkpoint_files(train, keep=LOCK_FILENAME)
+            # Takeover markers too: no commit of this save will clear train/ (it would read as incomplete).
+            remove_checkpoint_files(train, keep=(LOCK_FILENAME,))
     finally:
         release_locks(held)
     if left:
@@ -123,10 +125,10 @@ def claim_step(
                     optim.url.rsplit("/", 1)[0], ", ".join(p.url.rsplit("/", 1)[-1] + "/" for p in left))
 
 
-def remove_checkpoint_files(storage: Storage, *, keep: str = "") -> None:
-    """Delete a flat checkpoint directory's files but ``keep``, ``metadata.json`` first (it reads
-    as incomplete from then on); a directory that does not exist is left alone."""
-    names = [name for name in storage.list() if name != keep]
+def remove_checkpoint_files(storage: Storage, *, keep: tuple[str, ...] = ()) -> None:
+    """Delete a flat checkpoint directory's files but those named in ``keep``, ``metadata.json``
+    first (it reads as incomplete from then on); a directory that does not exist is left alone."""
+    names = [name for name in storage.list() if name not in keep]
     for name in sorted(names, key=lambda n: n != METADATA_FILENAME):
         storage.delete(name)
 
@@ -180,14 +182,18 @@ def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
     """Create the lock exclusively; one that exists is replaced (``save_overwrite``) or taken over
     when stale (``FileExistsError`` otherwise). Returns its bytes; the heartbeat keeps it fresh."""
     lock = _new_lock()
+    _HEARTBEAT.hold(storage, lock)  # first: nothing between taking the lock and returning it can fail
     try:
-        storage.create_exclusive(LOCK_FILENAME, lock)
-    except FileExistsError:
-        if save_overwrite:
-            storage.write(LOCK_FILENAME, lock)
-        else:
-            _take_over_stale(storage, lock)
-    _HEARTBEAT.hold(storage, lock)
+        try:
+            storage.create_exclusive(LOCK_FILENAME, lock)
+        except FileExistsError:
+            if save_overwrite:
+                storage.write(LOCK_FILENAME, lock)
+            else:
+                _take_over_stale(storage, lock)
+    except BaseException:
+        _HEARTBEAT.release(storage, lock)
+        raise
     return lock
 
 
@@ -370,20 +376,26 @@ def _take_over_stale(storage: Storage, lock: bytes) -> None:
 
 class _Heartbeat:
     """Refreshes ``beat_ms`` of every lock this process holds, every quarter of the lease, on one
-    daemon thread that runs while any is held. :meth:`release` returns only once no refresh of
-    that lock is under way, so none lands after the lock is deleted."""
+    kept daemon thread (:func:`~checkpointer.storage.parallel.on_idle_thread`: a save while the
+    interpreter exits needs no new thread) that runs while any is held; where no thread can run
+    it, the locks go without (a save longer than the lease may then be taken over). :meth:`release`
+    returns only once no refresh of that lock is under way, so none lands after the lock is deleted."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._held: dict[tuple[str, str], tuple[Storage, bytes]] = {}
-        self._thread: threading.Thread | None = None
+        self._running = False
 
     def hold(self, storage: Storage, lock: bytes) -> None:
         with self._mutex:
             self._held[storage.url, _fields(lock).get("token", "")] = (storage, lock)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="checkpointer-lock-heartbeat", daemon=True)
-                self._thread.start()
+            if not self._running:
+                try:
+                    on_idle_thread(self._run, "checkpointer-lock-heartbeat")
+                    self._running = True
+                except RuntimeError as ex:
+                    log.warning("no heartbeat for the save lock of %s (%s): a save longer than %s=%gs may be "
+                                "taken over", storage.url, ex, settings.LOCK_LEASE_S_ENV, settings.lock_lease_s())
 
     def release(self, storage: Storage, lock: bytes) -> None:
         with self._mutex:
@@ -394,7 +406,7 @@ class _Heartbeat:
             time.sleep(settings.lock_lease_s() / 4)
             with self._mutex:
                 if not self._held:
-                    self._thread = None
+                    self._running = False
                     return
                 for key, (storage, lock) in list(self._held.items()):
                     try:
@@ -407,7 +419,7 @@ class _Heartbeat:
         """A forked child holds none of its parent's locks, and has no heartbeat thread."""
         self._mutex = threading.Lock()
         self._held.clear()
-        self._thread = None
+        self._running = False
 
 
 _HEARTBEAT = _Heartbeat()

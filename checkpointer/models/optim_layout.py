@@ -195,6 +195,10 @@ def _plan_optim_load(
         saved_names.append(group_names)
     if not isinstance(state_keys, list) or not all(isinstance(k, str) for k in state_keys):
         raise CorruptCheckpointError(f"{dir}: state_keys is not a list of str")
+    # Judged by each saved group's hyperparameters over the parameters it held, however regrouped.
+    by_name = {names[id(p)]: p for group in optim.param_groups for p in group["params"] if id(p) in names}
+    held = [[by_name[n] for n in group_names if n in by_name] for group_names in saved_names]
+    check_optim_kind(optim, saved_class, state_keys, saved_groups, dir, held=held)
     current_names = []
     for i, group in enumerate(optim.param_groups):
         current = [names.get(id(p)) for p in group["params"]]
@@ -203,10 +207,9 @@ def _plan_optim_load(
                 f"optimizer param group {i} holds tensors that are not parameters of the model"
             )
         current_names.append(current)
-    if not strict:  # the kind is judged with each group's own saved hyperparameters
-        saved_groups = _groups_by_names(optim, current_names, saved_groups, saved_names)
-    check_optim_kind(optim, saved_class, state_keys, saved_groups, dir)
     skipped = _optim_difference(current_names, saved_names, strict, dir)
+    if not strict:
+        saved_groups = _groups_by_names(optim, current_names, saved_groups, saved_names)
     absent = set(skipped[0])
     groups: list[dict[str, Any]] = []
     to_fill: dict[str, Any] = {}

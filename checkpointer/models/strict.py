@@ -105,6 +105,8 @@ def check_optim_kind(
     saved_state_keys: Iterable[str],
     saved_groups: Sequence[Mapping[str, Any]],
     where: str,
+    *,
+    held: Sequence[Sequence[Any]] | None = None,
 ) -> None:
     """Refuse an optimizer of another kind than the checkpoint's.
 
@@ -112,8 +114,9 @@ def check_optim_kind(
     subclasses Adam in torch, yet their weight decay differs). Without it, the saved state keys
     must be the keys this optimizer would hold with the checkpoint's hyperparameters: those of a
     probe, a new optimizer of the same class over one small parameter per dimensionality of the
-    group's parameters, built with the checkpoint's param groups and stepped once (never the
-    given optimizer). Where no probe can be made (the class needs other arguments, or a step
+    parameters each saved group held (``held``, one list per saved group; by default the given
+    optimizer's groups, paired by index), built with the checkpoint's param groups and stepped
+    once (never the given optimizer). Where no probe can be made (the class needs other arguments, or a step
     without a closure fails), the given optimizer's own state keys are the measure when it has
     state; a checkpoint with no state, or neither measure, is not judged. Adam and AdamW hold
     the same keys, so only the record tells them apart.
@@ -129,7 +132,7 @@ def check_optim_kind(
     saved = set(saved_state_keys)
     if not saved:
         return
-    would = _probe_state_keys(optim, saved_groups)
+    would = _probe_state_keys(optim, saved_groups, held)
     if would is None:
         would = {k for st in optim.state.values() for k in st}
         if not would:
@@ -141,10 +144,13 @@ def check_optim_kind(
         )
 
 
-def _probe_state_keys(optim: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]]) -> set[str] | None:
+def _probe_state_keys(
+    optim: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]], held: Sequence[Sequence[Any]] | None
+) -> set[str] | None:
     probe_groups = []
-    for group, saved in zip(optim.param_groups, saved_groups):
-        kinds = {(local_data(p).dim(), local_data(p).dtype, local_data(p).device) for p in group["params"]}
+    params = held if held is not None else [group["params"] for group in optim.param_groups]
+    for group_params, saved in zip(params, saved_groups):
+        kinds = {(local_data(p).dim(), local_data(p).dtype, local_data(p).device) for p in group_params}
         if not kinds:
             continue
         dummies = [torch.nn.Parameter(torch.zeros((2,) * ndim, dtype=dtype, device=device))

@@ -110,3 +110,39 @@ def test_an_async_save_still_writing_in_parallel_at_exit_is_finished(tmp_path):
     assert checkpointer.latest_checkpoint(str(tmp_path / "run")) == out
     _check_saved(out, 1024)
     assert checkpointer.load_model_and_optim_state(out, torch.nn.Linear(1024, 1024), train_state={}).train_state["step"] == 7
+
+
+NO_NEW_THREADS = r"""
+import os, sys, threading, time
+import torch
+import checkpointer
+
+out = sys.argv[1]
+torch.manual_seed(3)
+model = torch.nn.Linear(64, 64)
+optim = torch.optim.AdamW(model.parameters())
+checkpointer.async_save_model_and_optim_state(f"{out}/step1", model, optim).result()  # its plan is kept
+time.sleep(1.0)  # the lock's heartbeat ends a quarter lease after the last lock goes
+
+def refuse(self):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+
+threading.Thread.start = refuse  # Python 3.12.0-3.12.2, once the interpreter exits
+checkpointer.async_save_model_and_optim_state(f"{out}/step2", model, optim).result()
+print(sorted(os.listdir(f"{out}/step2/model")), sorted(os.listdir(f"{out}/step2/optim")))
+"""
+
+
+def test_an_async_save_where_no_thread_can_start_runs_on_the_kept_ones(tmp_path):
+    """Python 3.12.0-3.12.2 start no thread at exit: a save with a cached plan (claimed and
+    locked on the writer thread) then runs on threads earlier saves left idle, its lock's
+    heartbeat too, and commits with no lock left behind."""
+    env = dict(os.environ, PYTHONPATH=REPO, CHECKPOINTER_LOCK_LEASE_S="0.4")
+    done = subprocess.run([sys.executable, "-c", NO_NEW_THREADS, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "['metadata.json', 'rank_0.safetensors'] ['metadata.json', 'rank_0.safetensors']", done.stdout
+    torch.manual_seed(3)
+    saved = torch.nn.Linear(64, 64)
+    loaded = torch.nn.Linear(64, 64)
+    checkpointer.load_model_and_optim_state(str(tmp_path / "step2"), loaded)
+    assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias)

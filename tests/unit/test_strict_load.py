@@ -293,6 +293,34 @@ def test_without_a_class_record_regrouped_groups_are_judged_by_the_groups_that_h
     assert one_group.param_groups[0]["momentum"] == 0.5
 
 
+def test_without_a_class_record_new_and_merged_groups_are_not_read_as_another_kind(tmp_path):
+    """Judged by the saved groups over the parameters they held: a new head in a group of its
+    own with other hyperparameters (Adam's amsgrad, which would add a state key) and a merged
+    group with momentum off (which would hold none) both load."""
+    model = Net()
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step(model, adam)
+    adam_ckpt = str(tmp_path / "adam")
+    _save_without_class_record(adam_ckpt, model, adam)
+    fresh = Net(head_name="new_head", seed=1)
+    tuned = torch.optim.Adam([{"params": fresh.body.parameters()},
+                              {"params": fresh.new_head.parameters(), "amsgrad": True}], lr=1e-2)
+    result = checkpointer.load_model_and_optim_state(adam_ckpt, fresh, tuned, strict=False)
+    assert sorted(result.missing_keys) == ["new_head.bias", "new_head.weight", "optim:new_head.bias", "optim:new_head.weight"]
+    step(fresh, tuned)
+
+    sgd_model = Net()
+    sgd = torch.optim.SGD([{"params": sgd_model.body.parameters()}, {"params": sgd_model.head.parameters()}],
+                          lr=0.1, momentum=0.9)
+    step(sgd_model, sgd)
+    sgd_ckpt = str(tmp_path / "sgd")
+    _save_without_class_record(sgd_ckpt, sgd_model, sgd)
+    merged_model = Net(seed=2)
+    merged = torch.optim.SGD(merged_model.parameters(), lr=0.1, momentum=0.0)
+    assert checkpointer.load_model_and_optim_state(sgd_ckpt, merged_model, merged, strict=False) == LoadResult()
+    assert optim_by_name(merged_model, merged).keys() == optim_by_name(sgd_model, sgd).keys()
+
+
 def test_tied_parameters_and_aliases_are_neither_missing_nor_unexpected(tmp_path):
     class Tied(nn.Module):
         def __init__(self, lm_head: bool = True) -> None:
