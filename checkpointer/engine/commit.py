@@ -183,6 +183,7 @@ def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
     when stale (``FileExistsError`` otherwise). Returns its bytes; the heartbeat keeps it fresh."""
     lock = _new_lock()
     _HEARTBEAT.hold(storage, lock)  # first: nothing between taking the lock and returning it can fail
+    taken = False
     try:
         try:
             storage.create_exclusive(LOCK_FILENAME, lock)
@@ -191,9 +192,10 @@ def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
                 storage.write(LOCK_FILENAME, lock)
             else:
                 _take_over_stale(storage, lock)
-    except BaseException:
-        _HEARTBEAT.release(storage, lock)
-        raise
+        taken = True
+    finally:
+        if not taken:
+            _HEARTBEAT.release(storage, lock)
     return lock
 
 
