@@ -10,13 +10,13 @@ threads."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import queue
 import threading
 import traceback
 import weakref
-import concurrent.futures
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, TypeVar
 

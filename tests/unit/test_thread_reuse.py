@@ -284,12 +284,17 @@ def test_workers_run_calls_in_the_caller_when_no_thread_is_there(monkeypatch):
     from checkpointer.storage import parallel
 
     _no_thread_starts(monkeypatch)
-    monkeypatch.setattr(parallel, "_idle", [])
-    with Workers(3, "test-inline") as workers:
-        futures = [workers.submit(lambda x: (x, threading.current_thread()), i) for i in range(4)]
-        assert [f.result(timeout=5) for f in futures] == [(i, threading.current_thread()) for i in range(4)]
-        with pytest.raises(ZeroDivisionError):
-            workers.submit(lambda: 1 / 0).result(timeout=5)
+    with parallel._shared_lock:  # no idle thread either, for the test; they are put back after it
+        kept, parallel._idle[:] = parallel._idle[:], []
+    try:
+        with Workers(3, "test-inline") as workers:
+            futures = [workers.submit(lambda x: (x, threading.current_thread()), i) for i in range(4)]
+            assert [f.result(timeout=5) for f in futures] == [(i, threading.current_thread()) for i in range(4)]
+            with pytest.raises(ZeroDivisionError):
+                workers.submit(lambda: 1 / 0).result(timeout=5)
+    finally:
+        with parallel._shared_lock:
+            parallel._idle[:0] = kept
 
 
 def test_a_workers_dropped_without_shutdown_ends_its_turns():
