@@ -198,7 +198,7 @@ def _plan_optim_load(
     # Judged by each saved group's hyperparameters over the parameters it held, however regrouped.
     by_name = {names[id(p)]: p for group in optim.param_groups for p in group["params"] if id(p) in names}
     held = [[by_name[n] for n in group_names if n in by_name] for group_names in saved_names]
-    check_optim_kind(optim, saved_class, state_keys, saved_groups, dir, held=held)
+    check_optim_kind(optim, saved_class, state_keys, saved_groups, dir, held)
     current_names = []
     for i, group in enumerate(optim.param_groups):
         current = [names.get(id(p)) for p in group["params"]]

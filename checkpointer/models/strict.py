@@ -105,8 +105,7 @@ def check_optim_kind(
     saved_state_keys: Iterable[str],
     saved_groups: Sequence[Mapping[str, Any]],
     where: str,
-    *,
-    held: Sequence[Sequence[Any]] | None = None,
+    held: Sequence[Sequence[Any]],
 ) -> None:
     """Refuse an optimizer of another kind than the checkpoint's.
 
@@ -114,11 +113,11 @@ def check_optim_kind(
     subclasses Adam in torch, yet their weight decay differs). Without it, the saved state keys
     must be the keys this optimizer would hold with the checkpoint's hyperparameters: those of a
     probe, a new optimizer of the same class over one small parameter per dimensionality of the
-    parameters each saved group held (``held``, one list per saved group; by default the given
-    optimizer's groups, paired by index), built with the checkpoint's param groups and stepped
-    once (never the given optimizer). Where no probe can be made (the class needs other arguments, or a step
-    without a closure fails), the given optimizer's own state keys are the measure when it has
-    state; a checkpoint with no state, or neither measure, is not judged. Adam and AdamW hold
+    parameters each saved group held (``held``: the given optimizer's parameters, one list per
+    saved group, however they are grouped now), built with the checkpoint's param groups and
+    stepped once (never the given optimizer). Where no probe can be made (the class needs other
+    arguments, or a step without a closure fails), the given optimizer's own state keys are the
+    measure when it has state; a checkpoint with no state, or neither measure, is not judged. Adam and AdamW hold
     the same keys, so only the record tells them apart.
     """
     given = optim_class_name(optim)
@@ -145,11 +144,10 @@ def check_optim_kind(
 
 
 def _probe_state_keys(
-    optim: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]], held: Sequence[Sequence[Any]] | None
+    optim: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]], held: Sequence[Sequence[Any]]
 ) -> set[str] | None:
     probe_groups = []
-    params = held if held is not None else [group["params"] for group in optim.param_groups]
-    for group_params, saved in zip(params, saved_groups):
+    for group_params, saved in zip(held, saved_groups, strict=True):
         kinds = {(local_data(p).dim(), local_data(p).dtype, local_data(p).device) for p in group_params}
         if not kinds:
             continue

@@ -175,10 +175,8 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         del fn
         with _shared_lock:  # idle before the caller hears back: its next call finds this thread
             _idle.append(inbox)
-        if ran and error is None:
-            future.set_result(result)
-        elif ran:
-            future.set_exception(error)
+        if ran:
+            _settle(future, result, error)
         del future, result, error  # nothing of the call stays with the thread while it waits
 
 
