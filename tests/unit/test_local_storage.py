@@ -60,6 +60,30 @@ def test_read_into_adjacent_and_scattered(storage):
         assert bytes(buf) == DATA[offset : offset + n], (offset, n)
 
 
+def test_read_into_joins_requests_a_short_gap_apart(tmp_path, monkeypatch):
+    """Requests in file order at most ``GAP_READ`` bytes apart are one ``preadv`` (the gaps read
+    into scratch); a longer gap starts another; an empty request past the end reads nothing."""
+    from checkpointer.storage import local
+
+    monkeypatch.setattr(local, "GAP_READ", 64)
+    (tmp_path / "data.bin").write_bytes(DATA)
+    storage = LocalStorage(str(tmp_path))
+    layout = [(0, 8), (40, 8), (112, 16), (176, 4), (300, 10), (310, 2), (4090, 6), (4100, 0)]
+    calls: list[int] = []
+    real = os.preadv
+
+    def preadv(fd, bufs, offset):
+        calls.append(offset)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    bufs = [memoryview(bytearray(n)) for _, n in layout]
+    storage.read_into("data.bin", list(zip((o for o, _ in layout), bufs)))
+    for (offset, n), buf in zip(layout, bufs):
+        assert bytes(buf) == DATA[offset : offset + n], (offset, n)
+    assert calls == [0, 300, 4090]  # gaps of 32, 64, 48 joined; 120 and 3778 bytes not
+
+
 def test_read_into_typed_and_sliced_buffers(storage):
     ints = array.array("i", [0] * 8)  # 32 bytes, item format "i"
     doubles = array.array("d", [0.0] * 4)  # 32 bytes, item format "d"
