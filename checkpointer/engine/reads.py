@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 _SPLIT_BYTES = 32 << 20
+_BYTES_PER_THREAD = 8 << 20
 STRIDED_BLOCK = 8 << 20
 """Bytes of a stored piece read at once for a strided copy (a tensor-parallel box)."""
 _FEW_RUNS = 64
@@ -133,7 +134,8 @@ def execute_reads_from(
         tasks += _read_tasks(headers, jobs, verify_chunk_bytes)
         if verify_chunk_bytes and not headers.storage.is_local():
             checked_after.append((headers, jobs))
-    _run(num_threads, tasks)
+    payload = sum(job.dest.numel() * job.dest.element_size() for _, jobs in sources for job in jobs)
+    _run(num_threads, tasks, payload)
     for headers, jobs in checked_after:
         verify_reads(
             headers.storage, jobs, headers=headers, chunk_bytes=verify_chunk_bytes, num_threads=num_threads, strided=False
@@ -316,12 +318,16 @@ def verify_reads(
     _run(num_threads, verify_tasks(storage, jobs, headers, chunk_bytes, strided))
 
 
-def _run(num_threads: int | None, tasks: list[tuple]) -> None:
+def _run(num_threads: int | None, tasks: list[tuple], payload: int | None = None) -> None:
     """Run ``tasks`` (``(fn, *args)``) on at most ``num_threads`` threads, this one among them:
     each takes the next task until none is left, so a load hands its pool a few long turns, not a
-    wake-up per task (a tiny load's reads are done before the pool's threads start their first)."""
+    wake-up per task (a tiny load's reads are done before the pool's threads start their first).
+    ``payload``: the bytes the tasks read; a thread per :data:`_BYTES_PER_THREAD` of it at most
+    (many small tasks are mostly Python, and threads sharing the GIL only slow them down)."""
     most = num_threads or io_threads()
     threads = min(most, len(tasks))
+    if payload is not None:
+        threads = min(threads, max(1, -(-payload // _BYTES_PER_THREAD)))
     if threads <= 1:
         with torch.no_grad():
             for fn, *args in tasks:

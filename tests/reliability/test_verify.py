@@ -151,9 +151,9 @@ def test_verify_hashes_every_chunk_once_across_runs_and_tensors(tmp_path, monkey
     read_order = []
     real_run = reads._run
 
-    def recording_run(num_threads, tasks):
+    def recording_run(num_threads, tasks, *rest):
         read_order.extend((t[2], t[4]) for t in tasks if t[0] is rankfile.read_hashed)
-        return real_run(num_threads, tasks)
+        return real_run(num_threads, tasks, *rest)
 
     monkeypatch.setattr(reads, "_run", recording_run)
     target = {k: torch.zeros(sizes[k]) for k in ("c", "a", "b")}

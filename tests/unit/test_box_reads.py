@@ -325,6 +325,18 @@ def test_a_few_short_runs_are_one_scattered_read(tmp_path, monkeypatch):
     assert calls == [("runs", 64)], calls
 
 
+def test_reads_are_told_the_bytes_they_fill(tmp_path, monkeypatch):
+    """The read tasks of a load know the bytes their destinations take (which bounds their threads)."""
+    full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(64, 16), global_offset=(0, 16 * r)) for r in range(2)])
+    payloads: list[int] = []
+    real = reads._run
+    monkeypatch.setattr(reads, "_run", lambda threads, tasks, payload=None: (payloads.append(payload), real(threads, tasks, payload)))
+    wanted = Piece(local_shape=(64, 8), global_offset=(0, 12))
+    assert torch.equal(load_piece(storage, wanted, torch.float32), full[:, 12:20].reshape(-1))
+    assert payloads == [64 * 8 * 4]
+
+
 def _two_tensor_doc(rule_texts: tuple[str, str]) -> bytes:
     entry = '{{"shape":[4,6],"is_sharded":true,"dtype":"F32","shard_rule":{}}}'
     return ('{"tensors":{"a":' + entry.format(rule_texts[0]) + ',"b":' + entry.format(rule_texts[1])

@@ -119,6 +119,25 @@ def test_reads_run_every_task_once_on_the_callers_thread_too():
     assert threading.get_ident() in threads and 1 < len(threads) <= 3
 
 
+def test_reads_run_keeps_a_small_payload_on_the_callers_thread():
+    """Read tasks that fill less than one thread's share of bytes run on the caller's thread
+    alone (many small tasks are mostly Python: threads sharing the GIL only slow them down); a
+    larger payload is shared out as before."""
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def task(i: int) -> None:
+        time.sleep(0.002)
+        with lock:
+            seen.append(threading.get_ident())
+
+    reads._run(3, [(task, i) for i in range(40)], 40 * 4096)
+    assert len(seen) == 40 and set(seen) == {threading.get_ident()}
+    seen.clear()
+    reads._run(3, [(task, i) for i in range(40)], 3 * reads._BYTES_PER_THREAD)
+    assert len(seen) == 40 and 1 < len(set(seen)) <= 3
+
+
 def test_reads_run_stops_after_a_failure_and_raises_it():
     ran: list[int] = []
 
