@@ -15,6 +15,9 @@ Cases (saved at world size 2, loaded at world size 4, unless stated):
 * ``moe_dim1`` / ``moe_dim2``: 4 MoE-like [8, 1024, 1024] fp32 weights, Shard(1) / Shard(2)
   at save and at load.
 * ``bf16``: ``mix_same`` in bfloat16.
+* ``many_small``: 1,024 fp32 [64, 64] matrices, S0/S1 alternating as ``mix_same`` (16 KiB
+  each: the norms, biases and small projections of a large model, where a load's work per
+  tensor, not its bytes, sets the time).
 * ``save``: the save of ``mix_same``'s checkpoint at world size 2 (ours, DCP, and a plain
   write of the same bytes: each rank its local bytes to one file, buffered, fsync), timed in
   the same rounds.
@@ -82,7 +85,7 @@ from compare import (  # noqa: E402
 )
 
 MiB = 1 << 20
-LOAD_CASES = ("mix_same", "mix_swapped", "mesh2d", "moe_dim1", "moe_dim2", "bf16")
+LOAD_CASES = ("mix_same", "mix_swapped", "mesh2d", "moe_dim1", "moe_dim2", "bf16", "many_small")
 ALL_CASES = LOAD_CASES + ("save", "shard2_tiny")
 SYSTEMS = ("ours", "dcp")
 
@@ -99,6 +102,7 @@ def checkpoint_specs(scale: float, full_shard2: bool) -> dict[str, dict]:
         "bf16": {"n": n_mat, "shape": [1024, 1024], "dtype": "bfloat16", "save_dims": "alt01"},
         "moe1": {"n": n_moe, "shape": [8, 1024, 1024], "dtype": "float32", "save_dims": 1},
         "moe2": {"n": n_moe, "shape": [8, 1024, 1024], "dtype": "float32", "save_dims": 2},
+        "small": {"n": max(2, 2 * round(512 * scale)), "shape": [64, 64], "dtype": "float32", "save_dims": "alt01"},
         "shard2": {"n": 1, "shape": [1024, 1024, 2] if full_shard2 else [256, 256, 2], "dtype": "float32",
                    "save_dims": 2},
     }
@@ -112,6 +116,7 @@ LOAD_LAYOUTS = {
     "moe_dim1": ("moe1", [4], 1),
     "moe_dim2": ("moe2", [4], 2),
     "bf16": ("bf16", [4], "alt01"),
+    "many_small": ("small", [4], "alt01"),
 }
 CASE_CKPTS = {"save": ["mix"], "shard2_tiny": ["shard2"], **{c: [v[0]] for c, v in LOAD_LAYOUTS.items()}}
 
@@ -677,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe_dim1": "[E,d,f] S1 @2 -> S1 @4",
         "moe_dim2": "[E,d,f] S2 @2 -> S2 @4",
         "bf16": "bf16, S0/S1 alternating @2 -> same @4",
+        "many_small": "S0/S1 alternating @2 -> same @4",
     }
     for c in cases:
         if c in LOAD_LAYOUTS:
