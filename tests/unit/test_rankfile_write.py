@@ -133,6 +133,7 @@ def test_a_large_tensor_is_read_in_parts_shared_by_the_threads(tmp_path, monkeyp
     import threading
 
     monkeypatch.setattr(reads_module, "_SPLIT_BYTES", 1 << 20)
+    monkeypatch.setattr(reads_module, "_BYTES_PER_THREAD", 1 << 20)  # as large loads have: several threads
     saved = {"big": torch.randn(5 << 18, generator=torch.Generator().manual_seed(3))}  # 5 MiB
     Checkpointer().save(str(tmp_path / "ckpt"), saved)
     reads, threads = [], set()
