@@ -66,6 +66,7 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+_MAX_SHARED_ENTRY = 4096  # bytes: longer entries (rules listing thousands of files) are not kept as text
 _PLAIN = json.JSONDecoder()
 _NO_DUPLICATES = json.JSONDecoder(object_pairs_hook=reject_duplicate_keys)
 
@@ -106,11 +107,25 @@ def _tensor_entry(text: str, key: str, i: int, parser: SpecParser) -> tuple[Tens
 
     A key given twice inside it is found without a hook per object (millions of shard specs):
     without escapes, its text holds exactly one ``:`` per member plus those inside strings,
-    which the validation counts. With escapes it is decoded again with the hook."""
+    which the validation counts. With escapes it is decoded again with the hook.
+
+    The entries of a model's tensors repeat (a shape, a dtype and a shard rule per layout): an
+    entry whose text equals one already validated is that entry again, found by comparing text
+    (the last few distinct ones, before decoding) or by its text once decoded, and its
+    validated form is shared (it is never changed once parsed)."""
+    for known in parser.recent_entries:
+        if text.startswith(known, i):  # a whole JSON object: the entry at i is exactly this one
+            return parser.entries[known], i + len(known)
     entry, end = _PLAIN.raw_decode(text, i)
     escaped = text.find("\\", i, end) >= 0
     if escaped:
         _NO_DUPLICATES.raw_decode(text, i)
+    cacheable = not escaped and type(entry) is dict and "shard_rule" in entry and end - i <= _MAX_SHARED_ENTRY
+    if cacheable:
+        shared = parser.entries.get(text[i:end])
+        if shared is not None:
+            parser.remember_entry(text[i:end], shared)
+            return shared, end
     members, colons = parser.members, parser.colons
     try:
         meta = _tensor(entry, parser)
@@ -118,6 +133,8 @@ def _tensor_entry(text: str, key: str, i: int, parser: SpecParser) -> tuple[Tens
         raise ValueError(f"tensors[{key!r}]: {ex}") from None
     if not escaped and text.count(":", i, end) - (parser.colons - colons) != parser.members - members:
         raise JSONDecodeError(f"an object in tensors[{key!r}] gives a key twice", text, i)
+    if cacheable:
+        parser.remember_entry(text[i:end], meta)
     return meta, end
 
 

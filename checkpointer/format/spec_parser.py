@@ -26,6 +26,8 @@ _LOCAL_SHAPE = itemgetter("local_shape")
 _GLOBAL_OFFSET = itemgetter("global_offset")
 _CHECKSUMS = itemgetter("checksums")
 _NONE = type(None)
+_MAX_ENTRIES = 4096  # distinct tensor entries kept by their text (a model has a few per layer kind)
+_RECENT_ENTRIES = 4  # compared before decoding: each costs at most one entry's length of text
 
 
 def _is_int(x: Any) -> bool:
@@ -53,6 +55,20 @@ class SpecParser:
         """The largest rank file index a rule names (checked against ``world_size``)."""
         self.members = 0
         self.colons = 0
+        self.entries: dict[str, Any] = {}
+        """Validated tensor entries with a shard rule, by their text (at most :data:`_MAX_ENTRIES`)."""
+        self.recent_entries: list[str] = []
+        """The texts of the last few distinct entries seen, newest first."""
+
+    def remember_entry(self, text: str, meta: Any) -> None:
+        """Keep a validated entry with a shard rule under its text, and among the recent ones."""
+        if text not in self.entries and len(self.entries) < _MAX_ENTRIES:
+            self.entries[text] = meta
+        if text in self.entries and (not self.recent_entries or self.recent_entries[0] != text):
+            if text in self.recent_entries:
+                self.recent_entries.remove(text)
+            self.recent_entries.insert(0, text)
+            del self.recent_entries[_RECENT_ENTRIES:]
 
     def parse_rule(self, shape: tuple[int, ...], raw: Any) -> ShardSpecs:
         """A ``shard_rule`` (see :mod:`~checkpointer.format.rules`): checked in time linear in

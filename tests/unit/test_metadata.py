@@ -529,3 +529,50 @@ def test_checksums_in_the_files_need_their_algorithm_and_chunk_size():
         doc.pop(missing)
         with pytest.raises(CorruptCheckpointError, match="checksums_in_files"):
             parse_metadata(json.dumps(doc).encode(), where=WHERE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Repeated tensor entries (a model's layers): validated once, shared
+# ---------------------------------------------------------------------------------------------
+
+_RULE_ENTRY = '{{"shape":[{rows},64],"is_sharded":true,"dtype":"F32","shard_rule":{{"form":"box","cuts":[[{dim},{chunk}]],"files":[0,[[1,2,1]]]}}}}'
+
+
+def _rule_doc(entries: list[str]) -> bytes:
+    body = ",".join(f'"t{i}":{e}' for i, e in enumerate(entries))
+    return ('{"tensors":{' + body + '},"world_size":2,"format_version":2}').encode()
+
+
+def test_repeated_entries_are_validated_once_and_shared(monkeypatch):
+    """Seven layouts in turn (more than the recent ones compared before decoding), 70 tensors:
+    each distinct entry is validated once; every tensor still gets its own layout's values,
+    the same as a parse of the entries apart."""
+    from checkpointer.format import metadata_parse
+
+    layouts = [_RULE_ENTRY.format(rows=32 * (1 + k), dim=k % 2, chunk=16 * (1 + k) if k % 2 == 0 else 32) for k in range(7)]
+    assert len(set(layouts)) == 7
+    validated = []
+    real = metadata_parse._tensor
+    monkeypatch.setattr(metadata_parse, "_tensor", lambda entry, parser: (validated.append(entry), real(entry, parser))[1])
+    parsed = parse_metadata(_rule_doc([layouts[i % 7] for i in range(70)]), where=WHERE).tensors
+    assert len(validated) == 7
+    monkeypatch.setattr(metadata_parse, "_tensor", real)
+    for i in range(70):
+        alone = parse_metadata(_rule_doc([layouts[i % 7]]), where=WHERE).tensors["t0"]
+        meta = parsed[f"t{i}"]
+        assert meta.shape == alone.shape and meta.dtype == alone.dtype
+        assert dict(meta.shard_spec_per_file) == dict(alone.shard_spec_per_file)
+        assert meta is parsed[f"t{i % 7}"]
+
+
+def test_a_repeated_entry_with_a_flaw_is_still_refused_by_name():
+    good = _RULE_ENTRY.format(rows=64, dim=0, chunk=32)
+    twice = good.replace('"dtype":"F32"', '"dtype":"F32","dtype":"F32"')
+    with pytest.raises(CorruptCheckpointError, match="t5"):
+        parse_metadata(_rule_doc([good] * 5 + [twice]), where=WHERE)
+    bad_dtype = good.replace("F32", "F33")
+    with pytest.raises(CorruptCheckpointError, match=r"tensors\['t3'\].*unknown dtype"):
+        parse_metadata(_rule_doc([good] * 3 + [bad_dtype]), where=WHERE)
+    past_world = good.replace("[0,[[1,2,1]]]", "[1,[[1,2,1]]]")
+    with pytest.raises(CorruptCheckpointError, match="past the world size"):
+        parse_metadata(_rule_doc([good] * 4 + [past_world] + [good]), where=WHERE)
