@@ -121,10 +121,11 @@ def _tensor_entry(text: str, key: str, i: int, parser: SpecParser) -> tuple[Tens
     if escaped:
         _NO_DUPLICATES.raw_decode(text, i)
     cacheable = not escaped and type(entry) is dict and "shard_rule" in entry and end - i <= _MAX_SHARED_ENTRY
+    entry_text = text[i:end] if cacheable else ""
     if cacheable:
-        shared = parser.entries.get(text[i:end])
+        shared = parser.entries.get(entry_text)
         if shared is not None:
-            parser.remember_entry(text[i:end], shared)
+            parser.remember_entry(entry_text, shared)
             return shared, end
     members, colons = parser.members, parser.colons
     try:
@@ -134,7 +135,7 @@ def _tensor_entry(text: str, key: str, i: int, parser: SpecParser) -> tuple[Tens
     if not escaped and text.count(":", i, end) - (parser.colons - colons) != parser.members - members:
         raise JSONDecodeError(f"an object in tensors[{key!r}] gives a key twice", text, i)
     if cacheable:
-        parser.remember_entry(text[i:end], meta)
+        parser.remember_entry(entry_text, meta)
     return meta, end
 
 

@@ -62,9 +62,11 @@ class SpecParser:
 
     def remember_entry(self, text: str, meta: Any) -> None:
         """Keep a validated entry with a shard rule under its text, and among the recent ones."""
-        if text not in self.entries and len(self.entries) < _MAX_ENTRIES:
+        if text not in self.entries:
+            if len(self.entries) >= _MAX_ENTRIES:
+                return
             self.entries[text] = meta
-        if text in self.entries and (not self.recent_entries or self.recent_entries[0] != text):
+        if self.recent_entries[:1] != [text]:
             if text in self.recent_entries:
                 self.recent_entries.remove(text)
             self.recent_entries.insert(0, text)

@@ -565,6 +565,36 @@ def test_repeated_entries_are_validated_once_and_shared(monkeypatch):
         assert meta is parsed[f"t{i % 7}"]
 
 
+def test_an_entry_repeated_in_a_row_is_not_even_decoded(monkeypatch):
+    """Runs of one layout (a model's layers in file order): an entry equal to one of the last few
+    is recognised by its text alone, and still gets that layout's values."""
+    from checkpointer.format import metadata_parse
+
+    a, b = (_RULE_ENTRY.format(rows=64, dim=d, chunk=32) for d in (0, 1))
+    decoded = []
+    real = metadata_parse._PLAIN
+
+    class Counting:
+        def raw_decode(self, text, i):
+            decoded.append(i)
+            return real.raw_decode(text, i)
+
+    monkeypatch.setattr(metadata_parse, "_PLAIN", Counting())
+    order = [a] * 10 + [b] * 10 + [a] * 10
+    parsed = parse_metadata(_rule_doc(order), where=WHERE).tensors
+    assert len(decoded) == 2
+    monkeypatch.setattr(metadata_parse, "_PLAIN", real)
+    for i, entry in enumerate(order):
+        alone = parse_metadata(_rule_doc([entry]), where=WHERE).tensors["t0"]
+        assert dict(parsed[f"t{i}"].shard_spec_per_file) == dict(alone.shard_spec_per_file)
+    # A known entry's text followed by more than a delimiter is not that entry: the document is refused.
+    for tail in (" 1", "x", "}"):
+        text = _rule_doc([a, a]).decode().replace(a + "}", a + tail + "}", 1)  # after t1, the last entry
+        assert tail + "}," in text
+        with pytest.raises(CorruptCheckpointError):
+            parse_metadata(text.encode(), where=WHERE)
+
+
 def test_a_repeated_entry_with_a_flaw_is_still_refused_by_name():
     good = _RULE_ENTRY.format(rows=64, dim=0, chunk=32)
     twice = good.replace('"dtype":"F32"', '"dtype":"F32","dtype":"F32"')
