@@ -67,8 +67,9 @@ def write_rank_file(
     with storage.open_writer(name) as writer:
         align = writer.source_alignment()
         data_start = None
+        uncopied = 0
         if align is not None:
-            tensors, data_start = order_for_alignment(tensors, align, MIN_FROM_SOURCE)
+            tensors, data_start, uncopied = order_for_alignment(tensors, align, MIN_FROM_SOURCE)
         entries = [(key, lt.dtype, lt.numel) for key, lt in tensors]
         if checksums_in_file:
             entries.append((CHECKSUMS_KEY, "U8", 4 * sum(_chunks(lt) for _, lt in tensors)))
@@ -77,6 +78,7 @@ def write_rank_file(
             user_metadata={FILE_ID_KEY: file_id} if file_id else None,
             data_start=data_start,
         )
+        writer.expect_bytes(len(header) + sum(numel * itemsize(dtype) for _, dtype, numel in entries), uncopied)
         # A writer that copies: each block is hashed while the copy is in the CPU cache. One
         # that writes from tensor memory: blocks of several of its writes.
         block = _FROM_MEMORY_BLOCK if align is not None else _WRITE_BLOCK
@@ -271,31 +273,31 @@ def _write_hashed(
 
 def order_for_alignment(
     tensors: Sequence[tuple[str, LocalTensor]], align: int, min_bytes: int
-) -> tuple[list[tuple[str, LocalTensor]], tuple[int, int] | None]:
-    """A file order, and where the data must start (``(remainder, align)`` for
-    :func:`build_header`), so that as many bytes as possible sit in the file at offsets that
-    agree with their memory addresses modulo ``align``: those a local ``O_DIRECT`` writer sends
-    from tensor memory, uncopied.
+) -> tuple[list[tuple[str, LocalTensor]], tuple[int, int] | None, int]:
+    """A file order, where the data must start (``(remainder, align)`` for
+    :func:`build_header`), and how many bytes then go uncopied, so that as many bytes as
+    possible sit in the file at offsets that agree with their memory addresses modulo
+    ``align``: those a local ``O_DIRECT`` writer sends from tensor memory, uncopied.
 
     Contiguous CPU pieces of at least ``min_bytes`` (smaller ones reach the writer in batches,
     copied) whose sizes are multiples of ``align`` keep each other's agreement when they follow
     one another. The remainder of their addresses that sends the most bytes from memory wins
     (a piece whose address is not aligned loses one ``align`` block of its bytes), and those
-    pieces go first, in their order; the rest follows, in its order. ``(tensors, None)`` when
+    pieces go first, in their order; the rest follows, in its order. ``(tensors, None, 0)`` when
     no piece qualifies."""
     if align % DATA_ALIGNMENT:
-        return list(tensors), None
+        return list(tensors), None, 0
     remainders = [_address_remainder(lt, align, min_bytes) for _, lt in tensors]
     bytes_at: dict[int, int] = {}
     for (_, lt), r in zip(tensors, remainders):
         if r is not None:  # what goes from memory: all but the unaligned head and its block's rest
             bytes_at[r] = bytes_at.get(r, 0) + lt.numel * itemsize(lt.dtype) - (align if r else 0)
     if not bytes_at:
-        return list(tensors), None
+        return list(tensors), None, 0
     best = max(bytes_at, key=lambda r: (bytes_at[r], -r))
     first = [kt for kt, r in zip(tensors, remainders) if r == best]
     rest = [kt for kt, r in zip(tensors, remainders) if r != best]
-    return first + rest, (best, align)
+    return first + rest, (best, align), bytes_at[best]
 
 
 def _address_remainder(lt: LocalTensor, align: int, min_bytes: int) -> int | None:

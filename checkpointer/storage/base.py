@@ -111,6 +111,12 @@ class Writer(ABC):
         None when any address will do (the default)."""
         return None
 
+    def expect_bytes(self, total: int, uncopied: int) -> None:
+        """Before the first write: the file will hold ``total`` bytes, of which ``uncopied``
+        reach :meth:`write_stable` placed as :meth:`source_alignment` asks, so that they can go
+        from where they are. A writer may choose how it writes from that; by default it does
+        not."""
+
     @abstractmethod
     def commit(self) -> None:
         """Make the file durable and visible under its name, whole."""

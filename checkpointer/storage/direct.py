@@ -54,7 +54,7 @@ _Rest = tuple[memoryview, int]  # what a writer thread left to write: (bytes, fi
 
 def direct_io_enabled() -> bool:
     """``O_DIRECT`` exists here and ``CHECKPOINTER_DIRECT_IO`` is not ``0``."""
-    return hasattr(os, "O_DIRECT") and settings.direct_io()
+    return hasattr(os, "O_DIRECT") and settings.direct_io() != "never"
 
 
 _statx = libc.function("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p], ctypes.c_int)

@@ -26,6 +26,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
+from .. import settings
 from . import libc, scatter
 from .base import FileChangedError, ReadRequest, Storage, Writer, check_name
 from .open_files import PINNED_FILES, OpenFile, OpenFiles, inside, where_opened
@@ -280,8 +281,9 @@ class LocalWriter(Writer):
     """Writes to a hidden temp file beside the target; commit fsyncs and renames it into place.
 
     Where ``O_DIRECT`` is available (and ``CHECKPOINTER_DIRECT_IO`` is not ``0``), bytes go
-    through a :class:`~checkpointer.storage.direct.DirectStream`, bypassing the page cache.
-    Otherwise they are written buffered, and every :data:`_WRITEBACK_BYTES` the range just
+    through a :class:`~checkpointer.storage.direct.DirectStream`, bypassing the page cache,
+    unless (``auto``, the default) :meth:`expect_bytes` says that most of them would be copied
+    into its buffers anyway. Otherwise they are written buffered, and every :data:`_WRITEBACK_BYTES` the range just
     written is sent to disk while the one before it is waited for and dropped from the page
     cache (:meth:`_write_back`): the disk works while the next range is copied in, dirty pages
     never pile up (left to the kernel, 2 x 1 GiB took 1.2-2.9 s on the development machine
@@ -301,6 +303,7 @@ class LocalWriter(Writer):
         self.writeback = _sync_file_range is not None
         use_direct = direct_io_enabled() if direct is None else direct
         self.stream: DirectStream | None = DirectStream(self.fd, self.tmp) if use_direct else None
+        self.direct_by_choice = direct is None and settings.direct_io() == "auto"
 
     def write(self, buffers: Sequence[memoryview]) -> None:
         assert self.fd is not None, "writer is closed"
@@ -344,6 +347,16 @@ class LocalWriter(Writer):
             self.stream.write_stable(buffers)
         else:
             self.write(buffers)
+
+    def expect_bytes(self, total: int, uncopied: int) -> None:
+        """``O_DIRECT`` spares a copy only for the bytes it sends from the caller's memory. Where
+        most bytes would be copied into its buffers anyway (small pieces, or addresses that
+        disagree with their file offsets), the page cache takes the same one copy, and on the
+        machines measured its writeback was as fast or faster (docs/performance.md)."""
+        stream = self.stream
+        if stream is not None and self.direct_by_choice and stream.position == 0 and 2 * uncopied < total:
+            stream.close()
+            self.stream = None
 
     def source_alignment(self) -> int | None:
         return self.stream.align if self.stream is not None and not self.stream.refused else None

@@ -61,24 +61,25 @@ def test_the_remainder_most_bytes_share_goes_first_in_order():
         "e": arena.place(4 * MiB, 128, 6),
     }
     items = [(k, piece(t)) for k, t in tensors.items()]
-    ordered, start = order_for_alignment(items, 512, 2 * MiB)
+    ordered, start, uncopied = order_for_alignment(items, 512, 2 * MiB)
     assert keys(ordered) == ["a", "c", "small", "d", "odd", "strided", "e"]
     assert start == (64, 512)
+    assert uncopied == 12 * MiB - 2 * 512  # a and c, less each one's unaligned head block
     # Modulo 4096 c is alone, as many bytes as d + e: but each unaligned piece keeps one block
     # from memory back (its head and the rest of that block), so c alone sends more.
-    ordered, start = order_for_alignment(items, 4096, 2 * MiB)
+    ordered, start, uncopied = order_for_alignment(items, 4096, 2 * MiB)
     assert keys(ordered) == ["c", "a", "small", "d", "odd", "strided", "e"]
-    assert start == (576, 4096)
+    assert start == (576, 4096) and uncopied == 8 * MiB - 4096
 
 
 def test_a_tie_goes_to_the_smaller_remainder_and_nothing_qualifying_keeps_the_order():
     arena = Arena(32 * MiB)
     items = [("x", piece(arena.place(4 * MiB, 192, 0))), ("y", piece(arena.place(4 * MiB, 128, 1)))]
-    ordered, start = order_for_alignment(items, 512, 2 * MiB)
-    assert keys(ordered) == ["y", "x"] and start == (128, 512)
+    ordered, start, uncopied = order_for_alignment(items, 512, 2 * MiB)
+    assert keys(ordered) == ["y", "x"] and start == (128, 512) and uncopied == 4 * MiB - 512
     small = [("s", piece(torch.randn(10))), ("t", piece(torch.randn(3, 4).t()))]
-    assert order_for_alignment(small, 512, 2 * MiB) == (small, None)
-    assert order_for_alignment(items, 96, 2 * MiB) == (items, None)  # not a multiple of 64: no padding can give it
+    assert order_for_alignment(small, 512, 2 * MiB) == (small, None, 0)
+    assert order_for_alignment(items, 96, 2 * MiB) == (items, None, 0)  # not a multiple of 64: no padding can give it
 
 
 class Recording(LocalStorage):
@@ -135,3 +136,32 @@ def test_rank_files_write_the_best_aligned_bytes_from_tensor_memory(tmp_path_fac
     best = max((sum(n - (align if r else 0) for n in sizes) for r, sizes in shares.items()), default=0)
     assert stream.from_source >= best
     assert stream.from_source + stream.copied == os.path.getsize(os.path.join(root, "rank_0.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "setting, layout, direct_kept",
+    [
+        # auto: most bytes go from memory (two 16 MiB pieces that agree), O_DIRECT stays
+        ("auto", [(16 * MiB, 64), (16 * MiB, 64), (2 * MiB, 128)], True),
+        # auto: every byte would be copied (2 MiB pieces; 16 MiB ones at two remainders, the
+        # larger share still under half): the page cache takes the file
+        ("auto", [(2 * MiB, 0), (2 * MiB, 64), (2 * MiB, 128)], False),
+        ("auto", [(16 * MiB, 64), (16 * MiB, 128), (17 * MiB, 192)], False),
+        # 1: O_DIRECT whatever is copied
+        ("1", [(2 * MiB, 0), (2 * MiB, 64), (2 * MiB, 128)], True),
+    ],
+)
+def test_auto_direct_io_keeps_o_direct_only_where_most_bytes_go_uncopied(tmp_path, monkeypatch, setting, layout, direct_kept):
+    monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", setting)
+    storage = Recording(str(tmp_path))
+    arena = Arena(sum(n for n, _ in layout) + 4096 * len(layout))
+    tensors = {f"t{i}": arena.place(n, r, i) for i, (n, r) in enumerate(layout)}
+    crcs = write_rank_file(storage, "rank_0.safetensors", [(k, piece(t)) for k, t in tensors.items()])
+    check_file(str(tmp_path / "rank_0.safetensors"), tensors, crcs)
+    (writer,) = storage.writers
+    if writer.stream is not None and writer.stream.refused:
+        pytest.skip("this file system refuses O_DIRECT")
+    assert (writer.stream is not None) is direct_kept
+    if direct_kept and setting == "auto":
+        assert writer.stream.from_source > writer.stream.copied
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp file left

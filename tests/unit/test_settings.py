@@ -126,10 +126,16 @@ def test_switches(value, expected, monkeypatch):
     assert settings.verify_replicas() is settings.gcs_parallel_upload() is expected
 
 
-@pytest.mark.parametrize("value, expected", [("0", False), ("", False), (" 0 ", False), ("off", True), ("1", True)])
+@pytest.mark.parametrize(
+    "value, expected",
+    [("0", "never"), ("", "never"), (" 0 ", "never"), ("off", "always"), ("1", "always"), ("auto", "auto"), (" AUTO ", "auto"), (None, "auto")],
+)
 def test_direct_io_switch(value, expected, monkeypatch):
-    monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", value)
-    assert settings.direct_io() is expected
+    if value is None:
+        monkeypatch.delenv("CHECKPOINTER_DIRECT_IO", raising=False)
+    else:
+        monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", value)
+    assert settings.direct_io() == expected
 
 
 def test_io_retries_refuses_bad_values(monkeypatch):
