@@ -275,7 +275,8 @@ def settle_disk(path: str, quiet_s: float = 0.3, limit_s: float = 15.0) -> None:
 
 def warm_page_cache(root: str) -> None:
     """Read every file under ``root`` once (untimed), so a load after it is warm. Our saves
-    write with O_DIRECT and leave nothing in the page cache; DCP's leave all of it there."""
+    leave nothing in the page cache (``O_DIRECT``, or writeback then dropped); DCP's leave all
+    of it there."""
     buf = bytearray(8 << 20)
     for f in sorted(Path(root).rglob("*")):
         if f.is_file():

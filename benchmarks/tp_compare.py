@@ -548,7 +548,7 @@ def build_report(meta: dict, rows: list[dict]) -> str:
         "/proc/self/clear_refs), the maximum over ranks and rounds; the targets are allocated and touched "
         "before it, so it is what the load itself adds. RSS goal: <= 10% of the rank's bytes + 64 MiB. "
         "Loads are warm for both systems: every checkpoint file is read once, untimed, before the rounds "
-        "(the page cache cannot be dropped here; our saves write with O_DIRECT and would otherwise be cold, "
+        "(the page cache cannot be dropped here; our saves leave nothing in the page cache (O_DIRECT, or writeback then dropped) and would otherwise be cold, "
         "DCP's warm). Every load was checked with torch.equal of every local tensor against the expected "
         "values (targets zeroed before each load). A fresh `Checkpointer()` per operation (no cached save "
         "plan). Loads run 4 processes on this machine's cores, saves 2.")
