@@ -67,7 +67,7 @@ SETTINGS: dict[str, Setting] = {
     IO_THREADS_ENV: Setting(4, "threads that read (or hash) one rank's files in parallel"),
     STAGING_MIB_ENV: Setting(256.0, "MiB of host memory a save copies GPU or non-contiguous tensors through"),
     MAX_METADATA_MIB_ENV: Setting(4096.0, "MiB of metadata.json a load accepts before refusing it"),
-    DIRECT_IO_ENV: Setting("auto", "write local files with O_DIRECT where available: 'auto' for files most of whose bytes go uncopied from tensor memory, 1 always, 0 never (buffered, written back 32 MiB at a time)"),
+    DIRECT_IO_ENV: Setting("auto", "write local files with O_DIRECT where available: 'auto' except a save's rank file most of whose bytes it would copy, 1 always, 0 never (buffered, written back 32 MiB at a time)"),
     CRC32C_ENV: Setting("", "'google' checksums with google-crc32c even where ISA-L is available"),
     VERIFY_REPLICAS_ENV: Setting(True, "a save checks that replicated tensors are equal on every rank (0: off)"),
     GCS_PARALLEL_UPLOAD_ENV: Setting(True, "GCS uploads a large file as parts composed at commit (0: one upload)"),
