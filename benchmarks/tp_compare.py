@@ -341,7 +341,7 @@ def run_load_group(cfg: dict, rank: int) -> None:
         rb: list[Any] = [None] * g.world
         torch.distributed.all_gather_object(rb, local_bytes(cases[case]["targets"]["ours"]))
         extra["rank_bytes"][case] = rb
-    if rank == 0:  # warm: our saves (O_DIRECT) leave nothing in the page cache, DCP's leave it all
+    if rank == 0:  # warm: our saves leave nothing in the page cache, DCP's leave it all
         for per in dirs.values():
             for d in per.values():
                 warm_page_cache(d)

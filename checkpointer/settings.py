@@ -67,7 +67,7 @@ SETTINGS: dict[str, Setting] = {
     IO_THREADS_ENV: Setting(4, "threads that read (or hash) one rank's files in parallel"),
     STAGING_MIB_ENV: Setting(256.0, "MiB of host memory a save copies GPU or non-contiguous tensors through"),
     MAX_METADATA_MIB_ENV: Setting(4096.0, "MiB of metadata.json a load accepts before refusing it"),
-    DIRECT_IO_ENV: Setting("auto", "write local files with O_DIRECT where available: 'auto' except a save's rank file most of whose bytes it would copy, 1 always, 0 never (buffered, written back 32 MiB at a time)"),
+    DIRECT_IO_ENV: Setting("auto", "write local files with O_DIRECT where available: 'auto' except a save's rank file most of whose bytes it would copy, 1 always, 0 or off never (buffered, written back 32 MiB at a time)"),
     CRC32C_ENV: Setting("", "'google' checksums with google-crc32c even where ISA-L is available"),
     VERIFY_REPLICAS_ENV: Setting(True, "a save checks that replicated tensors are equal on every rank (0: off)"),
     GCS_PARALLEL_UPLOAD_ENV: Setting(True, "GCS uploads a large file as parts composed at commit (0: one upload)"),
@@ -119,11 +119,15 @@ def max_metadata_mib() -> float:
 
 
 def direct_io() -> str:
-    """When local writes use ``O_DIRECT``: ``CHECKPOINTER_DIRECT_IO`` (default ``auto``; ``0`` or empty: never; else always)."""
-    raw = os.environ.get(DIRECT_IO_ENV, "auto").strip()
-    if raw.lower() == "auto":
+    """When local writes use ``O_DIRECT``: ``CHECKPOINTER_DIRECT_IO`` (``auto``, the default; ``1``/``on``: always; ``0``/``off``: never)."""
+    raw = os.environ.get(DIRECT_IO_ENV, "auto").strip().lower()
+    if raw == "auto":
         return "auto"
-    return "never" if raw in ("0", "") else "always"
+    if raw in _OFF or raw == "":
+        return "never"
+    if raw in ("1", "true", "yes", "on", "always"):
+        return "always"
+    raise ValueError(f"{DIRECT_IO_ENV}={raw!r}: set it to auto, 1 (always) or 0 (never)")
 
 
 def crc32c() -> str:

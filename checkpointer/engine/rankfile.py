@@ -79,6 +79,7 @@ def write_rank_file(
             data_start=data_start,
         )
         writer.expect_bytes(len(header) + sum(numel * itemsize(dtype) for _, dtype, numel in entries), uncopied)
+        align = writer.source_alignment()  # None now if the writer chose to copy every byte
         # A writer that copies: each block is hashed while the copy is in the CPU cache. One
         # that writes from tensor memory: blocks of several of its writes.
         block = _FROM_MEMORY_BLOCK if align is not None else _WRITE_BLOCK

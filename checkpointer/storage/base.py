@@ -114,8 +114,8 @@ class Writer(ABC):
     def expect_bytes(self, total: int, uncopied: int) -> None:
         """Before the first write: the file will hold ``total`` bytes, of which ``uncopied``
         reach :meth:`write_stable` placed as :meth:`source_alignment` asks, so that they can go
-        from where they are. A writer may choose how it writes from that; by default it does
-        not."""
+        from where they are. A writer may choose how it writes from that (and its
+        :meth:`source_alignment` may then change); by default it does not."""
 
     @abstractmethod
     def commit(self) -> None:

@@ -138,30 +138,87 @@ def test_rank_files_write_the_best_aligned_bytes_from_tensor_memory(tmp_path_fac
     assert stream.from_source + stream.copied == os.path.getsize(os.path.join(root, "rank_0.safetensors"))
 
 
+class Hinted(Recording):
+    """Recording storage whose writers also keep what :meth:`expect_bytes` was told."""
+
+    def open_writer(self, name: str) -> local.LocalWriter:
+        writer = super().open_writer(name)
+        told = writer.hints = []
+        expect = writer.expect_bytes
+        writer.expect_bytes = lambda total, uncopied: (told.append((total, uncopied)), expect(total, uncopied))[1]
+        return writer
+
+
+@pytest.mark.parametrize("checksums_in_file", [False, True])
 @pytest.mark.parametrize(
     "setting, layout, direct_kept",
     [
         # auto: most bytes go from memory (two 16 MiB pieces that agree), O_DIRECT stays
         ("auto", [(16 * MiB, 64), (16 * MiB, 64), (2 * MiB, 128)], True),
-        # auto: every byte would be copied (2 MiB pieces; 16 MiB ones at two remainders, the
-        # larger share still under half): the page cache takes the file
+        # auto: every byte would be copied (2 MiB pieces; 16 MiB ones at three remainders, the
+        # largest share under half): the page cache takes the file
         ("auto", [(2 * MiB, 0), (2 * MiB, 64), (2 * MiB, 128)], False),
         ("auto", [(16 * MiB, 64), (16 * MiB, 128), (17 * MiB, 192)], False),
         # 1: O_DIRECT whatever is copied
         ("1", [(2 * MiB, 0), (2 * MiB, 64), (2 * MiB, 128)], True),
     ],
 )
-def test_auto_direct_io_keeps_o_direct_only_where_most_bytes_go_uncopied(tmp_path, monkeypatch, setting, layout, direct_kept):
+def test_auto_direct_io_keeps_o_direct_only_where_most_bytes_go_uncopied(
+    tmp_path, monkeypatch, setting, layout, direct_kept, checksums_in_file
+):
     monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", setting)
-    storage = Recording(str(tmp_path))
+    storage = Hinted(str(tmp_path))
     arena = Arena(sum(n for n, _ in layout) + 4096 * len(layout))
     tensors = {f"t{i}": arena.place(n, r, i) for i, (n, r) in enumerate(layout)}
-    crcs = write_rank_file(storage, "rank_0.safetensors", [(k, piece(t)) for k, t in tensors.items()])
-    check_file(str(tmp_path / "rank_0.safetensors"), tensors, crcs)
+    crcs = write_rank_file(storage, "rank_0.safetensors", [(k, piece(t)) for k, t in tensors.items()],
+                           checksums_in_file=checksums_in_file)
+    path = tmp_path / "rank_0.safetensors"
+    if not checksums_in_file:
+        check_file(str(path), tensors, crcs)
     (writer,) = storage.writers
     if writer.stream is not None and writer.stream.refused:
         pytest.skip("this file system refuses O_DIRECT")
+    ((total, uncopied),) = writer.hints
+    assert total == path.stat().st_size
     assert (writer.stream is not None) is direct_kept
-    if direct_kept and setting == "auto":
-        assert writer.stream.from_source > writer.stream.copied
+    if direct_kept:
+        assert writer.stream.from_source >= uncopied
+        assert writer.stream.from_source + writer.stream.copied == total
+        assert (2 * uncopied >= total) is (setting == "auto")
+    else:
+        assert 2 * uncopied < total and writer.written == total  # every byte by the buffered path
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp file left
+
+
+def test_a_failed_save_after_the_switch_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("CHECKPOINTER_DIRECT_IO", raising=False)  # auto, the default
+    storage = Hinted(str(tmp_path))
+    items = [(f"t{i}", piece(torch.randn(1 << 19))) for i in range(3)]  # 2 MiB each: all copied
+
+    def refuse() -> None:
+        raise RuntimeError("not this time")
+
+    with pytest.raises(RuntimeError, match="not this time"):
+        write_rank_file(storage, "rank_0.safetensors", items, before_commit=refuse)
+    (writer,) = storage.writers
+    assert writer.stream is None and writer.written == writer.hints[0][0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_hint_is_ignored_when_forced_or_late(tmp_path, monkeypatch):
+    monkeypatch.delenv("CHECKPOINTER_DIRECT_IO", raising=False)
+    forced = local.LocalWriter(str(tmp_path / "forced"), direct=True)
+    late = local.LocalWriter(str(tmp_path / "late"))
+    try:
+        forced.expect_bytes(1 << 20, 0)
+        late.write([memoryview(b"x" * 4096)])
+        late.expect_bytes(1 << 20, 0)
+        assert forced.stream is not None and late.stream is not None
+    finally:
+        forced.abort()
+        late.abort()
+    fresh = local.LocalWriter(str(tmp_path / "fresh"))
+    fresh.expect_bytes(1 << 20, 0)
+    assert fresh.stream is None
+    fresh.abort()
+    assert os.listdir(tmp_path) == []

@@ -115,6 +115,8 @@ def test_getter_defaults_match_settings(name, monkeypatch):
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_getters_read_at_call_time(name, monkeypatch):
     value = {bool: "0", str: "google"}.get(type(SETTINGS[name].default), "3")
+    if name == "CHECKPOINTER_DIRECT_IO":
+        value = "0"
     monkeypatch.setenv(name, value)
     assert _getter(name)() != SETTINGS[name].default
 
@@ -128,7 +130,8 @@ def test_switches(value, expected, monkeypatch):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("0", "never"), ("", "never"), (" 0 ", "never"), ("off", "always"), ("1", "always"), ("auto", "auto"), (" AUTO ", "auto"), (None, "auto")],
+    [("0", "never"), ("", "never"), (" 0 ", "never"), ("off", "never"), ("False", "never"), ("1", "always"),
+     ("on", "always"), ("auto", "auto"), (" AUTO ", "auto"), (None, "auto")],
 )
 def test_direct_io_switch(value, expected, monkeypatch):
     if value is None:
@@ -136,6 +139,12 @@ def test_direct_io_switch(value, expected, monkeypatch):
     else:
         monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", value)
     assert settings.direct_io() == expected
+
+
+def test_direct_io_refuses_an_unknown_value(monkeypatch):
+    monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", "sometimes")
+    with pytest.raises(ValueError, match="CHECKPOINTER_DIRECT_IO='sometimes'"):
+        settings.direct_io()
 
 
 def test_io_retries_refuses_bad_values(monkeypatch):
