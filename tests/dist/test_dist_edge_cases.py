@@ -159,7 +159,7 @@ def test_a_repeated_save_exchanges_no_plans(run_distributed, tmp_path):
     exchanges no pieces; the rest is the commit. A changed structure is planned again, here
     from its layouts (a DTensor over every rank, a plain tensor): the cache's all-reduce, the
     layouts' all-reduce, the agreement on the plan; no pieces exchanged either."""
-    commit = ["all_gather", "gather", "all_reduce"]  # statuses to rank 0 (sizes, then bytes); the closing agreement
+    commit = ["all_reduce", "gather", "all_reduce"]  # statuses to rank 0 (the longest one's length, then bytes); the closing agreement
     for rank, (first, second, third, changed) in enumerate(run_distributed(_collectives_of_repeated_saves, 3, str(tmp_path))):
         assert second == third == ["all_reduce"] + commit, f"rank {rank}: {second} / {third}"
         for planned in (first, changed):
@@ -353,3 +353,32 @@ def test_a_small_broadcast_is_one_collective(run_distributed):
     broadcast; a larger payload takes a second one."""
     for rank, got in enumerate(run_distributed(_broadcasts, 3)):
         assert got == [(True, ["broadcast"])] * 3 + [(True, ["broadcast"] * 2)] * 2, f"rank {rank}: {got}"
+
+
+def _gathers(rank, world_size):
+    """What every rank received from all_gather_bytes and gather_bytes (to rank 1) of payloads
+    of different lengths per rank (empty, ending in zero bytes, long), with the collectives."""
+    from checkpointer import dist as cdist
+
+    def payload(r: int, case: int) -> bytes:
+        size = [0, 3, 70_000][(r + case) % 3]
+        return bytes((i * 13 + r) % 256 for i in range(size)) + b"\x00" * ((r + case) % 2)
+
+    out = []
+    for case in range(3):
+        mine = payload(rank, case)
+        want = [payload(r, case) for r in range(world_size)]
+        with collectives_called() as calls:
+            everyone = cdist.all_gather_bytes(mine)
+            to_one = cdist.gather_bytes(mine, dst=1)
+        out.append((everyone == want, to_one == want if rank == 1 else to_one is None, calls))
+    return out
+
+
+def test_gathered_payloads_of_any_length_come_back_exactly(run_distributed):
+    """Each exchange finds the longest payload with one all-reduce, then moves every rank's
+    bytes in slots of that width that carry their own length."""
+    for rank, got in enumerate(run_distributed(_gathers, 3)):
+        for everyone_ok, to_one_ok, calls in got:
+            assert everyone_ok and to_one_ok, f"rank {rank}: {got}"
+            assert calls == ["all_reduce", "all_gather", "all_reduce", "gather"], f"rank {rank}: {calls}"

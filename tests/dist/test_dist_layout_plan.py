@@ -95,8 +95,8 @@ def test_first_save_plans_from_layouts_without_exchanging_pieces(run_distributed
     results = run_distributed(_save_and_load, 4, str(tmp_path))
     for rank, calls in enumerate(results):
         # Planning is what comes before the commit's gather of every rank's status (and the
-        # all-gather of its sizes): one all-reduce for the plan cache, one for the layouts, one
-        # to agree; the fallbacks all-gather every rank's pieces.
+        # all-reduce of its longest length): one all-reduce for the plan cache, one for the
+        # layouts, one to agree; the fallbacks all-gather every rank's pieces.
         planning = {what: c[: c.index("gather") - 1] for what, c in calls.items()}
         assert set(planning["layouts"]) == {"all_reduce"}, f"rank {rank}: {calls['layouts']}"
         assert "all_gather" in planning["flat"], f"rank {rank}: {calls['flat']}"
