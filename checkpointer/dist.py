@@ -5,12 +5,14 @@ Collectives move bytes (JSON the callers made), never pickles, and each one wait
 :func:`agree` is how a phase ends: every rank says whether it succeeded, and if any failed,
 every rank raises.
 
-When a collective fails, the survivors say which rank stopped answering: entering each of
-the byte collectives below, a rank counts its arrival in the rendezvous store (one
-``add`` per rank and collective, on another thread so a store that stopped answering
-never holds up the collective); a survivor compares its own count with the others' and
-names the ranks that never arrived. Every store access on the failure path is bounded in
-time: when the store itself is gone (under ``env://`` or ``tcp://`` rank 0 hosts it), the
+When a collective fails, the survivors say which rank stopped answering: a rank numbers the
+byte collectives below as it enters them, and one still inside a collective after
+:func:`_late_s` records that number in the rendezvous store (from a watching thread, so a store
+that stopped answering never holds up the collective); a survivor compares its number with
+the others' and names the ranks that never arrived. A collective that ends sooner touches
+neither the store nor another thread: at thousands of ranks, a store write per rank and
+collective would load the one store server. Every store access on the failure path is bounded
+in time: when the store itself is gone (under ``env://`` or ``tcp://`` rank 0 hosts it), the
 error says so.
 """
 
@@ -21,6 +23,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence
 
@@ -67,36 +70,63 @@ def _device(group: Any = None) -> torch.device:
 _ARRIVALS = "checkpointer/arrivals"
 _STRAGGLER_S = 5.0  # how long a survivor waits for ranks that have not arrived yet, at most
 _STORE_S = 10.0  # the most the store may take to answer on the failure path
+_LATE_S = 1.0  # a rank still inside a collective this long records its arrival, at most
 
 
 def _straggler_s() -> float:
     return min(_STRAGGLER_S, timeout_seconds() / 4)
+
+
+def _late_s() -> float:
+    return min(_LATE_S, _straggler_s() / 2)
 _PULSE_S = 5.0  # how often ranks that wait for another's long work show they are alive
 
 
 class _Arrival:
-    """This rank entering one collective of ``group``, counted in the rendezvous store."""
+    """This rank entering one byte collective of ``group`` (numbered per group in this process).
+    While :func:`_wait` waits for one of its collectives, :class:`_Watcher` may record the
+    number in the rendezvous store."""
+
+    _entered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> collectives entered
 
     def __init__(self, group: Any = None):
         self.group = group or dist.group.WORLD
         self.me = get_rank()
-        self.count: Future[int] = _in_thread(lambda: int(_store().add(self._key(self.me), 1)))
+        self.number = _Arrival._entered[self.group] = _Arrival._entered.get(self.group, 0) + 1
+        self.since = 0.0
+        self.recorded: Future | None = None  # the store write, once started
 
     def _key(self, rank: int) -> str:
         return f"{_ARRIVALS}/{self.group.group_name}/{rank}"
 
+    def watch(self) -> None:
+        self.since = time.monotonic()
+        _watcher.add(self)
+
+    def record(self) -> Future:
+        """Start writing this rank's number to the store (once); the caller holds the watcher's lock."""
+        if self.recorded is None:
+            key, number = self._key(self.me), str(self.number)
+            self.recorded = _in_thread(lambda: _store().set(key, number))
+        return self.recorded
+
     def settle(self) -> None:
-        """After the collective: let the count finish. A thread still inside the store's C++
-        client when the process exits (or destroys its group) aborts the process: 'terminate
-        called without an active exception', seen at the end of CLI runs under torchrun."""
+        """After the collective: no record starts now, and one started has finished. A thread
+        still inside the store's C++ client when the process exits (or destroys its group)
+        aborts the process: 'terminate called without an active exception', seen at the end of
+        CLI runs under torchrun."""
+        recorded = _watcher.remove(self)
+        if recorded is None:
+            return
         try:
-            self.count.exception(timeout=_STORE_S)
+            recorded.exception(timeout=_STORE_S)
         except FutureTimeout:
             pass
 
     def missing(self) -> list[int]:
         """The ranks that have not entered this collective (after waiting a little for stragglers)."""
-        mine = self.count.result()  # raises what the store raised
+        _watcher.record_now(self).result()  # raises what the store raised
+        mine = self.number
         deadline = time.monotonic() + _straggler_s()
         behind = [r for r in dist.get_process_group_ranks(self.group) if r != self.me]
         behind = [r for r, n in zip(behind, self._counts(behind)) if n < mine]
@@ -107,9 +137,55 @@ class _Arrival:
 
     def _counts(self, ranks: list[int]) -> list[int]:
         store, keys = _store(), [self._key(r) for r in ranks]
-        if store.check(keys):  # one request for all (a rank that never arrived has no key)
+        if store.check(keys):  # one request for all (a rank that never recorded has no key)
             return [int(v) for v in store.multi_get(keys)]
         return [int(store.add(k, 0)) for k in keys]
+
+
+class _Watcher:
+    """The collectives this process waits for; one daemon thread looks at them every
+    :func:`_late_s` / 2 and records the arrival of any that has lasted :func:`_late_s`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiting: dict[int, _Arrival] = {}
+        self.pid: int | None = None  # the process whose thread watches (a fork has none)
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's thread, and whatever it held, are not here."""
+        self.lock = threading.Lock()
+        self.waiting = {}
+        self.pid = None
+
+    def add(self, arrival: _Arrival) -> None:
+        with self.lock:
+            self.waiting[id(arrival)] = arrival
+            if self.pid != os.getpid():
+                self.pid = os.getpid()
+                threading.Thread(target=self._run, name="checkpointer-arrivals", daemon=True).start()
+
+    def remove(self, arrival: _Arrival) -> Future | None:
+        with self.lock:
+            self.waiting.pop(id(arrival), None)
+            return arrival.recorded
+
+    def record_now(self, arrival: _Arrival) -> Future:
+        with self.lock:
+            return arrival.record()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(_late_s() / 2)
+            now = time.monotonic()
+            with self.lock:
+                for arrival in self.waiting.values():
+                    if arrival.recorded is None and now - arrival.since >= _late_s():
+                        arrival.record()
+
+
+_watcher = _Watcher()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_watcher.after_fork)
 
 
 def _store() -> Any:
@@ -151,11 +227,15 @@ def _wait(work: dist.Work | None, what: str, arrival: _Arrival | None = None, pe
     """
     if work is None:
         return
+    if arrival is not None:
+        arrival.watch()
     try:
         # The wait for stragglers comes out of the timeout: the error comes within it.
         work.wait(timeout=datetime.timedelta(seconds=timeout_seconds() - (_straggler_s() if arrival else 0.0)))
     except Exception as ex:
         who, detail = _who_stopped(arrival, peer)
+        if arrival is not None:
+            _watcher.remove(arrival)
         raise RankFailedError(
             f"{what}: {who} stopped answering (died, or exceeded {TIMEOUT_ENV}={timeout_seconds():g}s){detail}: {ex}"
         ) from ex

@@ -491,44 +491,48 @@ def _load_and_unshard_optim(rank, world_size, ckpt):
 
 
 def _collectives_with_a_slow_store(rank, world_size):
-    """Every collective counts its arrival in the rendezvous store on a thread; with a store that
-    takes 0.3 s to answer, are those counts finished when the collectives return?"""
+    """Rank 1 enters late, so rank 0 records its arrival; the store takes 0.3 s to answer, longer
+    than rank 0 then still waits. Has every record finished when the collectives return?"""
     import time as _time
 
     from checkpointer import dist as cdist
 
-    real = cdist._store
+    real, late = cdist._store, cdist._LATE_S
 
     class SlowStore:
         def __init__(self, store):
             self.store = store
 
-        def add(self, key, n):
+        def set(self, key, value):
             _time.sleep(0.3)
-            return self.store.add(key, n)
+            return self.store.set(key, value)
 
-    counts = []
+    arrivals = []
     real_arrival_init = cdist._Arrival.__init__
 
     def init(self, group=None):
         real_arrival_init(self, group)
-        counts.append(self.count)
+        arrivals.append(self)
 
-    cdist._store = lambda: SlowStore(real())
+    cdist._store, cdist._LATE_S = (lambda: SlowStore(real())), 0.2
     cdist._Arrival.__init__ = init
     try:
+        if rank == 1:
+            _time.sleep(0.35)  # after rank 0's record starts (0.2-0.3 s), before it ends
         cdist.all_gather_bytes(b"x" * rank)
         cdist.agree(None, "test")
-        return [c.done() for c in counts]
+        return [(a.recorded is not None, a.recorded is None or a.recorded.done()) for a in arrivals]
     finally:
-        cdist._store, cdist._Arrival.__init__ = real, real_arrival_init
+        cdist._store, cdist._Arrival.__init__, cdist._LATE_S = real, real_arrival_init, late
 
 
-def test_no_store_count_outlives_its_collective(run_distributed):
-    """A count still inside the store's C++ client when the process exits aborted it ('terminate
+def test_no_store_record_outlives_its_collective(run_distributed):
+    """A record still inside the store's C++ client when the process exits aborted it ('terminate
     called without an active exception', about 1 in 12 CLI runs under torchrun on a busy host)."""
-    for done in run_distributed(_collectives_with_a_slow_store, 2):
-        assert done and all(done), done
+    first, second = run_distributed(_collectives_with_a_slow_store, 2)
+    assert first[0] == (True, True), first  # rank 0 recorded, and the record had ended
+    assert all(done for _, done in first + second), (first, second)
+    assert not any(recorded for recorded, _ in second), second
 
 
 # ---------------------------------------------------------------------------------------
