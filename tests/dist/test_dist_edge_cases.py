@@ -293,8 +293,9 @@ def _store_use_across_collectives(rank, world_size):
     import weakref
 
     from checkpointer import dist as cdist
+    from checkpointer.dist import arrivals
 
-    real, late = cdist._store, cdist._LATE_S
+    real, late = arrivals._store, arrivals._LATE_S
     handed: list = []
     takers: set = set()
 
@@ -311,20 +312,20 @@ def _store_use_across_collectives(rank, world_size):
         takers.add(threading.current_thread())
         return handle
 
-    cdist._store, cdist._LATE_S = store, 0.2  # this worker process serves other tests: restored below
+    arrivals._store, arrivals._LATE_S = store, 0.2  # this worker process serves other tests: restored below
     try:
         for _ in range(10):
             cdist.barrier()
             cdist.all_gather_bytes(b"x" * rank)
         fast = len(handed)
         if rank == 1:
-            time.sleep(0.6)  # rank 0 waits three times _LATE_S inside the collective
+            time.sleep(1.2)  # rank 0 waits six times _LATE_S inside the collective (and past a poll begun at 1 s)
         cdist.all_gather_bytes(b"y")
         gc.collect()
         held = sum(ref() is not None for ref in handed)
         return fast, len(handed), held, all(t.daemon and t is not threading.main_thread() for t in takers)
     finally:
-        cdist._store, cdist._LATE_S = real, late
+        arrivals._store, arrivals._LATE_S = real, late
 
 
 def test_only_a_slow_collective_touches_the_store(run_distributed):

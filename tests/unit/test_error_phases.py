@@ -11,8 +11,8 @@ from checkpointer.errors import RankError, RankFailedError
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpointer"
 ALLOWED = {
-    "dist.py": 2,  # attempt, agree_after's worker thread
-    "storage/parallel.py": 1,  # on_idle_thread's future (the store requests of dist.py)
+    "dist/__init__.py": 2,  # attempt, agree_after's worker thread
+    "storage/parallel.py": 1,  # on_idle_thread's future (the store requests of dist/arrivals.py)
     "engine/async_save.py": 1,
     "engine/reads.py": 1,  # a second interrupt while the read threads stop: raised once they have  # the background writer: its error goes to the save's future
     "tools/checkpoint_tensors.py": 1,  # the export's reader thread: its error goes to the consumer
