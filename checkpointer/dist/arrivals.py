@@ -117,8 +117,11 @@ class _Watcher:
         with self.lock:
             self.waiting[id(arrival)] = arrival
             if self.pid != os.getpid():
+                try:
+                    threading.Thread(target=self._run, name="checkpointer-arrivals", daemon=True).start()
+                except RuntimeError:  # no thread can start (the interpreter exits): unwatched, not failed
+                    return
                 self.pid = os.getpid()
-                threading.Thread(target=self._run, name="checkpointer-arrivals", daemon=True).start()
 
     def remove(self, arrival: _Arrival) -> Future | None:
         with self.lock:
@@ -136,7 +139,10 @@ class _Watcher:
             with self.lock:
                 for arrival in self.waiting.values():
                     if arrival.recorded is None and now - arrival.since >= _late_s():
-                        arrival.record()
+                        try:
+                            arrival.record()
+                        except RuntimeError:  # no thread can start now: tried again at the next look
+                            pass
 
 
 _watcher = _Watcher()

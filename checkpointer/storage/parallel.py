@@ -166,7 +166,7 @@ def on_idle_thread(fn: Callable[[], T], name: str) -> Future[T]:
 
 def _serve(inbox: queue.SimpleQueue) -> None:
     # The rendezvous store's last reference dropped on this thread at process exit aborts the
-    # process (dist.py's arrival counts): every reference a call made is gone before its caller
+    # process (the arrival records of dist/arrivals.py): every reference a call made is gone before its caller
     # hears back, its error's frames included.
     while True:
         fn, future = inbox.get()
