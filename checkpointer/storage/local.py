@@ -283,11 +283,12 @@ class LocalWriter(Writer):
     Where ``O_DIRECT`` is available (and ``CHECKPOINTER_DIRECT_IO`` is not ``0``), bytes go
     through a :class:`~checkpointer.storage.direct.DirectStream`, bypassing the page cache,
     unless (``auto``, the default) :meth:`expect_bytes` says that most of them would be copied
-    into its buffers anyway. Otherwise they are written buffered, and every :data:`_WRITEBACK_BYTES` the range just
-    written is sent to disk while the one before it is waited for and dropped from the page
-    cache (:meth:`_write_back`): the disk works while the next range is copied in, dirty pages
-    never pile up (left to the kernel, 2 x 1 GiB took 1.2-2.9 s on the development machine
-    instead of 0.9-1.1 s), and the file leaves the page cache as it would with ``O_DIRECT``.
+    into its buffers anyway. Otherwise they are written buffered, and every
+    :data:`_WRITEBACK_BYTES` the range just written is sent to disk while the one before it is
+    waited for and dropped from the page cache (:meth:`_write_back`): the disk works while the
+    next range is copied in, dirty pages never pile up (left to the kernel, 2 x 1 GiB took
+    1.2-2.9 s on the development machine instead of 0.9-1.1 s), and the file leaves the page
+    cache as it would with ``O_DIRECT``.
     """
 
     def __init__(self, path: str, *, direct: bool | None = None):
