@@ -106,8 +106,9 @@ def _slot(payload: bytes, width: int, group: Any = None) -> torch.Tensor:
 
 
 def _unslot(slot: torch.Tensor) -> bytes:
-    raw = _bytes(slot)
-    return raw[_LENGTH : _LENGTH + int.from_bytes(raw[:_LENGTH], "little")]
+    """The payload of a slot, without the padding after it."""
+    n = int.from_bytes(_bytes(slot[:_LENGTH]), "little")
+    return _bytes(slot[_LENGTH : _LENGTH + n])
 
 
 def all_gather_bytes(payload: bytes, group: Any = None) -> list[bytes]:

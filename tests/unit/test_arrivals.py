@@ -47,12 +47,12 @@ def test_a_record_that_cannot_start_is_tried_again_and_the_watcher_goes_on(monke
 
 
 def test_a_collective_ending_in_time_is_never_recorded(monkeypatch):
-    monkeypatch.setattr(arrivals, "_LATE_S", 0.2)
+    monkeypatch.setattr(arrivals, "_LATE_S", 0.4)  # the watcher looks every 0.2 s
     watcher = arrivals._Watcher()
     quick = FakeArrival(refusals=0)
     quick.since = time.monotonic()
     watcher.add(quick)
-    time.sleep(0.05)
+    time.sleep(0.3)  # one look has passed while it was watched, not yet late
     assert watcher.remove(quick) is None and quick.calls == 0
     time.sleep(0.3)  # past _LATE_S: once removed, it is not looked at again
     assert quick.calls == 0
