@@ -83,7 +83,9 @@ def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str, 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
-    ref, expected = build_state(dict(checkpoint_specs(1.0, False)[spec], shape=[side, side]), mesh, "alt01")
+    base = checkpoint_specs(1.0, False)[spec]
+    shape = [side, side] if len(base["shape"]) == 2 else [*base["shape"][:-2], side, side]
+    ref, expected = build_state(dict(base, shape=shape), mesh, base["save_dims"])
     if rounds == 0:
         checkpointer.Checkpointer().save(ckpt, ref)
     else:
@@ -122,8 +124,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10, help="loads per process (default 10)")
     ap.add_argument("--dir", default=None, help="the checkpoint (saved there if absent; default a temp dir)")
-    ap.add_argument("--spec", default="mix", choices=["mix", "bf16"],
-                    help="tp_compare's checkpoint: fp32 (mix_same, default) or bf16 (its bf16 case)")
+    ap.add_argument("--spec", default="mix", choices=["mix", "bf16", "moe2"],
+                    help="tp_compare's checkpoint: fp32 (mix_same, default), bf16 (its bf16 case) or moe2 (moe_dim2)")
     ap.add_argument("--side", type=int, default=1024,
                     help="the matrices' side (default 1024; a small one leaves the fixed cost of a load)")
     args = ap.parse_args()

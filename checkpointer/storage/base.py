@@ -20,7 +20,7 @@ import os
 import posixpath
 import re
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 __all__ = ["Storage", "Writer", "ReadRequest", "FileChangedError", "check_name", "check_url", "path_arg"]
 
@@ -207,6 +207,15 @@ class Storage(ABC):
         """Read ``length`` bytes at each of ``file_offsets`` (an increasing ``int64`` array) into
         memory at each of ``addresses`` (``uint64``, memory the caller keeps alive), in few calls."""
         raise io.UnsupportedOperation(f"{self.url}: no scattered reads")
+
+    def maps_files(self) -> bool:
+        """Whether :meth:`mapped` is offered (a local file system)."""
+        return False
+
+    def mapped(self, name: str, start: int, nbytes: int) -> ContextManager[memoryview]:
+        """Bytes ``[start, start + nbytes)`` of a file as its pages mapped into memory, to read
+        while the context lasts and to keep no view of after it; ``EOFError`` where the file is shorter."""
+        raise io.UnsupportedOperation(f"{self.url}: no mapped files")
 
     def read_blocks(
         self, name: str, start: int, buf: memoryview, block: int, after: Callable[[memoryview], None]

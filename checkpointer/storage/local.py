@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 from .. import settings
-from . import libc, scatter
+from . import libc, mapping, scatter
 from .base import FileChangedError, ReadRequest, Storage, Writer, check_name
 from .open_files import PINNED_FILES, OpenFile, OpenFiles, inside, where_opened
 from .direct import DirectStream, direct_io_enabled
@@ -233,6 +233,14 @@ class LocalStorage(Storage):
     def read_runs(self, name: str, file_offsets: Any, addresses: Any, length: int) -> None:
         with self._reading(name) as f:
             scatter.preadv_runs(f.fd, file_offsets, addresses, length, f.path)
+
+    def maps_files(self) -> bool:
+        return mapping.available()
+
+    @contextmanager
+    def mapped(self, name: str, start: int, nbytes: int) -> Iterator[memoryview]:
+        with self._reading(name) as f, mapping.mapped_range(f.fd, start, nbytes, f.path) as view:
+            yield view
 
     def read_blocks(
         self, name: str, start: int, buf: memoryview, block: int, after: Callable[[memoryview], None]

@@ -133,7 +133,7 @@ def test_shard2_two_columns_unshards_and_loads_in_few_reads_and_little_memory(ru
     dest = torch.zeros_like(want)  # allocated before measuring: the destination is not "extra"
     Checkpointer().load(ckpt, {"w": dest}, no_dist=True)  # warm the page cache and the imports
     requests = []
-    real_read_into, real_read_runs = LocalStorage.read_into, LocalStorage.read_runs
+    real_read_into, real_read_runs, real_mapped = LocalStorage.read_into, LocalStorage.read_runs, LocalStorage.mapped
 
     def read_into(self, name, reqs):
         requests.extend(len(buf) for _, buf in reqs)
@@ -143,8 +143,13 @@ def test_shard2_two_columns_unshards_and_loads_in_few_reads_and_little_memory(ru
         requests.extend([length] * len(offsets))
         return real_read_runs(self, name, offsets, addresses, length)
 
+    def mapped(self, name, start, nbytes):
+        requests.append(nbytes)
+        return real_mapped(self, name, start, nbytes)
+
     monkeypatch.setattr(LocalStorage, "read_into", read_into)
     monkeypatch.setattr(LocalStorage, "read_runs", read_runs)
+    monkeypatch.setattr(LocalStorage, "mapped", mapped)
     results = {
         "unshard": _peak_extra_mib(lambda: Checkpointer().unshard(ckpt, no_dist=True)["w"]),
         "load": _peak_extra_mib(lambda: Checkpointer().load(ckpt, {"w": dest}, no_dist=True) or dest),
@@ -155,5 +160,5 @@ def test_shard2_two_columns_unshards_and_loads_in_few_reads_and_little_memory(ru
         assert torch.equal(value, want), what
         result_mib = 0 if what == "load" else nbytes_mib  # unshard and lazy_load return a new tensor
         assert extra_mib - result_mib < 64, (what, extra_mib)
-    # Each operation reads each file's 4 MiB piece in one request: 6 in all (row by row, 2 million).
+    # Each operation reads (or maps) each file's 4 MiB piece at once: 6 in all (row by row, 2 million).
     assert sorted(requests) == [4 << 20] * 6, requests[:20]

@@ -167,6 +167,8 @@ def test_random_save_and_load_layouts_against_the_oracle(tmp_path_factory, data,
         monkeypatch.setattr(reads, "_RUN_BYTES", 1 << 62)
     # Without scattered reads (as on an object store) every other strided item goes through staging blocks.
     monkeypatch.setattr(LocalStorage, "reads_runs", lambda self, scattered=data.draw(st.booleans()): scattered)
+    # Copied from mapped pages: every strided item, or none.
+    monkeypatch.setattr(reads, "_MAP_BYTES", data.draw(st.sampled_from([0, 1 << 62])))
     wanted = data.draw(layouts(shape)) + [whole(shape)]
     verify = data.draw(st.booleans())
     for piece in wanted:
@@ -277,17 +279,23 @@ def _shard2_reads(tmp_path, rows: int, monkeypatch) -> tuple[int, int]:
     (tmp_path / str(rows)).mkdir()
     storage = write_checkpoint(str(tmp_path / str(rows)), full, pieces)
     requests = []
-    real = LocalStorage.read_into
+    real, real_mapped = LocalStorage.read_into, LocalStorage.mapped
 
     def counting(self, name, reqs):
         requests.extend(reqs)
         return real(self, name, reqs)
 
+    def counting_mapped(self, name, start, nbytes):
+        requests.append((start, nbytes))
+        return real_mapped(self, name, start, nbytes)
+
     monkeypatch.setattr(LocalStorage, "read_into", counting)
+    monkeypatch.setattr(LocalStorage, "mapped", counting_mapped)
     metadata = parse_metadata(storage.read(METADATA_FILENAME, 0, storage.size(METADATA_FILENAME)), where="m")
     plan = build_load_plan("w", metadata.tensors["w"], whole(full.shape))
     got = load_piece(storage, whole(full.shape), torch.float32)
     monkeypatch.setattr(LocalStorage, "read_into", real)
+    monkeypatch.setattr(LocalStorage, "mapped", real_mapped)
     assert torch.equal(got, full.reshape(-1))
     return len(requests), len(plan.items)
 

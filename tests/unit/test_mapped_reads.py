@@ -1,0 +1,106 @@
+"""Strided pieces copied from a local file's mapped pages (storage/mapping.py, engine/reads.py):
+the copy takes only its runs, a short file is an error naming it (not a ``SIGBUS``), and no
+mapping outlives the load."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from checkpointer.engine import reads
+from checkpointer.errors import CorruptCheckpointError
+from checkpointer.format.layout import rank_filename
+from checkpointer.planning.plan import Piece
+from checkpointer.storage import mapping
+from checkpointer.storage.local import LocalStorage
+
+from test_box_reads import load_piece, write_checkpoint
+
+pytestmark = pytest.mark.skipif(not mapping.available(), reason="no mmap in this C library")
+
+COLUMNS = [Piece(local_shape=(256, 64), global_offset=(0, 64 * r)) for r in range(2)]  # Shard(1) of 2
+WANTED = Piece(local_shape=(256, 32), global_offset=(0, 48))  # columns from both files
+
+
+def _mapped_calls(monkeypatch) -> list[tuple[str, int, int]]:
+    calls: list[tuple[str, int, int]] = []
+    real = LocalStorage.mapped
+
+    def mapped(self, name, start, nbytes):
+        calls.append((name, start, nbytes))
+        return real(self, name, start, nbytes)
+
+    monkeypatch.setattr(LocalStorage, "mapped", mapped)
+    return calls
+
+
+def _mapped_files() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()
+
+
+def test_a_strided_piece_is_copied_from_mapped_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(reads, "_MAP_BYTES", 0)
+    monkeypatch.setattr(reads, "STRIDED_BLOCK", 16 << 10)  # a block ends inside a row
+    full = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    storage = write_checkpoint(str(tmp_path), full, COLUMNS)
+    calls = _mapped_calls(monkeypatch)
+    got = load_piece(storage, WANTED, torch.float32)
+    assert torch.equal(got, full[:, 48:80].reshape(-1))
+    # Each file's span of the piece (256 rows x 64 or 16 columns of 4 bytes) in 16 KiB blocks.
+    assert sorted({name for name, _, _ in calls}) == [rank_filename(0), rank_filename(1)]
+    for r, columns in ((0, 16), (1, 16)):
+        blocks = [n for name, _, n in calls if name == rank_filename(r)]
+        span = (255 * 64 + columns) * 4
+        assert sum(blocks) == span and max(blocks) <= 16 << 10, blocks
+    assert str(tmp_path) not in _mapped_files()  # every block unmapped
+
+
+def test_spans_under_the_threshold_are_read_not_mapped(tmp_path, monkeypatch):
+    monkeypatch.setattr(reads, "_MAP_BYTES", 1 << 30)
+    full = torch.randn(256, 128, generator=torch.Generator().manual_seed(1))
+    storage = write_checkpoint(str(tmp_path), full, COLUMNS)
+    calls = _mapped_calls(monkeypatch)
+    assert torch.equal(load_piece(storage, WANTED, torch.float32), full[:, 48:80].reshape(-1))
+    assert calls == []
+
+
+def test_a_file_cut_short_while_loading_is_an_error_naming_it_not_a_crash(tmp_path, monkeypatch):
+    """Reading a mapped page past a file's end would kill the process (``SIGBUS``). The header
+    check catches a file cut short before the load; one cut after it (here, just before its
+    first block is mapped) is caught by the size check before mapping."""
+    monkeypatch.setattr(reads, "_MAP_BYTES", 0)
+    full = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))
+    storage = write_checkpoint(str(tmp_path), full, COLUMNS)
+    path = os.path.join(str(tmp_path), rank_filename(1))
+    real = LocalStorage.mapped
+
+    def cut_then_mapped(self, name, start, nbytes):
+        if name == rank_filename(1):
+            os.truncate(path, start + nbytes - 4096)
+        return real(self, name, start, nbytes)
+
+    monkeypatch.setattr(LocalStorage, "mapped", cut_then_mapped)
+    with pytest.raises(CorruptCheckpointError, match=rank_filename(1)):
+        load_piece(storage, WANTED, torch.float32)
+    assert str(tmp_path) not in _mapped_files()
+
+
+def test_mapped_range_checks_the_size_and_maps_any_offset(tmp_path):
+    path = tmp_path / "f"
+    data = os.urandom(3 * 4096 + 100)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with mapping.mapped_range(fd, 5000, 7000, str(path)) as view:
+            assert bytes(view) == data[5000:12000]  # from inside a page
+        with mapping.mapped_range(fd, 0, len(data), str(path)) as view:
+            assert bytes(view) == data
+        with pytest.raises(EOFError, match="truncated"):
+            with mapping.mapped_range(fd, 5000, len(data), str(path)):
+                pass
+    finally:
+        os.close(fd)
+    assert str(path) not in _mapped_files()
