@@ -256,7 +256,7 @@ def fill_in_place_from(
 ) -> None:
     """Fill the loads of several checkpoints (each with its storage's header cache): every
     destination that can be read into directly in one pool of reads, then the others."""
-    options = dict(num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
+    options = dict(num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes, map_pages=True)  # rank files a save wrote
     direct: list[tuple[HeaderCache, list[ReadJob]]] = []
     staged: list[tuple[HeaderCache, list[LocalLoad]]] = []
     for headers, loads in parts:

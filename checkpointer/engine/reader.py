@@ -82,7 +82,12 @@ class CheckpointReader:
     def read(self, jobs: Sequence[ReadJob], *, verify: bool = False) -> None:
         """Fill the jobs' destinations; with ``verify``, every checksum chunk they touch is checked."""
         execute_reads(
-            self.storage, jobs, headers=self.headers, num_threads=self.num_threads, verify_chunk_bytes=self._chunk(verify)
+            self.storage,
+            jobs,
+            headers=self.headers,
+            num_threads=self.num_threads,
+            verify_chunk_bytes=self._chunk(verify),
+            map_pages=True,  # rank files a save wrote
         )
 
     def piece(self, key: str, piece: Piece, *, verify: bool = False) -> torch.Tensor:

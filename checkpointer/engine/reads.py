@@ -109,6 +109,7 @@ def execute_reads(
     headers: HeaderCache | None = None,
     num_threads: int | None = None,
     verify_chunk_bytes: int | None = None,
+    map_pages: bool = False,
 ) -> None:
     """Run load plans, straight into their destinations.
 
@@ -118,9 +119,15 @@ def execute_reads(
     32 MiB) go to one thread each, which reads them 1 MiB at a time and hashes each block right
     after reading it, from the CPU cache (hashing each 16 MiB chunk after one read of the run, from
     memory, added about 48 % to a warm 1 GiB load here; this, about 36 %); elsewhere, and for chunks the reads cover only in part, after
-    all the reads.
+    all the reads. ``map_pages``: long strided spans of local files may be copied from their
+    mapped pages (see :func:`_strided_tasks`); only for files a save wrote, never changed in place.
     """
-    execute_reads_from([(headers or HeaderCache(storage), jobs)], num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
+    execute_reads_from(
+        [(headers or HeaderCache(storage), jobs)],
+        num_threads=num_threads,
+        verify_chunk_bytes=verify_chunk_bytes,
+        map_pages=map_pages,
+    )
 
 
 def execute_reads_from(
@@ -128,6 +135,7 @@ def execute_reads_from(
     *,
     num_threads: int | None = None,
     verify_chunk_bytes: int | None = None,
+    map_pages: bool = False,
 ) -> None:
     """:func:`execute_reads` for the jobs of several checkpoints at once (each with the header
     cache of its storage), in one thread pool: a model's and its optimizer's reads overlap."""
@@ -135,7 +143,7 @@ def execute_reads_from(
     checked_after: list[tuple[HeaderCache, Sequence[ReadJob]]] = []
     buffers = StagingBlocks()
     for headers, jobs in sources:
-        tasks += _strided_tasks(headers, jobs, verify_chunk_bytes, buffers)
+        tasks += _strided_tasks(headers, jobs, verify_chunk_bytes, buffers, map_pages)
         tasks += _read_tasks(headers, jobs, verify_chunk_bytes)
         if verify_chunk_bytes and not headers.storage.is_local():
             checked_after.append((headers, jobs))
@@ -203,17 +211,18 @@ class StagingBlocks:
 
 
 def _strided_tasks(
-    headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None, buffers: StagingBlocks
+    headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None, buffers: StagingBlocks, map_pages: bool
 ) -> list[tuple]:
     """The tasks of the strided items: each item's span of its stored piece, read in blocks of at
     most :data:`STRIDED_BLOCK` bytes (whole checksum chunks when verifying, each hashed once read),
-    each block copied out as at most ``2 * ndim - 1`` strided boxes. Unverified, a local file's
-    span of :data:`_MAP_BYTES` or more is copied from its mapped pages in such blocks instead, and
-    a shorter one's runs are read by scattered reads."""
+    each block copied out as at most ``2 * ndim - 1`` strided boxes. Unverified, with
+    ``map_pages``, a local file's span of :data:`_MAP_BYTES` or more is copied from its mapped
+    pages in such blocks instead (each block still cached, else read as above); the runs of
+    another item, contiguous on both sides, are read by scattered reads."""
     tasks: list[tuple] = []
     storage = headers.storage
     scattered = storage.reads_runs()
-    maps = not verify_chunk_bytes and storage.maps_files()
+    maps = map_pages and not verify_chunk_bytes and storage.maps_files()
     for job in jobs:
         plan = job.plan
         size = itemsize(plan.dtype)
@@ -226,7 +235,7 @@ def _strided_tasks(
                 step = max(1, STRIDED_BLOCK // size)
                 for a in range(item.src_offset, item.src_end, step):
                     b = min(item.src_end, a + step)
-                    tasks.append((_copy_mapped, storage, item.file, start, size, item, job.dest, a, b))
+                    tasks.append((_copy_mapped, storage, item.file, plan.key, start, size, item, job.dest, a, b, buffers))
                 continue
             if not verify_chunk_bytes and scattered and item.src_strides[-1] == item.dst_strides[-1] == 1:
                 run = item.sizes[-1]
@@ -268,16 +277,30 @@ def _read_runs(
 
 
 def _copy_mapped(
-    storage: Storage, name: str, piece_start_byte: int, size: int, item: ReadItem, dest: torch.Tensor, lo: int, hi: int
+    storage: Storage,
+    name: str,
+    key: str,
+    piece_start_byte: int,
+    size: int,
+    item: ReadItem,
+    dest: torch.Tensor,
+    lo: int,
+    hi: int,
+    buffers: StagingBlocks,
 ) -> None:
     """Copy the item's elements among stored elements ``[lo, hi)`` into ``dest`` straight from
-    the file's mapped pages: the gaps between its runs are neither read nor copied."""
+    the file's mapped pages: the gaps between its runs are neither read nor copied. Where the
+    storage cannot map them now (not all in the page cache), they go through a staging block."""
 
-    def copy() -> None:
+    def copy() -> bool:
         with storage.mapped(name, piece_start_byte + lo * size, (hi - lo) * size) as view:
+            if view is None:
+                return False
             scatter_span(item, torch.frombuffer(view, dtype=dest.dtype), lo, dest)
+            return True
 
-    read_with(storage, name, copy)
+    if not read_with(storage, name, copy):
+        _read_strided(storage, name, key, piece_start_byte, size, item, dest, lo, hi, [], buffers)
 
 
 def _read_strided(

@@ -212,9 +212,10 @@ class Storage(ABC):
         """Whether :meth:`mapped` is offered (a local file system)."""
         return False
 
-    def mapped(self, name: str, start: int, nbytes: int) -> ContextManager[memoryview]:
+    def mapped(self, name: str, start: int, nbytes: int) -> ContextManager[memoryview | None]:
         """Bytes ``[start, start + nbytes)`` of a file as its pages mapped into memory, to read
-        while the context lasts and to keep no view of after it; ``EOFError`` where the file is shorter."""
+        while the context lasts and to keep no view of after it; ``None`` where they cannot be
+        mapped safely now (the caller reads them); ``EOFError`` where the file is shorter."""
         raise io.UnsupportedOperation(f"{self.url}: no mapped files")
 
     def read_blocks(

@@ -238,7 +238,7 @@ class LocalStorage(Storage):
         return mapping.available()
 
     @contextmanager
-    def mapped(self, name: str, start: int, nbytes: int) -> Iterator[memoryview]:
+    def mapped(self, name: str, start: int, nbytes: int) -> Iterator[memoryview | None]:
         with self._reading(name) as f, mapping.mapped_range(f.fd, start, nbytes, f.path) as view:
             yield view
 

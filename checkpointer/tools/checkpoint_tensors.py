@@ -107,7 +107,7 @@ class CheckpointTensors:
                 for start in range(0, meta.numel, step):
                     end = min(start + step, meta.numel)
                     job = ReadJob(build_load_plan(key, meta, [(start, end)]), flat[start:end], numels, crcs)
-                    execute_reads(self.storage, [job], headers=self.headers, num_threads=self.num_threads)
+                    execute_reads(self.storage, [job], headers=self.headers, num_threads=self.num_threads, map_pages=True)
                     ready.put(end * size)
                     # Chunks that this block completed, hashed while they are recent in the cache.
                     while checks and checked < len(checks) and checks[checked][0] <= end * size:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -16,7 +17,8 @@ from checkpointer.storage.local import LocalStorage
 
 class CountingStorage(LocalStorage):
     """A local directory that records its reads: ``reads`` (whole-range ``read``: headers,
-    metadata) and ``data_reads`` (``read_into``: tensor bytes), each ``(name, offset, nbytes)``."""
+    metadata) and ``data_reads`` (``read_into``, ``read_runs`` and ``mapped``: tensor bytes),
+    each ``(name, offset, nbytes)``; a mapped block counts whole."""
 
     def __init__(self, root: str):
         super().__init__(root)
@@ -42,6 +44,14 @@ class CountingStorage(LocalStorage):
         super().read_runs(name, file_offsets, addresses, length)
         with self._lock:  # one entry per call: the bytes that reached the destination
             self.data_reads.append((name, int(file_offsets[0]), len(file_offsets) * length))
+
+    @contextmanager
+    def mapped(self, name: str, start: int, nbytes: int) -> Iterator[memoryview | None]:
+        with super().mapped(name, start, nbytes) as view:
+            if view is not None:
+                with self._lock:
+                    self.data_reads.append((name, start, nbytes))
+            yield view
 
     def data_bytes(self) -> int:
         return sum(n for _, _, n in self.data_reads)

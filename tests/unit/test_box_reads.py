@@ -134,14 +134,16 @@ def write_checkpoint(path: str, full: torch.Tensor, pieces: list[Piece], key: st
     return storage
 
 
-def load_piece(storage: LocalStorage, piece: Piece, dtype, key: str = "w", verify: bool = False) -> torch.Tensor:
+def load_piece(
+    storage: LocalStorage, piece: Piece, dtype, key: str = "w", verify: bool = False, map_pages: bool = True
+) -> torch.Tensor:
     metadata = parse_metadata(storage.read(METADATA_FILENAME, 0, storage.size(METADATA_FILENAME)), where="m")
     meta = metadata.tensors[key]
     plan = build_load_plan(key, meta, piece)
     dest = torch.full((piece.numel,), -1, dtype=dtype) if dtype.is_floating_point else torch.zeros(piece.numel, dtype=dtype)
     specs = meta.shard_spec_per_file
     job = ReadJob(plan, dest, {f: specs[f].local_numel for f in plan.files}, {f: specs[f].checksums for f in plan.files})
-    execute_reads(storage, [job], verify_chunk_bytes=metadata.checksum_chunk_bytes if verify else None)
+    execute_reads(storage, [job], verify_chunk_bytes=metadata.checksum_chunk_bytes if verify else None, map_pages=map_pages)
     return dest
 
 

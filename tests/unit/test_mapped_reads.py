@@ -1,6 +1,7 @@
 """Strided pieces copied from a local file's mapped pages (storage/mapping.py, engine/reads.py):
-the copy takes only its runs, a short file is an error naming it (not a ``SIGBUS``), and no
-mapping outlives the load."""
+the copy takes only its runs; a short file is an error naming it (not a ``SIGBUS``); a range
+not wholly in the page cache, or a refused mapping, is read instead; only callers that ask map
+(the loads of rank files a save wrote); no mapping outlives a load that succeeded."""
 
 from __future__ import annotations
 
@@ -104,3 +105,59 @@ def test_mapped_range_checks_the_size_and_maps_any_offset(tmp_path):
     finally:
         os.close(fd)
     assert str(path) not in _mapped_files()
+
+
+def _uncached(path: str) -> bool:
+    """Drop the file's clean pages from the page cache; whether the kernel did (not on tmpfs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with mapping.mapped_range(fd, 0, os.fstat(fd).st_size, path) as view:
+            return view is None
+    finally:
+        os.close(fd)
+
+
+def test_a_range_not_in_the_page_cache_is_read_not_mapped(tmp_path, monkeypatch):
+    """Reading an uncached mapped page whose disk read fails would be a ``SIGBUS``: such a block
+    goes through a staging block, with the same values."""
+    monkeypatch.setattr(reads, "_MAP_BYTES", 0)
+    rows = 16384  # 4 MiB a file: reading its header does not bring in the rest
+    full = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))
+    columns = [Piece(local_shape=(rows, 64), global_offset=(0, 64 * r)) for r in range(2)]
+    wanted = Piece(local_shape=(rows, 32), global_offset=(0, 48))
+    storage = write_checkpoint(str(tmp_path), full, columns)
+    if not all(_uncached(os.path.join(str(tmp_path), rank_filename(r))) for r in range(2)):
+        pytest.skip("this file system keeps the files in memory (tmpfs)")
+    staged = []
+    real = reads._read_strided
+    monkeypatch.setattr(reads, "_read_strided", lambda *args: (staged.append(args[1]), real(*args)))
+    got = load_piece(storage, wanted, torch.float32)
+    assert torch.equal(got, full[:, 48:80].reshape(-1))
+    assert sorted(staged) == [rank_filename(0), rank_filename(1)]
+    assert str(tmp_path) not in _mapped_files()
+    staged.clear()
+    assert torch.equal(load_piece(storage, wanted, torch.float32), full[:, 48:80].reshape(-1))
+    assert staged == []  # the read brought the pages in: now they are mapped
+
+
+def test_a_refused_mapping_is_read_instead(tmp_path, monkeypatch):
+    monkeypatch.setattr(reads, "_MAP_BYTES", 0)
+    full = torch.randn(256, 128, generator=torch.Generator().manual_seed(4))
+    storage = write_checkpoint(str(tmp_path), full, COLUMNS)
+    monkeypatch.setattr(mapping, "_MMAP", lambda *args: mapping._MAP_FAILED)  # as a FUSE direct_io mount answers
+    assert torch.equal(load_piece(storage, WANTED, torch.float32), full[:, 48:80].reshape(-1))
+
+
+def test_reads_map_only_when_asked(tmp_path, monkeypatch):
+    """Files another program wrote (a Hugging Face directory) may be rewritten in place while
+    read; only the loads of rank files ask for mapped copies."""
+    monkeypatch.setattr(reads, "_MAP_BYTES", 0)
+    full = torch.randn(256, 128, generator=torch.Generator().manual_seed(5))
+    storage = write_checkpoint(str(tmp_path), full, COLUMNS)
+    calls = _mapped_calls(monkeypatch)
+    assert torch.equal(load_piece(storage, WANTED, torch.float32, map_pages=False), full[:, 48:80].reshape(-1))
+    assert calls == []
+    assert torch.equal(load_piece(storage, WANTED, torch.float32), full[:, 48:80].reshape(-1))
+    assert calls
