@@ -235,7 +235,7 @@ def _strided_tasks(
                 step = max(1, STRIDED_BLOCK // size)
                 for a in range(item.src_offset, item.src_end, step):
                     b = min(item.src_end, a + step)
-                    tasks.append((_copy_mapped, storage, item.file, plan.key, start, size, item, job.dest, a, b, buffers))
+                    tasks.append((_read_strided, storage, item.file, plan.key, start, size, item, job.dest, a, b, [], buffers, True))
                 continue
             if not verify_chunk_bytes and scattered and item.src_strides[-1] == item.dst_strides[-1] == 1:
                 run = item.sizes[-1]
@@ -276,31 +276,20 @@ def _read_runs(
     read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))
 
 
-def _copy_mapped(
-    storage: Storage,
-    name: str,
-    key: str,
-    piece_start_byte: int,
-    size: int,
-    item: ReadItem,
-    dest: torch.Tensor,
-    lo: int,
-    hi: int,
-    buffers: StagingBlocks,
-) -> None:
-    """Copy the item's elements among stored elements ``[lo, hi)`` into ``dest`` straight from
-    the file's mapped pages: the gaps between its runs are neither read nor copied. Where the
-    storage cannot map them now (not all in the page cache), they go through a staging block."""
+def _copied_mapped(storage: Storage, name: str, start_byte: int, item: ReadItem, dest: torch.Tensor, lo: int, hi: int) -> bool:
+    """Copy the item's elements among stored elements ``[lo, hi)`` (from byte ``start_byte`` of the
+    file) into ``dest`` straight from the file's mapped pages: the gaps between its runs are
+    neither read nor copied. False where the storage cannot map them now (not all in the page cache)."""
+    size = dest.element_size()
 
     def copy() -> bool:
-        with storage.mapped(name, piece_start_byte + lo * size, (hi - lo) * size) as view:
+        with storage.mapped(name, start_byte, (hi - lo) * size) as view:
             if view is None:
                 return False
             scatter_span(item, torch.frombuffer(view, dtype=dest.dtype), lo, dest)
             return True
 
-    if not read_with(storage, name, copy):
-        _read_strided(storage, name, key, piece_start_byte, size, item, dest, lo, hi, [], buffers)
+    return read_with(storage, name, copy)
 
 
 def _read_strided(
@@ -315,9 +304,13 @@ def _read_strided(
     hi: int,
     checks: list[tuple[int, int, int, int]],
     buffers: StagingBlocks,
+    mapped: bool = False,
 ) -> None:
     """Read elements ``[lo, hi)`` of the stored piece into a staging block, check the checksum
-    chunks it holds whole, and copy the item's elements among them into ``dest``."""
+    chunks it holds whole, and copy the item's elements among them into ``dest``; with
+    ``mapped``, copy them from the file's mapped pages instead where it can (:func:`_copied_mapped`)."""
+    if mapped and _copied_mapped(storage, name, piece_start_byte + lo * size, item, dest, lo, hi):
+        return
     nbytes = (hi - lo) * size
     buf = buffers.take(nbytes)
     try:
