@@ -5,7 +5,12 @@ later; on the machines we measured, that writeback, not the copy, is what a save
 (2 x 1.6 GB written and fsynced: 4.8 to 6.5 s buffered, 1.0 to 1.4 s this way).
 
 ``O_DIRECT`` needs the memory address, the file offset and the length of each write aligned to
-the device (:func:`dio_alignment`: 512 bytes on common disks). Bytes go to the file two ways:
+the device (:func:`dio_alignment`: 512 bytes on common disks). The stream aligns its writes to
+the file system's block as well (:func:`write_alignment`: 4096 bytes on ext4): ext4 runs a
+write that starts or ends inside a block one at a time, after every write in flight, and
+zeroes the rest of the block first (1.5 GB written with 512-byte alignment took 3.5-10.9 s on
+the development machine, 4096-byte 2.4-3.5 s, as fast as plain 64 MiB writes).
+Bytes go to the file two ways:
 
 * from where they are, with no copy (:meth:`DirectStream.write_stable`, for memory the caller
   keeps unchanged until :meth:`DirectStream.finish`), for a buffer of at least
@@ -38,12 +43,16 @@ from .. import settings
 from . import libc
 from .parallel import Workers
 
-__all__ = ["BLOCK_BYTES", "DEPTH", "MIN_FROM_SOURCE", "PIECE_BYTES", "DirectStream", "dio_alignment", "direct_io_enabled"]
+__all__ = [
+    "BLOCK_BYTES", "DEPTH", "MIN_FROM_SOURCE", "PIECE_BYTES", "DirectStream", "dio_alignment", "direct_io_enabled",
+    "write_alignment",
+]
 
 BLOCK_BYTES = 4 << 20
 DEPTH = 4  # buffers: one being filled while the others are written; also the writes in flight + 1
 PIECE_BYTES = 16 << 20  # one write straight from the caller's memory
 _FALLBACK_ALIGN = 4096  # the largest logical block size of common devices; BLOCK_BYTES is a multiple
+_MAX_FS_BLOCK = 64 << 10  # a larger st_blksize (network file systems) is a transfer size, not a block
 # Smaller buffers are copied: each run from memory adds one small write of the unaligned bytes
 # around it (a save of 400 pieces of 2-4 MiB took 0.87-0.93 s written from memory, 0.64-0.65 s
 # copied, on one process with a core to spare for the copy).
@@ -80,6 +89,16 @@ def dio_alignment(fd: int) -> int:
     return align
 
 
+def write_alignment(fd: int) -> int:
+    """What the stream aligns its writes to: :func:`dio_alignment`, or the file system's block
+    (``st_blksize``) where that is larger, a power of two up to 64 KiB."""
+    align = dio_alignment(fd)
+    block = os.fstat(fd).st_blksize
+    if block <= _MAX_FS_BLOCK and block & (block - 1) == 0 and BLOCK_BYTES % block == 0:
+        return max(align, block)
+    return align
+
+
 def _address(view: memoryview) -> int | None:
     """The address of a writable buffer's first byte (None for read-only memory, as ``bytes``)."""
     if view.readonly or not len(view):
@@ -94,7 +113,7 @@ class DirectStream:
     def __init__(self, fd: int, path: str):
         self.fd = fd
         self.path = path
-        self.align = dio_alignment(fd)
+        self.align = write_alignment(fd)
         self.direct = False  # O_DIRECT set on the descriptor now
         self.refused = False  # the file system refused O_DIRECT: write the ordinary way
         self.copied = 0  # bytes that went through the buffers

@@ -358,6 +358,47 @@ def test_dio_alignment_is_one_o_direct_takes(tmp_path, takes_o_direct):
         os.close(fd)
 
 
+def test_write_alignment_is_the_file_systems_block_where_that_is_larger(tmp_path):
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        align, block = direct.write_alignment(fd), os.fstat(fd).st_blksize
+        assert align % direct.dio_alignment(fd) == 0 and BLOCK_BYTES % align == 0
+        if block <= 64 << 10 and block & (block - 1) == 0:
+            assert align == max(block, direct.dio_alignment(fd))
+    finally:
+        os.close(fd)
+
+
+def test_every_o_direct_write_starts_and_ends_on_a_file_system_block(tmp_path, monkeypatch, takes_o_direct):
+    """ext4 runs a write that starts or ends inside a block alone, after every write in flight:
+    a save of buffers whose addresses agree with their offsets only modulo 512 never sends one."""
+    if not takes_o_direct(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    path = str(tmp_path / "f")
+    fd, stream, seen = recorded_stream(path, monkeypatch)
+    block = os.fstat(fd).st_blksize
+    if block > 64 << 10 or block & (block - 1) or block <= direct.dio_alignment(fd):
+        os.close(fd)
+        pytest.skip(f"the file system's block ({block}) is no coarser than O_DIRECT's alignment")
+    lead = os.urandom(512)
+    sources = [aligned_source(2 * direct.PIECE_BYTES + 512, 1024) for _ in range(3)]  # 512 off a block
+    try:
+        stream.write([memoryview(lead)])
+        for _, view in sources:
+            stream.write_stable([view])
+        stream.finish()
+    finally:
+        os.close(fd)
+    assert_holds(path, lead + b"".join(bytes(view) for _, view in sources))
+    direct_writes = [(o, n) for o, n, on, _ in seen if on]
+    assert sum(n for _, n in direct_writes) > 5 * direct.PIECE_BYTES
+    assert all(o % block == 0 and n % block == 0 for o, n in direct_writes), direct_writes
+    for buf, view in sources:
+        view.release()
+        buf.close()
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     parts=st.lists(
