@@ -213,12 +213,13 @@ class StagingBlocks:
 def _strided_tasks(
     headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None, buffers: StagingBlocks, map_pages: bool
 ) -> list[tuple]:
-    """The tasks of the strided items: each item's span of its stored piece, read in blocks of at
+    """The tasks of the strided items. Runs contiguous on both sides are read by scattered reads
+    where the storage has them. Any other item's span of its stored piece is read in blocks of at
     most :data:`STRIDED_BLOCK` bytes (whole checksum chunks when verifying, each hashed once read),
-    each block copied out as at most ``2 * ndim - 1`` strided boxes. Unverified, with
-    ``map_pages``, a local file's span of :data:`_MAP_BYTES` or more is copied from its mapped
-    pages in such blocks instead (each block still cached, else read as above); the runs of
-    another item, contiguous on both sides, are read by scattered reads."""
+    each copied out as at most ``2 * ndim - 1`` strided boxes. Unverified, with ``map_pages``, a
+    local file's span of :data:`_MAP_BYTES` or more is copied from its mapped pages, in blocks of
+    about :data:`STRIDED_BLOCK` (cut between runs where read by runs), each read as above unless
+    all its pages are cached."""
     tasks: list[tuple] = []
     storage = headers.storage
     scattered = storage.reads_runs()
@@ -231,17 +232,17 @@ def _strided_tasks(
                 continue
             numel = job.numel_per_file[item.file]
             start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
-            if maps and (item.src_end - item.src_offset) * size >= _MAP_BYTES:
-                step = max(1, STRIDED_BLOCK // size)
-                for a in range(item.src_offset, item.src_end, step):
-                    b = min(item.src_end, a + step)
-                    tasks.append((_read_strided, storage, item.file, plan.key, start, size, item, job.dest, a, b, [], buffers, True))
-                continue
+            mapped = maps and (item.src_end - item.src_offset) * size >= _MAP_BYTES
             if not verify_chunk_bytes and scattered and item.src_strides[-1] == item.dst_strides[-1] == 1:
-                run = item.sizes[-1]
-                runs, per_task = item.numel // run, max(1, STRIDED_BLOCK // (run * size))
-                for r in range(0, runs, per_task):
-                    tasks.append((_read_runs, storage, item.file, start, size, item, job.dest, r, min(runs, r + per_task)))
+                runs = item.numel // item.sizes[-1]
+                if mapped:  # blocks of the stored span, cut between runs: uncached, a block is read by runs
+                    firsts = _run_starts(item, 0, runs)[0]
+                    grid = np.arange(firsts[0], firsts[-1] + 1, max(1, STRIDED_BLOCK // size))
+                    bounds = np.unique(np.searchsorted(firsts, grid))
+                else:
+                    bounds = range(0, runs, max(1, STRIDED_BLOCK // (item.sizes[-1] * size)))
+                for r, r_end in zip(bounds, [*bounds[1:], runs]):
+                    tasks.append((_read_runs, storage, item.file, start, size, item, job.dest, int(r), int(r_end), mapped))
                 continue
             lo, hi = item.src_offset, item.src_end
             crcs = (job.checksums_per_file or {}).get(item.file) if verify_chunk_bytes else None
@@ -259,18 +260,29 @@ def _strided_tasks(
                         if c >= len(crcs):
                             raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {plan.key!r} has too few checksums")
                         checks.append((c, c * chunk - a, min(b, (c + 1) * chunk) - a, crcs[c]))
-                tasks.append((_read_strided, storage, item.file, plan.key, start, size, item, job.dest, a, b, checks, buffers))
+                tasks.append((_read_strided, storage, item.file, plan.key, start, size, item, job.dest, a, b, checks, buffers, mapped))
     return tasks
 
 
-def _read_runs(
-    storage: Storage, name: str, piece_start_byte: int, size: int, item: ReadItem, dest: torch.Tensor, lo: int, hi: int
-) -> None:
-    """Runs ``[lo, hi)`` of a strided item whose runs are contiguous on both sides, read straight
-    into the destination by the storage's scattered reads (exactly their bytes, no staging)."""
+def _run_starts(item: ReadItem, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where runs ``[lo, hi)`` of an item whose runs are contiguous on both sides start: stored
+    element offsets, and destination ones."""
     index = np.unravel_index(np.arange(lo, hi, dtype=np.int64), item.sizes[:-1])
     src = item.src_offset + sum(i * s for i, s in zip(index, item.src_strides[:-1]))
-    dst = item.dst_offset + sum(i * s for i, s in zip(index, item.dst_strides[:-1]))
+    return src, item.dst_offset + sum(i * s for i, s in zip(index, item.dst_strides[:-1]))
+
+
+def _read_runs(
+    storage: Storage, name: str, piece_start_byte: int, size: int, item: ReadItem, dest: torch.Tensor, lo: int, hi: int,
+    mapped: bool = False,
+) -> None:
+    """Runs ``[lo, hi)`` of a strided item whose runs are contiguous on both sides, read straight
+    into the destination by the storage's scattered reads (exactly their bytes, no staging); with
+    ``mapped``, copied from the file's mapped pages instead where it can (:func:`_copied_mapped`)."""
+    src, dst = _run_starts(item, lo, hi)
+    first, end = int(src[0]), int(src[-1]) + item.sizes[-1]
+    if mapped and _copied_mapped(storage, name, piece_start_byte + first * size, item, dest, first, end):
+        return
     offsets = piece_start_byte + src * size
     addresses = (dest.data_ptr() + dst * size).astype(np.uint64)
     read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))

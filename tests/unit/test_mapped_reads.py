@@ -45,20 +45,38 @@ def _mapped_files() -> str:
 
 
 def test_a_strided_piece_is_copied_from_mapped_blocks(tmp_path, monkeypatch):
+    """Runs contiguous on both sides (a column block): blocks of whole runs, each mapping only
+    the stored span from its first run to its last."""
     monkeypatch.setattr(reads, "_MAP_BYTES", 0)
-    monkeypatch.setattr(reads, "STRIDED_BLOCK", 16 << 10)  # a block ends inside a row
+    monkeypatch.setattr(reads, "STRIDED_BLOCK", 16 << 10)
     full = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
     storage = write_checkpoint(str(tmp_path), full, COLUMNS)
     calls = _mapped_calls(monkeypatch)
     got = load_piece(storage, WANTED, torch.float32)
     assert torch.equal(got, full[:, 48:80].reshape(-1))
-    # Each file's span of the piece (256 rows x 64 or 16 columns of 4 bytes) in 16 KiB blocks.
-    assert sorted({name for name, _, _ in calls}) == [rank_filename(0), rank_filename(1)]
-    for r, columns in ((0, 16), (1, 16)):
-        blocks = [n for name, _, n in calls if name == rank_filename(r)]
-        span = (255 * 64 + columns) * 4
-        assert sum(blocks) == span and max(blocks) <= 16 << 10, blocks
+    # Each file holds 16 of the wanted columns: 256 runs of 16, a stored row of 64 apart; 64 runs a block.
+    for r in range(2):
+        blocks = sorted((start, n) for name, start, n in calls if name == rank_filename(r))
+        assert [n for _, n in blocks] == [(63 * 64 + 16) * 4] * 4, blocks
+        assert [b - a for (a, _), (b, _) in zip(blocks, blocks[1:])] == [64 * 64 * 4] * 3
     assert str(tmp_path) not in _mapped_files()  # every block unmapped
+
+
+def test_an_interleaved_piece_is_copied_from_mapped_blocks_of_its_span(tmp_path, monkeypatch):
+    """Elements one apart in the destination (a Shard(2) of 2 loaded as Shard(1)): the span is
+    mapped in blocks that end inside rows, and together cover it exactly."""
+    monkeypatch.setattr(reads, "_MAP_BYTES", 0)
+    monkeypatch.setattr(reads, "STRIDED_BLOCK", 5000)
+    full = torch.randn(256, 64, 2, generator=torch.Generator().manual_seed(6))
+    stored = [Piece(local_shape=(256, 64, 1), global_offset=(0, 0, r)) for r in range(2)]
+    storage = write_checkpoint(str(tmp_path), full, stored)
+    calls = _mapped_calls(monkeypatch)
+    got = load_piece(storage, Piece(local_shape=(256, 32, 2), global_offset=(0, 32, 0)), torch.float32)
+    assert torch.equal(got, full[:, 32:].reshape(-1))
+    for r in range(2):
+        blocks = [n for name, _, n in calls if name == rank_filename(r)]
+        assert sum(blocks) == (255 * 64 + 32) * 4 and max(blocks) <= 5000, blocks
+    assert str(tmp_path) not in _mapped_files()
 
 
 def test_spans_under_the_threshold_are_read_not_mapped(tmp_path, monkeypatch):
@@ -130,7 +148,8 @@ def _uncached(path: str) -> bool:
 
 def test_a_range_not_in_the_page_cache_is_read_not_mapped(tmp_path, monkeypatch):
     """Reading an uncached mapped page whose disk read fails would be a ``SIGBUS``: such a block
-    goes through a staging block, with the same values."""
+    is read instead, with the same values: its runs straight into the destination (scattered
+    reads, no staging block)."""
     monkeypatch.setattr(reads, "_MAP_BYTES", 0)
     rows = 16384  # 4 MiB a file: reading its header does not bring in the rest
     full = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))
@@ -139,16 +158,17 @@ def test_a_range_not_in_the_page_cache_is_read_not_mapped(tmp_path, monkeypatch)
     storage = write_checkpoint(str(tmp_path), full, columns)
     if not all(_uncached(os.path.join(str(tmp_path), rank_filename(r))) for r in range(2)):
         pytest.skip("this file system keeps the files in memory (tmpfs)")
-    staged = []
-    real = LocalStorage.read_into
-    monkeypatch.setattr(LocalStorage, "read_into", lambda self, name, reqs: (staged.append(name), real(self, name, reqs)))
+    read = []
+    for method in ("read_into", "read_runs"):
+        real = getattr(LocalStorage, method)
+        monkeypatch.setattr(LocalStorage, method, lambda self, name, *a, m=method, real=real: (read.append((m, name)), real(self, name, *a))[1])
     got = load_piece(storage, wanted, torch.float32)
     assert torch.equal(got, full[:, 48:80].reshape(-1))
-    assert sorted(staged) == [rank_filename(0), rank_filename(1)]
+    assert {m for m, _ in read} == {"read_runs"} and {n for _, n in read} == {rank_filename(0), rank_filename(1)}
     assert str(tmp_path) not in _mapped_files()
-    staged.clear()
+    read.clear()
     assert torch.equal(load_piece(storage, wanted, torch.float32), full[:, 48:80].reshape(-1))
-    assert staged == []  # the read brought the pages in: now they are mapped
+    assert read == []  # the read brought the pages in: now they are mapped
 
 
 def test_a_refused_mapping_is_read_instead(tmp_path, monkeypatch):
