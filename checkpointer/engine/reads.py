@@ -279,10 +279,11 @@ def _read_runs(
     """Runs ``[lo, hi)`` of a strided item whose runs are contiguous on both sides, read straight
     into the destination by the storage's scattered reads (exactly their bytes, no staging); with
     ``mapped``, copied from the file's mapped pages instead where it can (:func:`_copied_mapped`)."""
+    if mapped:
+        first, end = int(_run_starts(item, lo, lo + 1)[0][0]), int(_run_starts(item, hi - 1, hi)[0][0]) + item.sizes[-1]
+        if _copied_mapped(storage, name, piece_start_byte + first * size, item, dest, first, end):
+            return
     src, dst = _run_starts(item, lo, hi)
-    first, end = int(src[0]), int(src[-1]) + item.sizes[-1]
-    if mapped and _copied_mapped(storage, name, piece_start_byte + first * size, item, dest, first, end):
-        return
     offsets = piece_start_byte + src * size
     addresses = (dest.data_ptr() + dst * size).astype(np.uint64)
     read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))
