@@ -23,9 +23,9 @@ def _save(rank, world_size, top, compact):
     return model_full_state(model)
 
 
-def test_metadata_size_at_8_ranks_against_2_and_the_old_form_still_loads(run_distributed, tmp_path):
+def test_metadata_size_at_4_ranks_against_2_and_the_old_form_still_loads(run_distributed, tmp_path):
     sizes = {}
-    for world, compact in ((2, True), (8, True), (2, False)):
+    for world, compact in ((2, True), (4, True), (2, False)):  # 4: a pool the other tests start too
         top = str(tmp_path / f"w{world}-{compact}")
         full = run_distributed(_save, world, top, compact)[0]
         for part in ("model", "optim"):
@@ -42,5 +42,5 @@ def test_metadata_size_at_8_ranks_against_2_and_the_old_form_still_loads(run_dis
         for key, value in full.items():
             assert torch.equal(got[key], value), key
     for part in ("model", "optim"):
-        assert sizes[8, True, part] <= 1.25 * sizes[2, True, part], sizes
+        assert sizes[4, True, part] <= 1.25 * sizes[2, True, part], sizes
         assert sizes[2, True, part] < sizes[2, False, part], sizes

@@ -6,13 +6,14 @@ Skipped where torchtitan is not installed: ``make test-torchtitan`` makes a venv
 
 One module-scoped set of launches (each about 25 s of startup and steps on 2 cores):
 
-- ``reference``: 4 steps uninterrupted, saving every step with ``keep_latest_k=2``;
+- ``reference``: 4 steps uninterrupted, saving asynchronously every step with ``keep_latest_k=2``,
+  its folder listed right after each ``save()`` returned (the step just staged still writing);
 - ``stopped``: the same job killed after step 2 (its async save of step 2 done), then
   ``resumed``: a new launch of the same command, which finds step 2 and trains steps 3-4 (and
   saves its last step as the model alone, in bfloat16: ``last_save_model_only``, ``export_dtype``);
-- ``one_rank``: a world size 1 launch that resumes from (a copy of) the 2-rank step 2 and stops;
-- ``async_keep``: 4 steps saving asynchronously every step with ``keep_latest_k=2``, its folder
-  listed right after each ``save()`` returned (the step just staged still writing).
+- ``one_rank``: a world size 1 launch that resumes from (a copy of) the 2-rank step 2 and stops.
+
+Synchronous saves are those of the launches of single tests (1 rank, a seed checkpoint, Hugging Face).
 """
 
 from __future__ import annotations
@@ -60,15 +61,14 @@ def runs(tmp_path_factory):
     assets = titan_launcher.write_assets(root / "assets")
     every_step = ["--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]
     runs = {"root": root}
-    runs["reference"] = _launch(root, "reference", assets, dump_folder="reference", extra=every_step)
     async_save = ["--checkpoint.async_mode", "async"]
+    runs["reference"] = _launch(root, "reference", assets, dump_folder="reference", extra=every_step + async_save)
     runs["stopped"] = _launch(root, "stopped", assets, stop=2, dump_folder="job", extra=async_save)
     shutil.copytree(root / "job/checkpoint/step-2", root / "one_rank/checkpoint/step-2")
     last_model_only = ["--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"]
     runs["resumed"] = _launch(root, "resumed", assets, dump_folder="job", extra=async_save + last_model_only)
     runs["one_rank"] = _launch(root, "one_rank", assets, world_size=1, stop=2, dump_folder="one_rank",
                                dump_loaded=True)
-    runs["async_keep"] = _launch(root, "async_keep", assets, dump_folder="async_keep", extra=every_step + async_save)
     return runs
 
 
@@ -97,7 +97,7 @@ def test_a_resumed_job_matches_an_uninterrupted_one_bitwise(runs):
         saves = json.loads(Path(f"{runs['stopped']['timings']}.{rank}").read_text())
         assert saves["save_steps"] == [2] and saves["returned_future"] == [True], "async_mode=async saved synchronously"
         saves = json.loads(Path(f"{runs['reference']['timings']}.{rank}").read_text())
-        assert saves["save_steps"] == [1, 2, 3, 4] and saves["returned_future"] == [False] * 4
+        assert saves["save_steps"] == [1, 2, 3, 4] and saves["returned_future"] == [True] * 4
     end = torch.load(runs["reference"]["end"], weights_only=True)
     resumed = torch.load(runs["resumed"]["end"], weights_only=True)
     assert end["step"] == resumed["step"] == STEPS
@@ -152,7 +152,7 @@ def test_keep_latest_k_keeps_the_newest_complete_steps(runs):
 def test_keep_latest_k_with_an_async_save_in_flight_keeps_the_newest_complete_step(runs):
     """Right after each ``save()`` of step N returned (step N still writing), the folder holds
     step N and the newest complete step N-1; later, N-1 and N only (``keep_latest_k=2``)."""
-    listings = json.loads(runs["async_keep"]["folders"].read_text())
+    listings = json.loads(runs["reference"]["folders"].read_text())
     assert [x["step"] for x in listings] == [1, 2, 3, 4]
     for listing in listings:
         step = listing["step"]
@@ -161,10 +161,8 @@ def test_keep_latest_k_with_an_async_save_in_flight_keeps_the_newest_complete_st
             assert f"step-{step - 1}" in listing["complete"], listing
             assert listing["latest"] in (f"step-{step - 1}", f"step-{step}"), listing
         assert all(int(d.removeprefix("step-")) >= step - 2 for d in listing["dirs"]), listing
-    folder = runs["root"] / "async_keep/checkpoint"
+    folder = runs["root"] / "reference/checkpoint"
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
-    timings = json.loads(Path(f"{runs['async_keep']['timings']}.0").read_text())
-    assert timings["returned_future"] == [True] * 4
 
 
 def test_a_checkpoint_of_two_ranks_loads_exactly_on_one(runs):
@@ -183,6 +181,8 @@ def test_a_checkpoint_of_one_rank_loads_exactly_on_two(tmp_path):
     assets = titan_launcher.write_assets(tmp_path / "assets")
     saved = _launch(tmp_path, "one", assets, world_size=1, stop=2, dump_folder="job")
     loaded = _launch(tmp_path, "two", assets, stop=2, dump_folder="job", dump_loaded=True)
+    saves = json.loads(Path(f"{saved['timings']}.0").read_text())
+    assert saves["save_steps"] == [2] and saves["returned_future"] == [False], "a synchronous save"
     expected = torch.load(saved["end"], weights_only=True)
     actual = torch.load(loaded["loaded"], weights_only=True)
     for part in ("model", "optimizer", "lr_scheduler"):
