@@ -5,14 +5,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test bench fuzz clean test-torchtitan bench-torchtitan
 
-# --no-compile: Python compiles what a run imports; compiling every module of torch at install
-# took longer than unpacking it (44 s against 20 s for the torch wheel here).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --upgrade pip
+	$(PY) -m pip install --quiet --upgrade pip
 	# CPU wheel from local disk; never let pip pick a CUDA build of torch.
-	$(PY) -m pip install --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -e '.[test]' torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]' torch==2.13.0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,11 +40,11 @@ TITAN_STAMP := $(TITAN_VENV)/.installed
 $(TITAN_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(TITAN_VENV)
 	echo "torch==2.13.0" > $(TITAN_VENV)/constraints.txt
-	$(TITAN_PY) -m pip install --quiet --no-compile -c $(TITAN_VENV)/constraints.txt torch==2.13.0
-	$(TITAN_PY) -m pip install --quiet --no-compile --no-deps torchtitan==0.3.0 triton
-	$(TITAN_PY) -m pip install --quiet --no-compile -c $(TITAN_VENV)/constraints.txt torchdata torch_checkpointing \
+	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt torch==2.13.0
+	$(TITAN_PY) -m pip install --quiet --no-deps torchtitan==0.3.0 triton
+	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt torchdata torch_checkpointing \
 		'datasets>=3.6.0,<4.8.0' 'tokenizers>=0.15.0' safetensors tyro tensorboard einops pillow spmd_types==0.2.3
-	$(TITAN_PY) -m pip install --quiet --no-compile -c $(TITAN_VENV)/constraints.txt -e . pytest pytest-timeout
+	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt -e . pytest pytest-timeout
 	touch $(TITAN_STAMP)
 
 test-torchtitan: $(TITAN_STAMP)
