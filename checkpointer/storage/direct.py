@@ -9,7 +9,7 @@ the device (:func:`dio_alignment`: 512 bytes on common disks). The stream aligns
 the file system's block as well (:func:`write_alignment`: 4096 bytes on ext4): ext4 runs a
 write that starts or ends inside a block one at a time, after every write in flight, and
 zeroes the rest of the block first (1.5 GB written with 512-byte alignment took 3.5-10.9 s on
-the development machine, 4096-byte 2.4-3.5 s, as fast as plain 64 MiB writes).
+the development machine, 4096-byte 2.2-3.3 s, as fast as plain 64 MiB writes).
 Bytes go to the file two ways:
 
 * from where they are, with no copy (:meth:`DirectStream.write_stable`, for memory the caller
@@ -94,7 +94,7 @@ def write_alignment(fd: int) -> int:
     (``st_blksize``) where that is larger, a power of two up to 64 KiB."""
     align = dio_alignment(fd)
     block = os.fstat(fd).st_blksize
-    if block <= _MAX_FS_BLOCK and block & (block - 1) == 0 and BLOCK_BYTES % block == 0:
+    if 0 < block <= _MAX_FS_BLOCK and block & (block - 1) == 0 and BLOCK_BYTES % block == 0:
         return max(align, block)
     return align
 

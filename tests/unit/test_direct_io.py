@@ -9,6 +9,7 @@ import fcntl
 import mmap
 import os
 import threading
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -367,6 +368,19 @@ def test_write_alignment_is_the_file_systems_block_where_that_is_larger(tmp_path
         if block <= 64 << 10 and block & (block - 1) == 0:
             assert align == max(block, direct.dio_alignment(fd))
     finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("block", [0, 3000, 1 << 20])
+def test_a_block_size_that_is_none_odd_or_a_transfer_size_leaves_the_o_direct_alignment(tmp_path, monkeypatch, block):
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        expected = direct.dio_alignment(fd)
+        monkeypatch.setattr(direct.os, "fstat", lambda _fd: types.SimpleNamespace(st_blksize=block))
+        assert direct.write_alignment(fd) == expected
+    finally:
+        monkeypatch.undo()
         os.close(fd)
 
 
