@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench fuzz clean test-torchtitan bench-torchtitan
+.PHONY: install demo test bench fuzz clean install-torchtitan-deps test-torchtitan bench-torchtitan
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,16 +36,24 @@ fuzz: $(STAMP)
 TITAN_VENV := .venv-titan
 TITAN_PY := $(TITAN_VENV)/bin/python
 TITAN_STAMP := $(TITAN_VENV)/.installed
+TITAN_DEPS := $(TITAN_VENV)/.deps-installed
 
-$(TITAN_STAMP): pyproject.toml Makefile
+# Everything but this project, which CI installs while the main tests run (.ci/run).
+$(TITAN_DEPS): Makefile
 	$(PYTHON) -m venv $(TITAN_VENV)
 	echo "torch==2.13.0" > $(TITAN_VENV)/constraints.txt
 	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt torch==2.13.0
 	$(TITAN_PY) -m pip install --quiet --no-deps torchtitan==0.3.0 triton
 	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt torchdata torch_checkpointing \
-		'datasets>=3.6.0,<4.8.0' 'tokenizers>=0.15.0' safetensors tyro tensorboard einops pillow spmd_types==0.2.3
-	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt -e . pytest pytest-timeout
+		'datasets>=3.6.0,<4.8.0' 'tokenizers>=0.15.0' safetensors tyro tensorboard einops pillow spmd_types==0.2.3 \
+		pytest pytest-timeout
+	touch $(TITAN_DEPS)
+
+$(TITAN_STAMP): pyproject.toml Makefile $(TITAN_DEPS)
+	$(TITAN_PY) -m pip install --quiet -c $(TITAN_VENV)/constraints.txt -e .
 	touch $(TITAN_STAMP)
+
+install-torchtitan-deps: $(TITAN_DEPS)
 
 test-torchtitan: $(TITAN_STAMP)
 	$(TITAN_PY) -m pytest -q tests/integration
@@ -54,4 +62,4 @@ bench-torchtitan: $(TITAN_STAMP)
 	$(TITAN_PY) benchmarks/torchtitan_compare.py
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) demo_out .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TITAN_VENV) demo_out .pytest_cache .hypothesis .titan-install.log
