@@ -260,8 +260,10 @@ def _write_tensor(writer: Writer, t: ExportTensor, fetch: Fetch, staging: Stagin
 
 
 def _write_shard(storage: Storage, name: str, shard: OutputShard, fetch: Fetch, bar: Any, staging: Staging) -> str:
+    header = shaped_header(shard.tensors, user_metadata={"format": "pt"})
     with storage.open_writer(name) as writer:
-        writer.write([memoryview(shaped_header(shard.tensors, user_metadata={"format": "pt"}))])
+        writer.expect_bytes(len(header) + shard.nbytes, 0)  # every byte is copied: see LocalWriter
+        writer.write([memoryview(header)])
         for t in shard.tensors:
             _write_tensor(writer, t, fetch, staging)
             if bar is not None:

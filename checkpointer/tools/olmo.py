@@ -156,6 +156,7 @@ def _write_tied(headers: HeaderCache, target: Storage, name: str, copies: list[t
                              user_metadata={FILE_ID_KEY: file_id} if file_id else None)
     storage = headers.storage
     with target.open_writer(name) as writer:
+        writer.expect_bytes(len(header) + sum(e.end - e.start for e in sources), 0)  # all copied: see LocalWriter
         writer.write([memoryview(header)])
         for (_, source, _), entry in zip(copies, sources):
             for at in range(entry.start, entry.end, _BLOCK):
@@ -170,6 +171,7 @@ def _write_tied(headers: HeaderCache, target: Storage, name: str, copies: list[t
 def _copy(source: Storage, target: Storage, name: str, bar: Any) -> None:
     size = source.size(name)
     with target.open_writer(name) as writer:
+        writer.expect_bytes(size, 0)  # every byte is copied: see LocalWriter
         at = 0
         while at < size:
             end = min(size, at + _BLOCK)

@@ -63,6 +63,7 @@ def write_checkpoint(
     written = False
     try:
         with storage.open_writer(name) as writer:
+            writer.expect_bytes(len(header) + total, 0)  # every byte is copied: see LocalWriter
             writer.write([memoryview(header)])
             for key, shape, code in entries:
                 data = fetch(key)
