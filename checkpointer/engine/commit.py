@@ -381,17 +381,21 @@ class _Heartbeat:
     kept daemon thread (:func:`~checkpointer.storage.parallel.on_idle_thread`: a save while the
     interpreter exits needs no new thread) that runs while any is held; where no thread can run
     it, the locks go without (a save longer than the lease may then be taken over). :meth:`release`
-    returns only once no refresh of that lock is under way, so none lands after the lock is deleted."""
+    returns only once no refresh of that lock is under way, so none lands after the lock is deleted.
+    A lock taken while the thread waits out a longer lease's quarter wakes it to wait by its own."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._held: dict[tuple[str, str], tuple[Storage, bytes]] = {}
         self._running = False
+        self._taken = threading.Event()
 
     def hold(self, storage: Storage, lock: bytes) -> None:
         with self._mutex:
             self._held[storage.url, _fields(lock).get("token", "")] = (storage, lock)
-            if not self._running:
+            if self._running:
+                self._taken.set()
+            else:
                 try:
                     on_idle_thread(self._run, "checkpointer-lock-heartbeat")
                     self._running = True
@@ -404,8 +408,13 @@ class _Heartbeat:
             self._held.pop((storage.url, _fields(lock).get("token", "")), None)
 
     def _run(self) -> None:
+        due = time.monotonic() + settings.lock_lease_s() / 4
         while True:
-            time.sleep(settings.lock_lease_s() / 4)
+            if self._taken.wait(max(0.0, due - time.monotonic())):
+                self._taken.clear()
+                due = min(due, time.monotonic() + settings.lock_lease_s() / 4)
+                continue
+            due = time.monotonic() + settings.lock_lease_s() / 4
             with self._mutex:
                 if not self._held:
                     self._running = False
@@ -422,6 +431,7 @@ class _Heartbeat:
         self._mutex = threading.Lock()
         self._held.clear()
         self._running = False
+        self._taken = threading.Event()
 
 
 _HEARTBEAT = _Heartbeat()

@@ -175,6 +175,29 @@ def test_a_long_save_keeps_its_lock_alive(tmp_path, monkeypatch):
     assert _saved(path) and sorted(os.listdir(path)) == ["metadata.json", "rank_0.safetensors"]
 
 
+def test_a_shorter_lease_is_kept_from_the_first_save_under_it(tmp_path, monkeypatch):
+    """The heartbeat thread, kept from a save under the default lease (it waits a quarter of
+    120 s), refreshes the lock of a save under a lease of 2 s within a quarter of that: it
+    refreshed it only after about 30 s, so another save could take a live lock over."""
+    Checkpointer().save(str(tmp_path / "first"), STATE)
+    monkeypatch.setenv("CHECKPOINTER_LOCK_LEASE_S", "2")
+    path = str(tmp_path / "second")
+    real = save_module.write_rank_file
+    waited: list[float] = []
+
+    def write_after_a_beat(*args, **kwargs):
+        lock_path = os.path.join(path, LOCK_FILENAME)
+        first, start = json.loads(open(lock_path, "rb").read())["beat_ms"], time.monotonic()
+        while json.loads(open(lock_path, "rb").read())["beat_ms"] == first and time.monotonic() < start + 10:
+            time.sleep(0.02)
+        waited.append(time.monotonic() - start)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_rank_file", write_after_a_beat)
+    Checkpointer().save(path, STATE)
+    assert len(waited) == 1 and waited[0] < 1.5, waited
+
+
 def test_a_refused_save_of_several_targets_leaves_no_lock_behind(tmp_path):
     """A cached plan's save of model + optimizer, refused because ``optim/`` holds a checkpoint,
     takes no lock that outlives it: the next save into ``model/`` is not refused as in progress."""
