@@ -236,7 +236,7 @@ def _strided_tasks(
             if not verify_chunk_bytes and scattered and item.src_strides[-1] == item.dst_strides[-1] == 1:
                 runs = item.numel // item.sizes[-1]
                 if mapped:  # blocks of the stored span, cut between runs: uncached, a block is read by runs
-                    firsts = _run_starts(item, 0, runs)[0]
+                    firsts = _run_starts(item, 0, runs, dest=False)[0]
                     grid = np.arange(firsts[0], firsts[-1] + 1, max(1, STRIDED_BLOCK // size))
                     bounds = np.unique(np.searchsorted(firsts, grid))
                 else:
@@ -264,12 +264,12 @@ def _strided_tasks(
     return tasks
 
 
-def _run_starts(item: ReadItem, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+def _run_starts(item: ReadItem, lo: int, hi: int, *, dest: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """Where runs ``[lo, hi)`` of an item whose runs are contiguous on both sides start: stored
-    element offsets, and destination ones."""
+    element offsets, and destination ones (None without ``dest``)."""
     index = np.unravel_index(np.arange(lo, hi, dtype=np.int64), item.sizes[:-1])
     src = item.src_offset + sum(i * s for i, s in zip(index, item.src_strides[:-1]))
-    return src, item.dst_offset + sum(i * s for i, s in zip(index, item.dst_strides[:-1]))
+    return src, item.dst_offset + sum(i * s for i, s in zip(index, item.dst_strides[:-1])) if dest else None
 
 
 def _read_runs(
@@ -280,7 +280,8 @@ def _read_runs(
     into the destination by the storage's scattered reads (exactly their bytes, no staging); with
     ``mapped``, copied from the file's mapped pages instead where it can (:func:`_copied_mapped`)."""
     if mapped:
-        first, end = int(_run_starts(item, lo, lo + 1)[0][0]), int(_run_starts(item, hi - 1, hi)[0][0]) + item.sizes[-1]
+        first = int(_run_starts(item, lo, lo + 1, dest=False)[0][0])
+        end = int(_run_starts(item, hi - 1, hi, dest=False)[0][0]) + item.sizes[-1]
         if _copied_mapped(storage, name, piece_start_byte + first * size, item, dest, first, end):
             return
     src, dst = _run_starts(item, lo, hi)
