@@ -55,7 +55,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from typing import Any
@@ -65,7 +64,7 @@ from ..errors import CheckpointError
 from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename, is_save_file
 from ..format.metadata import StorageMetadata
 from ..storage.base import Storage
-from ..storage.parallel import on_idle_thread
+from ..storage.parallel import Periodic
 
 
 def claim_parts(
@@ -182,7 +181,7 @@ def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
     """Create the lock exclusively; one that exists is replaced (``save_overwrite``) or taken over
     when stale (``FileExistsError`` otherwise). Returns its bytes; the heartbeat keeps it fresh."""
     lock = _new_lock()
-    _HEARTBEAT.hold(storage, lock)  # first: nothing between taking the lock and returning it can fail
+    _hold(storage, lock)  # first: nothing between taking the lock and returning it can fail
     taken = False
     try:
         try:
@@ -195,7 +194,7 @@ def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
         taken = True
     finally:
         if not taken:
-            _HEARTBEAT.release(storage, lock)
+            _HEARTBEAT.release(_lock_key(storage, lock))
     return lock
 
 
@@ -376,67 +375,30 @@ def _take_over_stale(storage: Storage, lock: bytes) -> None:
     log.warning("took over the lock of a crashed save into %s: %s", storage.url, reason)
 
 
-class _Heartbeat:
-    """Refreshes ``beat_ms`` of every lock this process holds, every quarter of the lease, on one
-    kept daemon thread (:func:`~checkpointer.storage.parallel.on_idle_thread`: a save while the
-    interpreter exits needs no new thread) that runs while any is held; where no thread can run
-    it, the locks go without (a save longer than the lease may then be taken over). :meth:`release`
-    returns only once no refresh of that lock is under way, so none lands after the lock is deleted.
-    A lock taken while the thread waits out a longer lease's quarter wakes it to wait by its own."""
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._held: dict[tuple[str, str], tuple[Storage, bytes]] = {}
-        self._running = False
-        self._taken = threading.Event()
-
-    def hold(self, storage: Storage, lock: bytes) -> None:
-        with self._mutex:
-            self._held[storage.url, _fields(lock).get("token", "")] = (storage, lock)
-            if self._running:
-                self._taken.set()
-            else:
-                try:
-                    on_idle_thread(self._run, "checkpointer-lock-heartbeat")
-                    self._running = True
-                except RuntimeError as ex:
-                    log.warning("no heartbeat for the save lock of %s (%s): a save longer than %s=%gs may be "
-                                "taken over", storage.url, ex, settings.LOCK_LEASE_S_ENV, settings.lock_lease_s())
-
-    def release(self, storage: Storage, lock: bytes) -> None:
-        with self._mutex:
-            self._held.pop((storage.url, _fields(lock).get("token", "")), None)
-
-    def _run(self) -> None:
-        due = time.monotonic() + settings.lock_lease_s() / 4
-        while True:
-            if self._taken.wait(max(0.0, due - time.monotonic())):
-                self._taken.clear()
-                due = min(due, time.monotonic() + settings.lock_lease_s() / 4)
-                continue
-            due = time.monotonic() + settings.lock_lease_s() / 4
-            with self._mutex:
-                if not self._held:
-                    self._running = False
-                    return
-                for key, (storage, lock) in list(self._held.items()):
-                    try:
-                        if _is_ours(_read_lock(storage, lock), lock):
-                            storage.write(LOCK_FILENAME, _with_beat(lock))
-                    except OSError as ex:  # the next beat tries again; a lease missed makes the commit refuse
-                        log.warning("could not refresh the save lock of %s: %s", storage.url, ex)
-
-    def after_fork(self) -> None:
-        """A forked child holds none of its parent's locks, and has no heartbeat thread."""
-        self._mutex = threading.Lock()
-        self._held.clear()
-        self._running = False
-        self._taken = threading.Event()
+def _refresh(held: tuple[Storage, bytes]) -> None:
+    storage, lock = held
+    try:
+        if _is_ours(_read_lock(storage, lock), lock):
+            storage.write(LOCK_FILENAME, _with_beat(lock))
+    except OSError as ex:  # the next beat tries again; a lease missed makes the commit refuse
+        log.warning("could not refresh the save lock of %s: %s", storage.url, ex)
 
 
-_HEARTBEAT = _Heartbeat()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_HEARTBEAT.after_fork)
+# Every lock this process holds has its beat_ms refreshed every quarter of the lease, on one kept
+# daemon thread (a save while the interpreter exits needs no new thread).
+_HEARTBEAT = Periodic(_refresh, lambda: settings.lock_lease_s() / 4, "checkpointer-lock-heartbeat")
+
+
+def _hold(storage: Storage, lock: bytes) -> None:
+    try:
+        _HEARTBEAT.hold(_lock_key(storage, lock), (storage, lock))
+    except RuntimeError as ex:  # no thread can run: a save longer than the lease may be taken over
+        log.warning("no heartbeat for the save lock of %s (%s): a save longer than %s=%gs may be taken over",
+                    storage.url, ex, settings.LOCK_LEASE_S_ENV, settings.lock_lease_s())
+
+
+def _lock_key(storage: Storage, lock: bytes) -> tuple[str, str]:
+    return storage.url, _fields(lock).get("token", "")
 
 
 def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
@@ -452,7 +414,7 @@ def _check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
 def release_lock(storage: Storage, lock: bytes | None) -> None:
     """Remove the lock this save wrote (``lock``), leaving one another save has taken over."""
     if lock is not None:
-        _HEARTBEAT.release(storage, lock)
+        _HEARTBEAT.release(_lock_key(storage, lock))
     try:
         if lock is None or _is_ours(_read_lock(storage, lock), lock):
             storage.delete(LOCK_FILENAME)

@@ -1,7 +1,7 @@
 """Threads for I/O: a bounded group per batch of remote requests (ranged GETs, composes,
 deletes) or per writer (:class:`Workers`), process-wide pools that a load's reads reuse from one
 load to the next, and daemon threads, kept when idle, for single requests their caller waits on
-with a bound.
+with a bound, or that beat while something is held (:class:`Periodic`).
 
 What a save runs goes to :class:`Workers`, not to ``ThreadPoolExecutor``: ``concurrent.futures``
 refuses new work once the interpreter starts to exit, and the exit waits for an async save still
@@ -15,12 +15,13 @@ import functools
 import os
 import queue
 import threading
+import time
 import traceback
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, TypeVar
 
-__all__ = ["Workers", "on_idle_thread", "run_parallel", "shared_pool"]
+__all__ = ["Periodic", "Workers", "on_idle_thread", "run_parallel", "shared_pool"]
 
 T = TypeVar("T")
 
@@ -178,6 +179,56 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         if ran:
             _settle(future, result, error)
         del future, result, error  # nothing of the call stays with the thread while it waits
+
+
+class Periodic:
+    """Calls ``beat(value)`` for every value held, every ``period()`` seconds, on one kept thread
+    (:func:`on_idle_thread`) that runs while any is held. A value held while the thread waits wakes
+    it, to wait by ``period()`` as it is then. :meth:`hold` raises ``RuntimeError`` where no thread
+    can start (the value is held all the same); :meth:`release` returns only once no beat of that
+    value is under way. A forked child holds nothing and has no thread."""
+
+    def __init__(self, beat: Callable[[T], None], period: Callable[[], float], name: str):
+        self._beat, self._period, self._name = beat, period, name
+        self._after_fork()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    def hold(self, key: object, value: T) -> None:
+        with self._mutex:
+            self._held[key] = value
+            if self._running:
+                self._woken.set()
+            else:
+                on_idle_thread(self._run, self._name)
+                self._running = True
+
+    def release(self, key: object) -> None:
+        with self._mutex:
+            self._held.pop(key, None)
+
+    def _run(self) -> None:
+        due = time.monotonic() + self._period()
+        while True:
+            woken = self._woken.wait(max(0.0, due - time.monotonic()))
+            self._woken.clear()
+            now = time.monotonic() + self._period()
+            if woken:
+                due = min(due, now)
+                continue
+            due = now
+            with self._mutex:
+                if not self._held:
+                    self._running = False
+                    return
+                for value in list(self._held.values()):
+                    self._beat(value)
+
+    def _after_fork(self) -> None:
+        self._mutex = threading.Lock()
+        self._held: dict = {}
+        self._running = False
+        self._woken = threading.Event()
 
 
 def _outcome(fn: Callable[..., T], *args: object) -> tuple[T | None, BaseException | None]:

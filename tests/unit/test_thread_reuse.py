@@ -1,6 +1,7 @@
 """Threads kept between calls: the daemon threads of the store requests (``on_idle_thread``)
 and the read tasks of a load (``reads._run``, in which the caller's thread takes turns); and the
-threads of one writer (``Workers``), which take work while the interpreter exits."""
+threads of one writer (``Workers``), which take work while the interpreter exits; and the beat of
+``Periodic`` (the save lock's heartbeat)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import weakref
 import pytest
 
 from checkpointer.engine import reads
-from checkpointer.storage.parallel import Workers, on_idle_thread, run_parallel
+from checkpointer.storage.parallel import Periodic, Workers, on_idle_thread, run_parallel
 
 
 def test_an_idle_thread_takes_the_next_call():
@@ -325,3 +326,24 @@ def test_a_workers_dropped_without_shutdown_ends_its_turns():
     concurrent.futures.wait(turns, timeout=5)
     assert all(turn.done() for turn in turns)
     assert not [t for t in threading.enumerate() if t.name.startswith("test-dropped")]
+
+
+def test_periodic_beats_what_is_held_until_released_and_a_new_hold_wakes_it_to_the_new_period():
+    beats: list[tuple[str, float]] = []
+    period = [30.0]
+    ticker = Periodic(lambda v: beats.append((v, time.monotonic())), lambda: period[0], "test-periodic")
+    ticker.hold("a", "a")  # the thread now waits 30 s
+    time.sleep(0.1)
+    period[0] = 0.05
+    start = time.monotonic()
+    ticker.hold("b", "b")  # wakes it: the next beat within the new period, of both
+    deadline = start + 5
+    while len({v for v, _ in beats}) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert {v for v, _ in beats} == {"a", "b"} and beats[0][1] - start < 1.0, beats
+    ticker.release("a")
+    ticker.release("b")
+    time.sleep(0.2)  # its next beat finds nothing held, and it stops
+    count = len(beats)
+    time.sleep(0.3)
+    assert len(beats) == count and not ticker._running  # nothing held: the thread has gone back idle
