@@ -271,6 +271,17 @@ class LocalStorage(Storage):
         return LocalWriter(self._path(name))
 
 
+@contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """A system call's error (a full disk, a file too large) names the file being written."""
+    try:
+        yield
+    except OSError as ex:
+        if ex.filename is None and ex.errno is not None and path not in str(ex):
+            raise OSError(ex.errno, ex.strerror, path) from ex
+        raise
+
+
 def _preadv_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
     bufs = [b.cast("B") for b in bufs if len(b)]
     while bufs:
@@ -304,17 +315,26 @@ class LocalWriter(Writer):
         directory, base = os.path.split(path)
         self.directory = directory
         self.tmp = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
-        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        use_direct = direct_io_enabled() if direct is None else direct  # a bad setting raises before any file is made
+        self.direct_by_choice = direct is None and settings.direct_io() == "auto"
         self.done = False
         self.written = 0
         self.flushed = 0
         self.previous: tuple[int, int] | None = None
         self.writeback = _sync_file_range is not None
-        use_direct = direct_io_enabled() if direct is None else direct
-        self.stream: DirectStream | None = DirectStream(self.fd, self.tmp) if use_direct else None
-        self.direct_by_choice = direct is None and settings.direct_io() == "auto"
+        self.stream: DirectStream | None = None
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            self.stream = DirectStream(self.fd, self.tmp) if use_direct else None
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, buffers: Sequence[memoryview]) -> None:
+        with _naming(self.path):
+            self._write(buffers)
+
+    def _write(self, buffers: Sequence[memoryview]) -> None:
         assert self.fd is not None, "writer is closed"
         if self.stream is not None:
             self.stream.write(buffers)
@@ -352,10 +372,11 @@ class LocalWriter(Writer):
 
     def write_stable(self, buffers: Sequence[memoryview]) -> None:
         assert self.fd is not None, "writer is closed"
-        if self.stream is not None:
-            self.stream.write_stable(buffers)
-        else:
-            self.write(buffers)
+        with _naming(self.path):
+            if self.stream is not None:
+                self.stream.write_stable(buffers)
+            else:
+                self._write(buffers)
 
     def expect_bytes(self, total: int, uncopied: int) -> None:
         """``O_DIRECT`` spares a copy only for the bytes it sends from the caller's memory. Where
@@ -373,9 +394,10 @@ class LocalWriter(Writer):
 
     def commit(self) -> None:
         assert self.fd is not None, "writer is closed"
-        if self.stream is not None:
-            self.stream.finish()
-        os.fsync(self.fd)
+        with _naming(self.path):
+            if self.stream is not None:
+                self.stream.finish()
+            os.fsync(self.fd)
         if self.stream is None:
             _drop_cached(self.fd, 0, 0)
         os.close(self.fd)

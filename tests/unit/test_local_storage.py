@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import errno
 import os
 
 import pytest
@@ -346,3 +347,41 @@ def test_prepare_and_delete(tmp_path):
     assert s.exists("f")
     s.delete("f")
     assert not s.exists("f") and s.list() == []
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else set()
+
+
+def test_a_bad_direct_io_setting_makes_no_file_and_holds_no_descriptor(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", "bogus")
+    storage, before = LocalStorage(str(tmp_path)), _open_fds()
+    with pytest.raises(ValueError, match="CHECKPOINTER_DIRECT_IO='bogus'"):
+        storage.open_writer("x")
+    assert os.listdir(tmp_path) == [] and _open_fds() == before
+
+
+@pytest.mark.parametrize("direct", ["0", "1"])
+def test_a_failed_write_names_the_file_and_leaves_no_temporary_file(tmp_path, monkeypatch, direct):
+    """A write the kernel refuses (here a file over the process's size limit: EFBIG, as a full disk
+    gives ENOSPC) is an OSError naming the rank file, buffered or with O_DIRECT."""
+    import resource
+    import signal
+
+    import torch
+
+    from checkpointer import Checkpointer
+
+    monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", direct)
+    path = str(tmp_path / "ckpt")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(OSError) as caught:
+            Checkpointer().save(path, {"w": torch.ones(1 << 20)})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert caught.value.errno == errno.EFBIG and caught.value.filename == os.path.join(path, "rank_0.safetensors")
+    assert "metadata.json" not in os.listdir(path) and not any(n.startswith(".rank") for n in os.listdir(path))
