@@ -17,6 +17,7 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..planning.boxes import span_boxes
 from ..planning.load_plan import ReadItem, TensorLoadPlan
+from ..planning.runs import run_blocks, run_starts
 from ..storage.base import ReadRequest, Storage
 from ..storage.parallel import shared_pool
 from .checks import HashedRun, HeaderCache, check_chunk, piece_start, read_hashed, read_with, verified_requests, verify_tasks
@@ -236,9 +237,7 @@ def _strided_tasks(
             if not verify_chunk_bytes and scattered and item.src_strides[-1] == item.dst_strides[-1] == 1:
                 runs = item.numel // item.sizes[-1]
                 if mapped:  # blocks of the stored span, cut between runs: uncached, a block is read by runs
-                    firsts = _run_starts(item, 0, runs, dest=False)[0]
-                    grid = np.arange(firsts[0], firsts[-1] + 1, max(1, STRIDED_BLOCK // size))
-                    bounds = np.unique(np.searchsorted(firsts, grid))
+                    bounds = run_blocks(item, max(1, STRIDED_BLOCK // size))
                 else:
                     bounds = range(0, runs, max(1, STRIDED_BLOCK // (item.sizes[-1] * size)))
                 for r, r_end in zip(bounds, [*bounds[1:], runs]):
@@ -264,14 +263,6 @@ def _strided_tasks(
     return tasks
 
 
-def _run_starts(item: ReadItem, lo: int, hi: int, *, dest: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
-    """Where runs ``[lo, hi)`` of an item whose runs are contiguous on both sides start: stored
-    element offsets, and destination ones (None without ``dest``)."""
-    index = np.unravel_index(np.arange(lo, hi, dtype=np.int64), item.sizes[:-1])
-    src = item.src_offset + sum(i * s for i, s in zip(index, item.src_strides[:-1]))
-    return src, item.dst_offset + sum(i * s for i, s in zip(index, item.dst_strides[:-1])) if dest else None
-
-
 def _read_runs(
     storage: Storage, name: str, piece_start_byte: int, size: int, item: ReadItem, dest: torch.Tensor, lo: int, hi: int,
     mapped: bool = False,
@@ -280,11 +271,11 @@ def _read_runs(
     into the destination by the storage's scattered reads (exactly their bytes, no staging); with
     ``mapped``, copied from the file's mapped pages instead where it can (:func:`_copied_mapped`)."""
     if mapped:
-        first = int(_run_starts(item, lo, lo + 1, dest=False)[0][0])
-        end = int(_run_starts(item, hi - 1, hi, dest=False)[0][0]) + item.sizes[-1]
+        first = int(run_starts(item, lo, lo + 1, dest=False)[0][0])
+        end = int(run_starts(item, hi - 1, hi, dest=False)[0][0]) + item.sizes[-1]
         if _copied_mapped(storage, name, piece_start_byte + first * size, item, dest, first, end):
             return
-    src, dst = _run_starts(item, lo, hi)
+    src, dst = run_starts(item, lo, hi)
     offsets = piece_start_byte + src * size
     addresses = (dest.data_ptr() + dst * size).astype(np.uint64)
     read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))

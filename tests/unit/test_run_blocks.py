@@ -1,0 +1,70 @@
+"""planning/runs.py: where the runs of a strided read item start, and the blocks they are cut
+into, against a brute-force oracle (every run's start from its index, and the grid of block
+starts searched in them); cutting 4 million runs holds a slice of them in memory, not all."""
+
+from __future__ import annotations
+
+import itertools
+import tracemalloc
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpointer.planning import runs
+from checkpointer.planning.load_plan import ReadItem
+
+
+def _box_item(shape: tuple[int, ...], origin: tuple[int, ...], sizes: tuple[int, ...]) -> ReadItem:
+    """The box ``sizes`` at ``origin`` of a row-major stored piece of ``shape`` into a destination
+    of exactly the box: its runs (along the last dimension) are contiguous on both sides."""
+    src_strides = tuple(int(np.prod(shape[d + 1:])) for d in range(len(shape)))
+    dst_strides = tuple(int(np.prod(sizes[d + 1:])) for d in range(len(sizes)))
+    offset = sum(o * s for o, s in zip(origin, src_strides))
+    return ReadItem("f", offset, 0, int(np.prod(sizes)), sizes, src_strides, dst_strides)
+
+
+def _oracle_starts(item: ReadItem) -> list[int]:
+    return [item.src_offset + sum(i * s for i, s in zip(index, item.src_strides))
+            for index in itertools.product(*map(range, item.sizes[:-1]))]
+
+
+def _oracle_blocks(starts: list[int], step: int) -> list[int]:
+    grid = np.arange(starts[0], starts[-1] + 1, step)
+    return [int(b) for b in np.unique(np.searchsorted(np.array(starts), grid))]
+
+
+@st.composite
+def _items(draw):
+    ndim = draw(st.integers(2, 4))
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim - 1)) + (draw(st.integers(1, 5)),)
+    origin = tuple(draw(st.integers(0, n - 1)) for n in shape)
+    sizes = tuple(draw(st.integers(1, n - o)) for n, o in zip(shape, origin))
+    return _box_item(shape, origin, sizes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_items(), st.integers(1, 200), st.integers(1, 7))
+def test_run_starts_and_blocks_against_the_oracle(item, step, per_slice):
+    starts = _oracle_starts(item)
+    got_src, got_dst = runs.run_starts(item, 0, len(starts))
+    assert got_src.tolist() == starts
+    assert got_dst.tolist() == [i * item.sizes[-1] for i in range(len(starts))]
+    original = runs.RUNS_PER_SLICE
+    runs.RUNS_PER_SLICE = per_slice  # slices that end anywhere, a block across them
+    try:
+        assert runs.run_blocks(item, step) == _oracle_blocks(starts, step)
+    finally:
+        runs.RUNS_PER_SLICE = original
+
+
+def test_cutting_millions_of_runs_holds_one_slice_of_them():
+    item = _box_item((4 << 20, 8), (0, 0), (4 << 20, 2))  # 2 of 8 columns: 4M runs of 2 elements
+    tracemalloc.start()
+    try:
+        blocks = runs.run_blocks(item, 1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert blocks == list(range(0, 4 << 20, 1 << 17))  # a block per 2**17 runs of 8 elements apart
+    assert peak < 16 << 20, peak  # all 4M starts at once: over 100 MiB
