@@ -17,7 +17,7 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..planning.boxes import span_boxes
 from ..planning.load_plan import ReadItem, TensorLoadPlan
-from ..planning.runs import run_blocks, run_starts
+from ..planning.runs import RUNS_PER_SLICE, run_blocks, run_starts
 from ..storage.base import ReadRequest, Storage
 from ..storage.parallel import shared_pool
 from .checks import HashedRun, HeaderCache, check_chunk, piece_start, read_hashed, read_with, verified_requests, verify_tasks
@@ -268,17 +268,19 @@ def _read_runs(
     mapped: bool = False,
 ) -> None:
     """Runs ``[lo, hi)`` of a strided item whose runs are contiguous on both sides, read straight
-    into the destination by the storage's scattered reads (exactly their bytes, no staging); with
-    ``mapped``, copied from the file's mapped pages instead where it can (:func:`_copied_mapped`)."""
+    into the destination by the storage's scattered reads (exactly their bytes, no staging), the
+    offsets of :data:`RUNS_PER_SLICE` runs at a time; with ``mapped``, copied from the file's mapped
+    pages instead where it can (:func:`_copied_mapped`)."""
     if mapped:
         first = int(run_starts(item, lo, lo + 1, dest=False)[0][0])
         end = int(run_starts(item, hi - 1, hi, dest=False)[0][0]) + item.sizes[-1]
         if _copied_mapped(storage, name, piece_start_byte + first * size, item, dest, first, end):
             return
-    src, dst = run_starts(item, lo, hi)
-    offsets = piece_start_byte + src * size
-    addresses = (dest.data_ptr() + dst * size).astype(np.uint64)
-    read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))
+    for a in range(lo, hi, RUNS_PER_SLICE):
+        src, dst = run_starts(item, a, min(hi, a + RUNS_PER_SLICE))
+        offsets = piece_start_byte + src * size
+        addresses = (dest.data_ptr() + dst * size).astype(np.uint64)
+        read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))
 
 
 def _copied_mapped(storage: Storage, name: str, start_byte: int, item: ReadItem, dest: torch.Tensor, lo: int, hi: int) -> bool:

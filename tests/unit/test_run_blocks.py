@@ -1,6 +1,7 @@
 """planning/runs.py: where the runs of a strided read item start, and the blocks they are cut
 into, against a brute-force oracle (every run's start from its index, and the grid of block
-starts searched in them); cutting 4 million runs holds a slice of them in memory, not all."""
+starts searched in them); cutting 4 million runs, or reading a million short runs, holds the
+offsets of a slice of them in memory, not of all."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import itertools
 import tracemalloc
 
 import numpy as np
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpointer.engine import reads
 from checkpointer.planning import runs
 from checkpointer.planning.load_plan import ReadItem
+from checkpointer.planning.plan import Piece
+
+from test_box_reads import load_piece, write_checkpoint
 
 
 def _box_item(shape: tuple[int, ...], origin: tuple[int, ...], sizes: tuple[int, ...]) -> ReadItem:
@@ -68,3 +74,19 @@ def test_cutting_millions_of_runs_holds_one_slice_of_them():
         tracemalloc.stop()
     assert blocks == list(range(0, 4 << 20, 1 << 17))  # a block per 2**17 runs of 8 elements apart
     assert peak < 16 << 20, peak  # all 4M starts at once: over 100 MiB
+
+
+def test_a_million_short_runs_read_by_runs_hold_a_slice_of_offsets(tmp_path, monkeypatch):
+    """Two of four columns of [2**20, 4] fp32 read by scattered reads (not mapped): one read task
+    of a million 8-byte runs. Its offsets took over 60 MiB when built for all of them at once."""
+    monkeypatch.setattr(reads, "_MAP_BYTES", 1 << 40)
+    full = torch.arange(4 << 20, dtype=torch.float32).reshape(1 << 20, 4)
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(1 << 20, 4), global_offset=(0, 0))])
+    tracemalloc.start()
+    try:
+        got = load_piece(storage, Piece(local_shape=(1 << 20, 2), global_offset=(0, 1)), torch.float32)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(got, full[:, 1:3].reshape(-1))
+    assert peak < 24 << 20, peak
