@@ -13,6 +13,7 @@ Gaps longer than :data:`MAX_GAP` end a call (reading them would cost more than a
 from __future__ import annotations
 
 import ctypes
+import errno as _errno
 import os
 
 import numpy as np
@@ -24,6 +25,7 @@ __all__ = ["available", "preadv_runs", "MAX_GAP"]
 MAX_GAP = 256 << 10
 _IOV_MAX = 1024  # POSIX's minimum; Linux's own
 _RUNS_PER_CALL = (_IOV_MAX + 1) // 2
+_EINTR = _errno.EINTR
 
 
 _PREADV = libc.function("preadv", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64], ctypes.c_ssize_t)
@@ -56,10 +58,27 @@ def preadv_runs(fd: int, file_offsets: np.ndarray, addresses: np.ndarray, length
             iov[0::2, 1] = length
             iov[1::2, 0] = scratch_address
             iov[1::2, 1] = gaps[a : b - 1]
-            total = int(iov[:, 1].sum())
-            got = _PREADV(fd, iov.ctypes.data, 2 * k - 1, int(file_offsets[a]))
-            if got < 0:
-                errno = ctypes.get_errno()
-                raise OSError(errno, f"{where}: {os.strerror(errno)}")
-            if got != total:
-                raise EOFError(f"{where}: read {got} of {total} bytes at offset {int(file_offsets[a])}: the file is truncated")
+            _preadv_all(fd, iov, int(file_offsets[a]), where)
+
+
+def _preadv_all(fd: int, iov: np.ndarray, offset: int, where: str) -> None:
+    """One ``preadv`` of the ``(address, length)`` rows of ``iov``; after a short read (a signal, a
+    network or FUSE file system) another from where it stopped. ``EOFError`` where the file ends."""
+    while True:
+        got = _PREADV(fd, iov.ctypes.data, len(iov), offset)
+        if got < 0:
+            errno = ctypes.get_errno()
+            if errno == _EINTR:
+                continue
+            raise OSError(errno, f"{where}: {os.strerror(errno)}")
+        ends = np.cumsum(iov[:, 1])
+        if got == int(ends[-1]):
+            return
+        if got == 0:
+            raise EOFError(f"{where}: read nothing at offset {offset} of the {int(ends[-1])} bytes asked: the file is truncated")
+        done = int(np.searchsorted(ends, got, side="right"))  # rows read whole
+        into = got - (int(ends[done - 1]) if done else 0)
+        iov = iov[done:].copy()
+        iov[0, 0] += into
+        iov[0, 1] -= into
+        offset += got

@@ -385,3 +385,44 @@ def test_a_failed_write_names_the_file_and_leaves_no_temporary_file(tmp_path, mo
         signal.signal(signal.SIGXFSZ, handler)
     assert caught.value.errno == errno.EFBIG and caught.value.filename == os.path.join(path, "rank_0.safetensors")
     assert "metadata.json" not in os.listdir(path) and not any(n.startswith(".rank") for n in os.listdir(path))
+
+
+@pytest.mark.parametrize("cap", [1, 5, 4096])
+def test_scattered_runs_go_on_after_short_reads_and_interrupted_ones(tmp_path, monkeypatch, cap):
+    """A ``preadv`` that returns fewer bytes than asked (a signal, a network or FUSE file system)
+    or fails with EINTR is continued from where it stopped; only a read of nothing is a truncated file."""
+    import ctypes
+
+    import numpy as np
+
+    from checkpointer.storage import scatter
+
+    data = os.urandom(64 << 10)
+    (tmp_path / "f").write_bytes(data)
+    real, calls, shorts = scatter._PREADV, [], []
+
+    def short(fd, iov_address, count, offset):
+        calls.append(count)
+        if len(calls) % 3 == 1:
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        rows = np.ctypeslib.as_array(ctypes.cast(iov_address, ctypes.POINTER(ctypes.c_uint64)), (count, 2)).copy()
+        ends = np.cumsum(rows[:, 1])
+        keep = min(len(rows), int(np.searchsorted(ends, cap, side="left")) + 1)
+        rows = rows[:keep]
+        rows[-1, 1] -= max(0, int(ends[keep - 1]) - cap)
+        shorts.append(int(ends[-1]) > cap)
+        return real(fd, rows.ctypes.data, len(rows), offset)
+
+    monkeypatch.setattr(scatter, "_PREADV", short)
+    offsets = np.arange(100, 8 << 10, 1000, dtype=np.int64)
+    out, tail = np.zeros((len(offsets), 7), dtype=np.uint8), np.zeros(7, dtype=np.uint8)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        scatter.preadv_runs(fd, offsets, out.ctypes.data + np.arange(len(offsets), dtype=np.uint64) * 7, 7, "f")
+        assert any(shorts) and len(calls) > len(shorts)  # short reads and EINTR, each continued
+        with pytest.raises(EOFError, match="truncated"):
+            scatter.preadv_runs(fd, np.array([(64 << 10) - 3]), np.array([tail.ctypes.data], dtype=np.uint64), 7, "f")
+    finally:
+        os.close(fd)
+    assert all(bytes(out[i]) == data[o : o + 7] for i, o in enumerate(offsets.tolist()))
