@@ -180,6 +180,7 @@ def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool)
 def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
     """Create the lock exclusively; one that exists is replaced (``save_overwrite``) or taken over
     when stale (``FileExistsError`` otherwise). Returns its bytes; the heartbeat keeps it fresh."""
+    settings.lock_lease_s()  # a bad setting is an error here, before the lock is taken
     lock = _new_lock()
     _hold(storage, lock)  # first: nothing between taking the lock and returning it can fail
     taken = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
 import queue
 import threading
@@ -24,7 +25,9 @@ from typing import Callable, Iterable, TypeVar
 __all__ = ["Periodic", "Workers", "on_idle_thread", "run_parallel", "shared_pool"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
+_FALLBACK_PERIOD = 1.0  # seconds: Periodic's beat where its period() fails from the start
 _MAX_SHARED = 8  # distinct pool sizes kept; more (a caller trying many) get a pool of their own
 _shared: dict[int, ThreadPoolExecutor] = {}
 _shared_lock = threading.Lock()
@@ -208,21 +211,37 @@ class Periodic:
             self._held.pop(key, None)
 
     def _run(self) -> None:
-        due = time.monotonic() + self._period()
-        while True:
-            woken = self._woken.wait(max(0.0, due - time.monotonic()))
-            self._woken.clear()
-            now = time.monotonic() + self._period()
-            if woken:
-                due = min(due, now)
-                continue
-            due = now
+        try:
+            period = self._period_or(_FALLBACK_PERIOD)
+            due = time.monotonic() + period
+            while True:
+                woken = self._woken.wait(max(0.0, due - time.monotonic()))
+                self._woken.clear()
+                period = self._period_or(period)
+                if woken:
+                    due = min(due, time.monotonic() + period)
+                    continue
+                due = time.monotonic() + period
+                with self._mutex:
+                    if not self._held:
+                        self._running = False
+                        return
+                    for value in list(self._held.values()):
+                        try:
+                            self._beat(value)
+                        except Exception:  # noqa: BLE001 - one failed beat ends neither the others nor the next
+                            log.exception("%s: a beat failed", self._name)
+        except BaseException:  # whatever else ends the loop: the next hold starts a thread
             with self._mutex:
-                if not self._held:
-                    self._running = False
-                    return
-                for value in list(self._held.values()):
-                    self._beat(value)
+                self._running = False
+            raise
+
+    def _period_or(self, last: float) -> float:
+        try:
+            return self._period()
+        except Exception:  # noqa: BLE001 - a bad setting: beat as before (its users see the error)
+            log.exception("%s: no period, beating every %gs", self._name, last)
+            return last
 
     def _after_fork(self) -> None:
         self._mutex = threading.Lock()

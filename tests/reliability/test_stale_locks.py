@@ -198,6 +198,13 @@ def test_a_shorter_lease_is_kept_from_the_first_save_under_it(tmp_path, monkeypa
     assert len(waited) == 1 and waited[0] < 1.5, waited
 
 
+def test_a_bad_lease_setting_refuses_the_save_before_its_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKPOINTER_LOCK_LEASE_S", "1 s")
+    with pytest.raises(ValueError, match="CHECKPOINTER_LOCK_LEASE_S"):
+        Checkpointer().save(str(tmp_path / "ckpt"), STATE)
+    assert not (tmp_path / "ckpt" / LOCK_FILENAME).exists()
+
+
 def test_a_refused_save_of_several_targets_leaves_no_lock_behind(tmp_path):
     """A cached plan's save of model + optimizer, refused because ``optim/`` holds a checkpoint,
     takes no lock that outlives it: the next save into ``model/`` is not refused as in progress."""

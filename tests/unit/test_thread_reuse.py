@@ -347,3 +347,35 @@ def test_periodic_beats_what_is_held_until_released_and_a_new_hold_wakes_it_to_t
     count = len(beats)
     time.sleep(0.3)
     assert len(beats) == count and not ticker._running  # nothing held: the thread has gone back idle
+
+
+def test_periodic_goes_on_after_a_failed_beat_and_a_failed_period():
+    """One value's beat raising, or ``period()`` raising (a bad setting), ends neither the other
+    values' beats nor the thread: it beat nothing more after either before."""
+    beats: list[str] = []
+    state = {"fail": False}
+
+    def period() -> float:
+        if state["fail"]:
+            raise ValueError("a bad setting")
+        return 0.02
+
+    def beat(value: str) -> None:
+        beats.append(value)
+        if value == "bad":
+            raise RuntimeError("this beat fails")
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 5
+        while beats.count("good") < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert beats.count("good") >= count, beats
+
+    ticker = Periodic(beat, period, "test-periodic-errors")
+    ticker.hold("bad", "bad")
+    ticker.hold("good", "good")
+    wait_for(3)
+    state["fail"] = True
+    wait_for(beats.count("good") + 3)
+    ticker.release("bad")
+    ticker.release("good")
