@@ -22,7 +22,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from .errors import CheckpointError
 from .format.dtypes import code_from_dtype
+from .format.layout import CHECKSUMS_KEY
+from .format.safetensors_header import RESERVED_KEY
 from .planning.overlap import Range
 from .planning.layouts import runs_piece
 from .planning.pieces import Piece
@@ -36,6 +39,7 @@ __all__ = [
     "FlatShardedTensor",
     "LocalTensor",
     "describe",
+    "describe_state_dict",
     "dtensor_box",
     "dtensor_index_runs",
     "runs_piece",
@@ -402,3 +406,37 @@ def _tp_dim(placements: Sequence[Any], *, skip_fsdp: bool) -> int | None:
             i += 1
     dims = [p.dim for p in placements[i:] if type(p) is Shard]
     return dims[-1] if dims else None
+
+
+def describe_state_dict(
+    state_dict: Mapping[str, Any], *, action: str = "save"
+) -> tuple[dict[str, LocalTensor], dict[str, str]]:
+    """Describe every value; a value sharing memory with an earlier key becomes an alias of it."""
+    described: dict[str, LocalTensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise TypeError(f"state dict keys must be strings, got {key!r}")
+        if key in (RESERVED_KEY, CHECKSUMS_KEY):
+            raise CheckpointError(f"cannot {action} {key!r}: safetensors reserves the name for a file's own metadata")
+        try:
+            lt = describe(value)
+        except (TypeError, ValueError) as ex:
+            raise CheckpointError(f"cannot {action} {key!r}: {ex}") from ex
+        data = lt.data
+        if data.device.type == "meta":
+            raise CheckpointError(
+                f"cannot {action} {key!r}: it is on the meta device and holds no data "
+                "(materialise the model first, e.g. model.to_empty(device=...))"
+            )
+        if data.layout != torch.strided:
+            raise CheckpointError(f"cannot {action} {key!r}: it is a {data.layout} tensor (save its .to_dense())")
+        if data.numel() > 0:
+            ident = (data.device, data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.dtype, lt.shape, lt.piece)
+            if ident in seen:
+                aliases[key] = seen[ident]
+                continue
+            seen[ident] = key
+        described[key] = lt
+    return described, aliases

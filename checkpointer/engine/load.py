@@ -25,13 +25,12 @@ from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..format.metadata_parse import parse_metadata
 from ..planning.load_plan import TensorLoadPlan, build_load_plan
-from ..sharding import LocalTensor
+from ..sharding import LocalTensor, describe_state_dict
 from ..storage.base import Storage
 from .locate import missing_metadata_message
 from .checks import HeaderCache, piece_files
 from .reader import CheckpointReader
 from .reads import ReadJob, execute_reads, execute_reads_from
-from .save import describe_state_dict
 
 __all__ = [
     "unshard_state_dict",

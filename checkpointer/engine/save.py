@@ -35,13 +35,12 @@ from typing import Any, Iterator, Mapping
 from .. import dist
 from ..errors import CheckpointError, RankError
 from ..checksums import ALGORITHM, CHUNK_BYTES
-from ..format.layout import CHECKSUMS_KEY, FORMAT_VERSION, METADATA_FILENAME, new_file_id, rank_filename
+from ..format.layout import FORMAT_VERSION, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import StorageMetadata
-from ..format.safetensors_header import RESERVED_KEY
 from ..planning.layouts import describe_layouts, plan_from_layouts
 from ..planning.pieces import parse_pieces, pieces_payload
 from ..planning.plan import PieceDesc, RankPieces, SavePlan, Structure, build_save_plan
-from ..sharding import LocalTensor, describe
+from ..sharding import LocalTensor, describe_state_dict
 from ..storage.base import Storage
 from .commit import (
     check_directory, commit_metadata, refuse_existing_everywhere, refuse_if_committed, release_lock,
@@ -50,7 +49,7 @@ from .commit import (
 from .rankfile import Copies, check_copies, start_hashing, write_rank_file
 
 __all__ = [
-    "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache", "describe_state_dict",
+    "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache",
     "DescribedState", "describe_for_save", "reuse_cached_plans", "plan_in_full", "save_state_dicts",
 ]
 
@@ -74,38 +73,6 @@ class SavePlanCache:
     other ranks' entries must come from the same save (pieces may move between ranks)."""
     copies: dict[str, int] = field(default_factory=dict)
     """The keys whose piece this rank holds while another rank writes it: key -> that rank."""
-
-
-def describe_state_dict(
-    state_dict: Mapping[str, Any], *, action: str = "save"
-) -> tuple[dict[str, LocalTensor], dict[str, str]]:
-    """Describe every value; a value sharing memory with an earlier key becomes an alias of it."""
-    described: dict[str, LocalTensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for key, value in state_dict.items():
-        if not isinstance(key, str):
-            raise TypeError(f"state dict keys must be strings, got {key!r}")
-        if key in (RESERVED_KEY, CHECKSUMS_KEY):
-            raise CheckpointError(f"cannot {action} {key!r}: safetensors reserves the name for a file's own metadata")
-        try:
-            lt = describe(value)
-        except (TypeError, ValueError) as ex:
-            raise CheckpointError(f"cannot {action} {key!r}: {ex}") from ex
-        data = lt.data
-        if data.device.type == "meta":
-            raise CheckpointError(
-                f"cannot {action} {key!r}: it is on the meta device and holds no data "
-                "(materialise the model first, e.g. model.to_empty(device=...))"
-            )
-        if data.numel() > 0:
-            ident = (data.device, data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.dtype, lt.shape, lt.piece)
-            if ident in seen:
-                aliases[key] = seen[ident]
-                continue
-            seen[ident] = key
-        described[key] = lt
-    return described, aliases
 
 
 def _desc_json(described: Mapping[str, LocalTensor], aliases: Mapping[str, str]) -> bytes:

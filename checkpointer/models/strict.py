@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from ..engine.save import describe_state_dict
+from ..sharding import describe_state_dict
 from ..errors import CheckpointMismatchError
 from ..format.metadata import StorageMetadata
 from ..sharding import local_data

@@ -324,11 +324,13 @@ class LocalWriter(Writer):
         self.writeback = _sync_file_range is not None
         self.stream: DirectStream | None = None
         self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        made = False
         try:
             self.stream = DirectStream(self.fd, self.tmp) if use_direct else None
-        except BaseException:
-            self.abort()
-            raise
+            made = True
+        finally:
+            if not made:
+                self.abort()
 
     def write(self, buffers: Sequence[memoryview]) -> None:
         with _naming(self.path):

@@ -211,6 +211,7 @@ class Periodic:
             self._held.pop(key, None)
 
     def _run(self) -> None:
+        ended = False  # by finding nothing held (under the mutex), not by an error
         try:
             period = self._period_or(_FALLBACK_PERIOD)
             due = time.monotonic() + period
@@ -224,17 +225,17 @@ class Periodic:
                 due = time.monotonic() + period
                 with self._mutex:
                     if not self._held:
-                        self._running = False
+                        self._running, ended = False, True
                         return
                     for value in list(self._held.values()):
                         try:
                             self._beat(value)
                         except Exception:  # noqa: BLE001 - one failed beat ends neither the others nor the next
                             log.exception("%s: a beat failed", self._name)
-        except BaseException:  # whatever else ends the loop: the next hold starts a thread
-            with self._mutex:
-                self._running = False
-            raise
+        finally:
+            if not ended:  # whatever else ended the loop: the next hold starts a thread
+                with self._mutex:
+                    self._running = False
 
     def _period_or(self, last: float) -> float:
         try:

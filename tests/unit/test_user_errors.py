@@ -295,3 +295,12 @@ def test_a_failing_hint_does_not_hide_the_missing_checkpoint(tmp_path, monkeypat
     nowhere = str(tmp_path / "nowhere")
     with pytest.raises(IncompleteCheckpointError, match=f"no checkpoint at {nowhere}: {nowhere} does not exist"):
         Checkpointer().get_metadata(nowhere)
+
+
+def test_a_sparse_tensor_is_refused_naming_its_key(tmp_path):
+    """It raised torch's 'Cannot access data pointer of Tensor that doesn't have storage'."""
+    from checkpointer import CheckpointError, Checkpointer
+
+    with pytest.raises(CheckpointError, match=r"cannot save 'w': it is a torch.sparse_coo tensor"):
+        Checkpointer().save(str(tmp_path), {"a": torch.ones(2), "w": torch.eye(3).to_sparse()})
+    assert not (tmp_path / "metadata.json").exists()
