@@ -61,7 +61,9 @@ from typing import Any
 
 from .. import dist, settings
 from ..errors import CheckpointError
-from ..format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename, is_save_file
+from ..format.layout import (
+    LOCK_FILENAME, LOCK_TAKEOVER_PREFIX, METADATA_FILENAME, is_rank_filename, is_rank_temp_file, is_save_file,
+)
 from ..format.metadata import StorageMetadata
 from ..storage.base import Storage
 from ..storage.parallel import Periodic
@@ -156,25 +158,37 @@ def _exists_message(storage: Storage) -> str:
     )
 
 
-def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool) -> bytes | None:
+def check_directory(storage: Storage, save_overwrite: bool, *, retire_old: bool, keep_old: bool = False) -> bytes | None:
     """Refuse to save over a checkpoint unless asked. With ``retire_old``, take the save lock
-    and make an old checkpoint incomplete, before any rank writes; returns the lock's bytes."""
+    and make an old checkpoint incomplete (not with ``keep_old``: :func:`retire` does it later),
+    before any rank writes; returns the lock's bytes. A failure releases the lock."""
     storage.prepare()
     if storage.exists(METADATA_FILENAME) and not save_overwrite:
         raise FileExistsError(_exists_message(storage))
     if not retire_old:
         return None
     lock = _acquire(storage, save_overwrite)
+    retired = False
+    try:
+        if not keep_old or not save_overwrite:
+            retire(storage, save_overwrite)
+        retired = True
+    finally:
+        if not retired:
+            release_lock(storage, lock)
+    return lock
+
+
+def retire(storage: Storage, save_overwrite: bool) -> None:
+    """Rank 0, holding the lock: remove an old checkpoint's ``metadata.json`` (``save_overwrite``),
+    or refuse one that a save committed while this one was planning."""
     if storage.exists(METADATA_FILENAME):
         if not save_overwrite:
-            # A save that held the lock committed between the first check and ours.
-            release_lock(storage, lock)
             raise FileExistsError(
                 f"{storage.join(METADATA_FILENAME)} exists: a checkpoint was saved there while this save "
                 "was planning (pass save_overwrite=True to replace it)"
             )
         storage.delete(METADATA_FILENAME)
-    return lock
 
 
 def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
@@ -199,7 +213,7 @@ def _acquire(storage: Storage, save_overwrite: bool) -> bytes:
     return lock
 
 
-def take_locks(storages: list[Storage], save_overwrite: bool) -> list[bytes | None]:
+def take_locks(storages: list[Storage], save_overwrite: bool, *, keep_old: bool = False) -> list[bytes | None]:
     """Rank 0, before any rank writes: take every target's lock, retiring old checkpoints (see
     :func:`check_directory`). Without ``save_overwrite``, nothing is locked when any target holds
     a checkpoint. A failure releases the locks taken."""
@@ -208,7 +222,7 @@ def take_locks(storages: list[Storage], save_overwrite: bool) -> list[bytes | No
     locks: list[bytes | None] = []
     try:
         for storage in storages:
-            locks.append(check_directory(storage, save_overwrite, retire_old=True))
+            locks.append(check_directory(storage, save_overwrite, retire_old=True, keep_old=keep_old))
     finally:
         if len(locks) < len(storages):  # a failure: the locks taken go
             for storage, lock in zip(storages, locks):
@@ -232,8 +246,20 @@ def lock_everywhere(storages: list[Storage], save_overwrite: bool) -> list[bytes
     if dist.get_rank() == 0:
         taken, error = dist.attempt(lambda: take_locks(storages, save_overwrite))
         locks = taken or locks
-    dist.agree(error, "save")
+    agree_or_release(error, list(zip(storages, locks)))
     return locks
+
+
+def agree_or_release(error: BaseException | None, held: list[tuple[Storage, bytes | None]]) -> None:
+    """Every rank: ``dist.agree`` on a save's planning; where any rank failed, rank 0's locks
+    ``held`` go before the error is raised (the save will not be written)."""
+    agreed = False
+    try:
+        dist.agree(error, "save")
+        agreed = True
+    finally:
+        if not agreed:
+            release_locks(held)
 
 
 def release_locks(held: list[tuple[Storage, bytes | None]]) -> None:
@@ -244,11 +270,12 @@ def release_locks(held: list[tuple[Storage, bytes | None]]) -> None:
 
 
 def commit_metadata(storage: Storage, metadata: StorageMetadata, lock: bytes | None) -> None:
-    """Rank 0, once every rank file is durable: drop stale rank files, then publish metadata.json."""
+    """Rank 0, once every rank file is durable: drop stale rank files (and the temp files of dead
+    saves' ranks), then publish metadata.json."""
     _check_lock_is_ours(storage, lock)
     wanted = set(metadata.files())
     for name in storage.list():
-        if (is_rank_filename(name) and name not in wanted) or name.startswith(LOCK_TAKEOVER_PREFIX):
+        if (is_rank_filename(name) and name not in wanted) or name.startswith(LOCK_TAKEOVER_PREFIX) or is_rank_temp_file(name):
             storage.delete(name)
     storage.write(METADATA_FILENAME, metadata.to_json_bytes())
     release_lock(storage, lock)

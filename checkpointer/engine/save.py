@@ -44,7 +44,7 @@ from ..sharding import LocalTensor, describe_state_dict
 from ..storage.base import Storage
 from .commit import (
     check_directory, commit_metadata, refuse_existing_everywhere, refuse_if_committed, release_lock,
-    take_locks,
+    agree_or_release, retire, take_locks,
 )
 from .rankfile import Copies, check_copies, start_hashing, write_rank_file
 
@@ -111,7 +111,7 @@ def _plan(
     if error is None and rank == 0:
         # Planned: only now retire an old checkpoint here, before any rank writes a file.
         lock, error = dist.attempt(lambda: check_directory(storage, save_overwrite, retire_old=True))
-    dist.agree(error, "save")
+    agree_or_release(error, [(storage, lock)])
     assert plan is not None
     copies = plan.copies_for(rank, {key: lt.piece for key, lt in described.items()})
     return plan.keys_for(rank), plan.metadata, lock, plan_id, copies, save_id
@@ -239,8 +239,9 @@ def reuse_cached_plans(
     locks: list[bytes | None] = [None] * len(targets)
     ok = all(hit is not None for hit in hits)
     if ok and dist.get_rank() == 0:
-        # take_locks releases the locks it took when a later target refuses.
-        taken, failed = dist.attempt(lambda: take_locks([storage for storage, _ in targets], save_overwrite))
+        # take_locks releases the locks it took when a later target refuses. An old checkpoint is
+        # retired only once every rank's plan is confirmed: a rank may have failed to describe its values.
+        taken, failed = dist.attempt(lambda: take_locks([s for s, _ in targets], save_overwrite, keep_old=True))
         ok = failed is None  # the full path reports it
         locks = taken or locks
     # Every rank's entries must come from one plan: each rank's own pieces can recur while
@@ -251,6 +252,11 @@ def reuse_cached_plans(
         plan_id = int.from_bytes(digest.digest()[:7], "little")
     same, save_id = dist.all_equal_and_least(plan_id, secrets.randbits(62))  # the save's file id comes along
     if same and plan_id >= 0:
+        if save_overwrite:
+            error = None
+            if dist.get_rank() == 0:
+                _, error = dist.attempt(lambda: [retire(storage, True) for storage, _ in targets])
+            agree_or_release(error, [(storage, lock) for (storage, _), lock in zip(targets, locks)])
         return [
             PlannedSave(storage, d.described, hit.keys, hit.metadata, d.fingerprint, lock, hit.copies, f"{save_id:016x}")
             for (storage, d), hit, lock in zip(targets, hits, locks)
@@ -409,6 +415,6 @@ def save_state_dicts(
                 planned.append(plan_in_full(storage, d, save_overwrite=save_overwrite, cache=cache))
     out: list[tuple[StorageMetadata, list[str]]] = []
     for index, p in enumerate(planned):
-        with _released_unless_committed(planned, index + 1):  # a failure: the later targets' locks go
+        with _released_unless_committed(planned, index):  # a failure: this target's lock and the later ones' go
             out.append((p.metadata, write_and_commit(p)))
     return out

@@ -16,6 +16,7 @@ __all__ = [
     "rank_filename",
     "temp_name",
     "is_rank_filename",
+    "is_rank_temp_file",
     "is_save_file",
     "check_filename",
     "FILE_ID_KEY",
@@ -48,6 +49,12 @@ def rank_filename(rank: int) -> str:
 
 def is_rank_filename(name: str) -> bool:
     return _RANK_FILE.fullmatch(name) is not None
+
+
+def is_rank_temp_file(name: str) -> bool:
+    """The temp file (see :func:`temp_name`) of a rank file: one a save that died left behind."""
+    temp = _TEMP_FILE.fullmatch(name)
+    return temp is not None and is_rank_filename(temp.group(1))
 
 
 def is_save_file(name: str) -> bool:

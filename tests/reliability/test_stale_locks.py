@@ -205,6 +205,93 @@ def test_a_bad_lease_setting_refuses_the_save_before_its_lock(tmp_path, monkeypa
     assert not (tmp_path / "ckpt" / LOCK_FILENAME).exists()
 
 
+def _another_rank_fails_once(monkeypatch, name: str, when=lambda *args: True):
+    """``dist.<name>`` raises once, where ``when(*args)`` holds, as when another rank failed there."""
+    from checkpointer import dist
+    from checkpointer.errors import RankFailedError
+
+    real, failed = getattr(dist, name), []
+
+    def fake(*args, **kwargs):
+        if not failed and when(*args):
+            failed.append(name)
+            raise RankFailedError("save failed on rank 1: injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, name, fake)
+    return failed
+
+
+@pytest.mark.parametrize("where", ["planning", "writing"])
+def test_a_save_another_rank_failed_leaves_no_lock(tmp_path, monkeypatch, where):
+    """Rank 0 took the lock; another rank failed while planning (the agreement raises) or died
+    while writing (the gather of statuses raises): the lock goes, so the job's retry is not refused
+    as a save in progress (the heartbeat kept the leaked lock fresh for the life of the process)."""
+    path = str(tmp_path / "ckpt")
+    lock = os.path.join(path, LOCK_FILENAME)
+    if where == "planning":
+        failed = _another_rank_fails_once(monkeypatch, "agree", lambda error, what: what == "save" and os.path.exists(lock))
+    else:
+        failed = _another_rank_fails_once(monkeypatch, "gather_bytes")
+    with pytest.raises(checkpointer.CheckpointError, match="injected"):
+        Checkpointer().save(path, STATE)
+    assert failed and not os.path.exists(lock)
+    Checkpointer().save(path, STATE)
+    assert _saved(path)
+
+
+def test_a_cached_plan_retires_the_old_checkpoint_only_once_every_rank_planned(tmp_path, monkeypatch):
+    """With its plan cached, a save_overwrite=True whose other rank cannot describe its values
+    (no cached plan there, so the full plan reports its error) leaves the old checkpoint whole:
+    rank 0 had removed its metadata.json before the ranks agreed."""
+    from checkpointer import dist
+
+    path = str(tmp_path / "ckpt")
+    ckpt = Checkpointer()
+    ckpt.save(path, STATE)
+    ckpt.save(path, STATE, save_overwrite=True)  # the plan is cached and reused from here on
+    from checkpointer.errors import RankFailedError
+
+    real = dist.all_equal_and_least
+    monkeypatch.setattr(dist, "all_equal_and_least", lambda value, pick: (False, real(value, pick)[1]))
+    refused = RankFailedError("save failed on rank 1: cannot save 'w': injected")  # what the full plan's exchange brings
+    monkeypatch.setattr(save_module, "_plan_from_layouts", lambda described, aliases, error: (None, refused))
+    monkeypatch.setattr(save_module, "_exchange_and_plan", lambda described, aliases, error, fingerprint: (None, error))
+    with pytest.raises(checkpointer.CheckpointError, match="injected"):
+        ckpt.save(path, {"w": torch.zeros(6)}, save_overwrite=True)
+    assert _saved(path) and not os.path.exists(os.path.join(path, LOCK_FILENAME))
+
+
+def test_a_failure_retiring_the_old_checkpoint_releases_the_lock(tmp_path, monkeypatch):
+    from checkpointer.storage.local import LocalStorage
+
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, STATE)
+    real, failed = LocalStorage.delete, []
+
+    def delete(self, name):
+        if name == "metadata.json" and not failed:
+            failed.append(name)
+            raise OSError(5, "injected I/O error")
+        return real(self, name)
+
+    monkeypatch.setattr(LocalStorage, "delete", delete)
+    with pytest.raises(OSError, match="injected"):
+        Checkpointer().save(path, STATE, save_overwrite=True)
+    assert failed and not os.path.exists(os.path.join(path, LOCK_FILENAME))
+    Checkpointer().save(path, STATE, save_overwrite=True)
+    assert _saved(path)
+
+
+def test_a_commit_removes_what_dead_saves_left_of_rank_files(tmp_path):
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, STATE)
+    (tmp_path / "ckpt" / ".rank_1.safetensors.tmp-0123456789ab").write_bytes(b"x" * 100)
+    (tmp_path / "ckpt" / "notes.txt").write_bytes(b"the user's")
+    Checkpointer().save(path, STATE, save_overwrite=True)
+    assert sorted(os.listdir(path)) == ["metadata.json", "notes.txt", "rank_0.safetensors"]
+
+
 def test_a_refused_save_of_several_targets_leaves_no_lock_behind(tmp_path):
     """A cached plan's save of model + optimizer, refused because ``optim/`` holds a checkpoint,
     takes no lock that outlives it: the next save into ``model/`` is not refused as in progress."""
