@@ -356,15 +356,18 @@ def meet_before_destroy(group: Any = None) -> None:
 
 
 def wait_before_destroy(wait: Callable[[], None]) -> None:
-    """Make ``torch.distributed.destroy_process_group`` call ``wait()`` before it destroys
-    (installed once per process; calls through ``torch.distributed`` are covered, a reference
-    taken earlier by ``from torch.distributed import destroy_process_group`` is not)."""
+    """Make ``torch.distributed.destroy_process_group`` call ``wait()`` before it destroys the
+    default group (installed once per process; calls through ``torch.distributed`` are covered, a
+    reference taken earlier by ``from torch.distributed import destroy_process_group`` is not). A
+    subgroup's destruction, which only some ranks may call, does not wait."""
     original = dist.destroy_process_group
     if getattr(original, "_checkpointer_wait", None) is wait:
         return
 
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        wait()
+        group = args[0] if args else kwargs.get("group")
+        if group is None or group is dist.group.WORLD:
+            wait()
         return original(*args, **kwargs)
 
     destroy_process_group._checkpointer_wait = wait  # type: ignore[attr-defined]

@@ -40,3 +40,21 @@ def test_a_rank_error_round_trips_with_its_traceback():
     assert RankError.from_json(error.to_json()) == error
     failed = RankFailedError("load failed on rank 3", {3: error})
     assert failed.failures == {3: error}
+
+
+def test_only_the_default_groups_destruction_waits_for_the_saves(monkeypatch):
+    """A subgroup, which only some ranks may destroy, must not make them meet the other ranks at
+    the async savers' barrier (rank 0 alone waited 30 s, then left the savers' group alone)."""
+    import torch.distributed as torch_dist
+
+    from checkpointer import dist
+
+    destroyed: list[object] = []
+    waits: list[int] = []
+    monkeypatch.setattr(torch_dist, "destroy_process_group", lambda group=None: destroyed.append(group))
+    dist.wait_before_destroy(lambda: waits.append(1))
+    sub = object()
+    torch_dist.destroy_process_group(sub)
+    assert (destroyed, waits) == ([sub], [])
+    torch_dist.destroy_process_group()
+    assert (destroyed, waits) == ([sub, None], [1])
