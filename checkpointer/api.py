@@ -19,6 +19,7 @@ from .engine.checkpointer import Checkpointer, Strategy
 from .engine.async_save import WatchedFuture
 from .engine.commit import claim_parts, claim_step
 from .engine.locate import newest_checkpoint
+from .engine.save import describe_all
 from .errors import IncompleteCheckpointError
 from .format.layout import METADATA_FILENAME
 from .models.hf_load import KeyMap, is_hf_checkpoint, load_hf
@@ -98,6 +99,8 @@ def save_model_and_optim_state(
     dir = path_arg(dir).rstrip("/")
     targets = save_parts(dir, model, optim, train_state)
     _DEFAULT.wait()
+    if save_overwrite:  # the claim retires the old step: a value some rank cannot save refuses the save first
+        describe_all([state for _, state in targets], agree=True)
     _claim(dir, save_overwrite, has_train=len(targets) == 3)
     return [name for _, created in _DEFAULT.save_many(targets, save_overwrite=save_overwrite) for name in created]
 

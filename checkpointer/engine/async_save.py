@@ -41,7 +41,7 @@ from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
 from .rankfile import Copies, start_hashing
 from .commit import lock_everywhere, refuse_existing, refuse_existing_everywhere, release_locks, take_locks
-from .save import DescribedState, PlannedSave, SavePlanCache, describe_for_save, plan_in_full, write_and_commit
+from .save import DescribedState, PlannedSave, SavePlanCache, describe_all, plan_in_full, write_and_commit
 
 __all__ = ["AsyncSaver", "WatchedFuture", "wait_for_writes_into", "writing_under"]
 
@@ -187,8 +187,7 @@ class AsyncSaver:
         with self._lock:
             self.wait()
             dist.wait_before_destroy(_before_destroy)
-            result: Future[list[tuple[StorageMetadata, list[str]]]] = WatchedFuture(
-                " and ".join(storage.url for storage, _ in targets))
+            result: Future[list[tuple[StorageMetadata, list[str]]]] = WatchedFuture(" and ".join(s.url for s, _ in targets))
             planned: list[PlannedSave] = []
             locked = False
 
@@ -197,7 +196,8 @@ class AsyncSaver:
                 if not self._group_made:
                     self._group = dist.new_cpu_group()
                     self._group_made = True
-                described = [(st, describe_for_save(sd)) for st, sd in targets]
+                states = describe_all([sd for _, sd in targets], agree=claim is not None and save_overwrite, what="async save")
+                described = list(zip([st for st, _ in targets], states))  # refused before a claim retires the old step
                 reused = _reuse_cached_plans_each(described, cache)
                 locked = None in reused
                 if not locked:

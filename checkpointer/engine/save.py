@@ -30,7 +30,7 @@ import hashlib
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from .. import dist
 from ..errors import CheckpointError, RankError
@@ -50,7 +50,7 @@ from .rankfile import Copies, check_copies, start_hashing, write_rank_file
 
 __all__ = [
     "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache",
-    "DescribedState", "describe_for_save", "reuse_cached_plans", "plan_in_full", "save_state_dicts",
+    "DescribedState", "describe_all", "describe_for_save", "reuse_cached_plans", "plan_in_full", "save_state_dicts",
 ]
 
 _CACHE_ENTRIES = 8
@@ -223,6 +223,15 @@ def describe_for_save(state_dict: Mapping[str, Any]) -> DescribedState:
     form = f"{dist.get_world_size()},{COMPACT_METADATA}".encode()
     fingerprint = hashlib.sha256(_desc_json(described, aliases) + form).hexdigest()
     return DescribedState(described, aliases, error, fingerprint)
+
+
+def describe_all(state_dicts: Sequence[Mapping[str, Any]], *, agree: bool, what: str = "save") -> list[DescribedState]:
+    """Describe each state dict; with ``agree``, every rank, then one agreement on their errors, so
+    that a value any rank cannot save refuses the save before a claim retires an old step."""
+    described = [describe_for_save(sd) for sd in state_dicts]
+    if agree:
+        dist.agree(next((d.error for d in described if d.error is not None), None), what)
+    return described
 
 
 def reuse_cached_plans(

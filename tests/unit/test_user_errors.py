@@ -304,3 +304,25 @@ def test_a_sparse_tensor_is_refused_naming_its_key(tmp_path):
     with pytest.raises(CheckpointError, match=r"cannot save 'w': it is a torch.sparse_coo tensor"):
         Checkpointer().save(str(tmp_path), {"a": torch.ones(2), "w": torch.eye(3).to_sparse()})
     assert not (tmp_path / "metadata.json").exists()
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_a_refused_value_leaves_the_step_it_would_overwrite(tmp_path, how):
+    """save_overwrite=True with a value no rank can save (a buffer on the meta device): the save
+    is refused before the step's claim, which made the old step incomplete before the refusal."""
+    import checkpointer
+
+    step = str(tmp_path / "step1")
+    model = nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer.save_model_and_optim_state(step, model, optim)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model.register_buffer("stat", torch.empty(3, device="meta"))
+    with pytest.raises(checkpointer.CheckpointError, match="'stat': it is on the meta device"):
+        if how == "sync":
+            checkpointer.save_model_and_optim_state(step, model, optim, save_overwrite=True)
+        else:
+            checkpointer.async_save_model_and_optim_state(step, model, optim, save_overwrite=True).result(timeout=60)
+    fresh = nn.Linear(4, 4)
+    checkpointer.load_model_and_optim_state(step, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
