@@ -116,7 +116,28 @@ def check_rule(shape: tuple[int, ...], rule: Any) -> tuple[int, int]:
         top += (span - 1) * mul
     if first + top > MAX_FILE_INDEX:
         raise RuleError(f"files: a file index past {MAX_FILE_INDEX}")
+    if not _nested(digits) and len(np.unique(_files_of_cells(cells, first, terms))) < cells:
+        # The chain above tells pieces apart only where the digits nest, as a writer's do.
+        raise RuleError("files: two pieces would share a file (the terms' digits repeat within the pieces)")
     return cells, first + top
+
+
+def _nested(digits: list[tuple[int, int, int]]) -> bool:
+    """Each digit that varies starts where the ones below it end (``div`` the product of their spans)."""
+    reach = 1
+    for div, span, _ in sorted(d for d in digits if d[1] > 1):
+        if div != reach:
+            return False
+        reach *= span
+    return True
+
+
+def _files_of_cells(cells: int, first: int, terms: list) -> np.ndarray:
+    j = np.arange(cells, dtype=np.int64)
+    files = np.full(cells, first, dtype=np.int64)
+    for div, mod, mul in terms:
+        files += (j // div) % mod * mul
+    return files
 
 
 def expand_rule(shape: tuple[int, ...], rule: dict[str, Any]) -> tuple[list[str], list | None, list | None, list | None]:
@@ -128,9 +149,7 @@ def expand_rule(shape: tuple[int, ...], rule: dict[str, Any]) -> tuple[list[str]
     parts = [-(-extents[d] // chunk) for d, chunk in cuts]
     cells = math.prod(parts)
     j = np.arange(cells, dtype=np.int64)
-    files = np.full(cells, first, dtype=np.int64)
-    for div, mod, mul in terms:
-        files += (j // div) % mod * mul
+    files = _files_of_cells(cells, first, terms)
     names = [f"rank_{f}.safetensors" for f in files.tolist()]
     coords = np.unravel_index(j, parts) if parts else ()
     starts = [np.zeros(cells, dtype=np.int64) for _ in extents]

@@ -7,7 +7,7 @@ import math
 from itertools import product
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from checkpointer import CorruptCheckpointError
@@ -167,3 +167,19 @@ def test_no_rule_whose_file_bound_passes_the_files():
 
     names = ["rank_0.safetensors", "rank_2.safetensors", "rank_3.safetensors"]
     assert detect_rule((3,), names, [((0, 1),), ((1, 2),), ((2, 3),)], None, None) is None
+
+
+@settings(max_examples=400, deadline=None)
+@example(10, [(1, 4, 1), (3, 2, 4), (5, 2, 8)])
+@given(st.integers(1, 40), st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(1, 12)), max_size=3))
+def test_an_accepted_rule_puts_every_piece_in_its_own_file(cells, terms):
+    """Against the brute force: every piece's file computed. A rule whose digits overlap (``[[1, 4, 1],
+    [3, 2, 4], [5, 2, 8]]`` over 10 pieces puts pieces 5 and 9 in one file) was accepted, and a
+    load read one piece's bytes for the other."""
+    rule = {"form": "flat", "cuts": [[0, 1]], "files": [0, [list(t) for t in terms]]}
+    try:
+        check_rule((cells,), rule)
+    except RuleError:
+        return
+    names = expand_rule((cells,), rule)[0]
+    assert len(set(names)) == cells, (rule, names)
