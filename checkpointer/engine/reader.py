@@ -134,7 +134,11 @@ class CheckpointReader:
         check_files_hold(self.headers, key, meta)
         if stored_cover_exactly(meta):
             return
-        index = SourceIndex([spec_ranges(s, meta.shape) for s in meta.shard_spec_per_file.values()])
+        files = list(meta.shard_spec_per_file)
+        index = SourceIndex([spec_ranges(meta.shard_spec_per_file[f], meta.shape) for f in files])
+        if index.conflict is not None:
+            a, b = sorted(index.conflict)
+            raise CorruptCheckpointError(f"tensor {key!r}: the pieces in {files[a]} and {files[b]} overlap")
         if index.covered() != meta.numel:
             raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
 

@@ -213,6 +213,7 @@ class TileIndex:
     Identical boxes held by several sources (replicas) are read from the first. Construction
     sets ``ok`` False when the tiles could not be proven disjoint (partly overlapping boxes, or
     an irregular layout too large to sweep): the caller then plans with flattened ranges.
+    ``conflict``: two sources whose boxes were found to overlap (not as replicas).
     """
 
     def __init__(self, shape: Sequence[int], tiles: Sequence[Sequence[Tile]]):
@@ -232,6 +233,7 @@ class TileIndex:
                 seen[box] = source
                 flat.append((source, t))
         self.tiles = flat
+        self.conflict: tuple[int, int] | None = None
         self.covered = sum(t.numel for _, t in flat)
         ndim = len(self.shape)
         if ndim == 0:
@@ -281,6 +283,7 @@ class TileIndex:
                 if pairs > MAX_SWEEP_PAIRS:
                     return False
                 if intersect(a.origin, a.sizes, b.origin, b.sizes) is not None:
+                    self.conflict = (tiles[i][0], tiles[j][0])
                     return False
         return True
 

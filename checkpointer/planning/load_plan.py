@@ -113,11 +113,13 @@ def _build(
             copies = rule_copies(layout, rule, piece_tiles(piece, meta.shape))
         else:
             tiles = _tile_index(meta, layout, files)
+            _refuse_conflict(key, tiles.conflict, files)
             copies = tiles.copies(piece_tiles(piece, meta.shape)) if tiles.ok else None
         if copies is not None:
             items = tuple(map(_read_item, [files[c.source] for c in copies], copies))
             return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: _gaps(meta, layout, files))
     index = _source_index(meta, layout, files)
+    _refuse_conflict(key, index.conflict, files)
     overlaps = index.overlaps(piece_ranges(piece, meta.shape))
     items = tuple(ReadItem(files[o.source], o.src_offset, o.dst_offset, o.numel) for o in overlaps)
     return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: index.gaps(meta.numel))
@@ -180,6 +182,13 @@ def _read_item(file: str, copy: BoxCopy) -> ReadItem:
 
 def _gaps(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> list[Range]:
     return _source_index(meta, layout, files).gaps(meta.numel)
+
+
+def _refuse_conflict(key: str, conflict: tuple[int, int] | None, files: Sequence[str]) -> None:
+    """Pieces that overlap, other than as replicas, are a corrupt checkpoint: not read first-come."""
+    if conflict is not None:
+        a, b = sorted(conflict)
+        raise CorruptCheckpointError(f"tensor {key!r}: the pieces in {files[a]} and {files[b]} overlap")
 
 
 def _checked(key: str, meta: TensorStorageMetadata, plan: TensorLoadPlan, want: int, gaps) -> TensorLoadPlan:

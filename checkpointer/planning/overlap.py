@@ -90,7 +90,8 @@ class SourceIndex:
 
     ``pieces[i]`` is the list of ranges source ``i`` holds, in storage order. Where sources
     overlap (replicas), the earliest-starting one wins and later ones are trimmed, so every
-    element is read from exactly one place.
+    element is read from exactly one place. ``conflict``: the first two sources found to overlap
+    other than as identical ranges (replicas), which a checkpoint's pieces never do.
     """
 
     def __init__(self, pieces: Sequence[Sequence[Range]]):
@@ -103,10 +104,17 @@ class SourceIndex:
                 offset += end - start
         segments.sort(key=lambda s: (s.start, -s.end, s.source))
         cover: list[Segment] = []
-        reached = -1
+        reached, holder, previous = -1, -1, None
+        self.conflict: tuple[int, int] | None = None
         for seg in segments:
+            if seg.start < reached and self.conflict is None and (
+                previous is None or (seg.start, seg.end) != (previous.start, previous.end)
+            ):
+                self.conflict = (holder, seg.source)
+            previous = seg
             if seg.end <= reached:
                 continue
+            holder = seg.source
             if seg.start < reached:
                 seg = Segment(reached, seg.end, seg.source, seg.offset + reached - seg.start)
             if cover and cover[-1].end == seg.start and cover[-1].source == seg.source and (

@@ -521,3 +521,52 @@ def test_metadata_size_limit_is_a_setting(ckpt, tmp_path, monkeypatch):
         unshard_model_state(os.path.dirname(ckpt.part("model")), no_dist=True)
     monkeypatch.setenv("CHECKPOINTER_MAX_METADATA_MIB", str(2 * size / (1 << 20)))
     assert unshard_model_state(os.path.dirname(ckpt.part("model")), no_dist=True)
+
+
+def _hand_made(path, shape, pieces) -> str:
+    """A checkpoint written by hand in the verbose form: ``pieces`` maps a rank file to its spec
+    fields and its values (the review's overlapping layouts, which no save writes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    specs = {}
+    for name, (spec, values) in pieces.items():
+        save_file({"w": values.contiguous()}, os.path.join(path, name))
+        specs[name] = {"flattened_offsets": None, "local_shape": None, "global_offset": None, **spec}
+    meta = {"tensors": {"w": {"shape": list(shape), "is_sharded": True, "dtype": "F32", "shard_spec_per_file": specs}}}
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump(meta, f)
+    return path
+
+
+@pytest.mark.parametrize("layout", ["flat", "box", "box inside box"])
+def test_pieces_that_overlap_are_corrupt_not_read_first_come(tmp_path, layout, monkeypatch):
+    """Two pieces holding the same elements with different values: load, unshard and lazy_load
+    read the first-starting one's and said nothing (only verify saw it). A box inside another
+    box expanded both into rows first: 20 s and 1.6 GiB for a 329-byte metadata.json at 2048."""
+    import torch
+
+    from checkpointer.planning import overlap
+
+    if layout == "flat":
+        full = torch.arange(12.0)
+        shape, pieces = (12,), {"rank_0.safetensors": ({"flattened_offsets": [[0, 8]]}, full[:8]),
+                                "rank_1.safetensors": ({"flattened_offsets": [[4, 12]]}, full[4:] + 100)}
+    elif layout == "box":
+        full = torch.arange(16.0).reshape(4, 4)
+        shape, pieces = (4, 4), {"rank_0.safetensors": ({"local_shape": [3, 4], "global_offset": [0, 0]}, full[:3]),
+                                 "rank_1.safetensors": ({"local_shape": [2, 4], "global_offset": [2, 0]}, full[2:] + 100)}
+    else:
+        n = 512
+        shape = (n, n, 2)
+        pieces = {"rank_0.safetensors": ({"local_shape": [n, n, 1], "global_offset": [0, 0, 0]}, torch.zeros(n, n, 1)),
+                  "rank_1.safetensors": ({"local_shape": [n, n, 2], "global_offset": [0, 0, 0]}, torch.ones(n, n, 2))}
+        monkeypatch.setattr(overlap, "box_ranges", lambda *a: pytest.fail("boxes expanded into rows"))
+    path = _hand_made(str(tmp_path / "ckpt"), shape, pieces)
+    message = "tensor 'w': the pieces in rank_0.safetensors and rank_1.safetensors overlap"
+    for name, call in (("load", lambda: checkpointer.Checkpointer().load(path, {"w": torch.zeros(shape)}, no_dist=True)),
+                       ("unshard", lambda: checkpointer.Checkpointer().unshard(path, no_dist=True)),
+                       ("lazy_load", lambda: dict(checkpointer.lazy_load(path)))):
+        with pytest.raises(checkpointer.CorruptCheckpointError, match=message):
+            call()

@@ -218,3 +218,11 @@ def test_uncovered_elements_are_skipped_and_reported():
     assert index.covered() == 5
     assert SourceIndex([]).overlaps([(0, 4)]) == []
     assert SourceIndex([]).gaps(4) == [(0, 4)]
+
+
+def test_source_index_names_sources_that_overlap_other_than_as_replicas():
+    assert SourceIndex([[(0, 10)], [(0, 10)], [(10, 12)], [(0, 10)]]).conflict is None  # replicas
+    assert SourceIndex([[(0, 5), (5, 10)], [(10, 12)]]).conflict is None
+    assert SourceIndex([[(0, 10)], [(5, 15)]]).conflict == (0, 1)  # partly
+    assert SourceIndex([[(4, 6)], [(0, 10)]]).conflict == (1, 0)  # one inside the other
+    assert SourceIndex([[(0, 10)], [(0, 10)], [(0, 4)]]).conflict == (0, 2)
