@@ -11,7 +11,8 @@ The recipe:
    tensors: :mod:`~checkpointer.planning.layouts`), confirmed by one all-reduce; else from every
    rank's pieces, all-gathered (as columns: the structure, which ranks of one model share,
    travels only when it differs from rank 0's). A cached plan skips this: one all-reduce
-   confirms every rank's pieces are those of one earlier save, planned together.
+   confirms every rank's pieces are those of one earlier save, planned together (with
+   ``save_overwrite``, one more agreement follows rank 0's retiring the old checkpoint).
 4. Every rank writes ``rank_{r}.safetensors`` (temp name, fsync, rename), with a new id in its
    header, checksumming each piece as it goes; meanwhile it hashes its copies of pieces that
    another rank writes (:mod:`~checkpointer.engine.commit`).
@@ -243,7 +244,8 @@ def reuse_cached_plans(
     """Every target's plan from ``cache``, confirmed by one all-reduce: None unless every rank
     has a cached plan for each target, each from the same save as the other ranks' entries.
     Rank 0 first takes each target's lock; a refusal sends every rank to the full plan, which
-    reports it."""
+    reports it. With ``save_overwrite``, old checkpoints are retired once the plans are
+    confirmed, and one more agreement reports that."""
     hits = [cache.get(d.fingerprint) if d.error is None else None for _, d in targets]
     locks: list[bytes | None] = [None] * len(targets)
     ok = all(hit is not None for hit in hits)

@@ -64,6 +64,7 @@ def preadv_runs(fd: int, file_offsets: np.ndarray, addresses: np.ndarray, length
 def _preadv_all(fd: int, iov: np.ndarray, offset: int, where: str) -> None:
     """One ``preadv`` of the ``(address, length)`` rows of ``iov``; after a short read (a signal, a
     network or FUSE file system) another from where it stopped. ``EOFError`` where the file ends."""
+    total = int(iov[:, 1].sum())
     while True:
         got = _PREADV(fd, iov.ctypes.data, len(iov), offset)
         if got < 0:
@@ -71,14 +72,14 @@ def _preadv_all(fd: int, iov: np.ndarray, offset: int, where: str) -> None:
             if errno == _EINTR:
                 continue
             raise OSError(errno, f"{where}: {os.strerror(errno)}")
-        ends = np.cumsum(iov[:, 1])
-        if got == int(ends[-1]):
+        if got == total:
             return
         if got == 0:
-            raise EOFError(f"{where}: read nothing at offset {offset} of the {int(ends[-1])} bytes asked: the file is truncated")
+            raise EOFError(f"{where}: read nothing at offset {offset} of the {total} bytes asked: the file is truncated")
+        ends = np.cumsum(iov[:, 1])
         done = int(np.searchsorted(ends, got, side="right"))  # rows read whole
         into = got - (int(ends[done - 1]) if done else 0)
         iov = iov[done:].copy()
         iov[0, 0] += into
         iov[0, 1] -= into
-        offset += got
+        offset, total = offset + got, total - got
