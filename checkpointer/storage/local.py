@@ -258,17 +258,41 @@ class LocalStorage(Storage):
             writer.commit()
 
     def create_exclusive(self, name: str, data: bytes) -> None:
+        """Written whole under a temporary name, then hard-linked to ``name`` (which fails if it
+        exists): no one ever sees the file empty or cut short, even after a crash or a full disk,
+        where an empty lock would never be judged stale. Without hard links, ``O_EXCL``."""
         path = self._path(name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        directory, base = os.path.split(path)
+        tmp = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+        _write_new(tmp, os.O_EXCL, data)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links
+            _write_new(path, os.O_EXCL, data)
         finally:
-            os.close(fd)
+            os.unlink(tmp)
         fsync_dir(self.root)
 
     def open_writer(self, name: str) -> LocalWriter:
         return LocalWriter(self._path(name))
+
+
+def _write_new(path: str, flags: int, data: bytes) -> None:
+    """Create ``path`` (``flags``: ``O_EXCL``) holding ``data``, fsynced; a failure removes it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    done = False
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        done = True
+    finally:
+        os.close(fd)
+        if not done:
+            os.unlink(path)
 
 
 @contextmanager

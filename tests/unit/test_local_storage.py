@@ -426,3 +426,32 @@ def test_scattered_runs_go_on_after_short_reads_and_interrupted_ones(tmp_path, m
     finally:
         os.close(fd)
     assert all(bytes(out[i]) == data[o : o + 7] for i, o in enumerate(offsets.tolist()))
+
+
+def test_an_exclusive_create_that_fails_to_write_leaves_no_file(tmp_path, monkeypatch):
+    """A full disk while the save lock is written: it was left empty, and an empty lock is never
+    judged stale (a lock that cannot be read), so the directory stayed locked."""
+    storage = LocalStorage(str(tmp_path))
+    real = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        storage.create_exclusive(".lock", b'{"token": "x"}')
+    monkeypatch.setattr(os, "write", real)
+    assert os.listdir(tmp_path) == []
+    storage.create_exclusive(".lock", b'{"token": "x"}')
+    with pytest.raises(FileExistsError):
+        storage.create_exclusive(".lock", b'{"token": "y"}')
+    assert (tmp_path / ".lock").read_bytes() == b'{"token": "x"}' and os.listdir(tmp_path) == [".lock"]
+
+
+def test_an_exclusive_create_without_hard_links_still_refuses_an_existing_file(tmp_path, monkeypatch):
+    storage = LocalStorage(str(tmp_path))
+    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EPERM, "no hard links")))
+    storage.create_exclusive(".lock", b"a")
+    with pytest.raises(FileExistsError):
+        storage.create_exclusive(".lock", b"b")
+    assert (tmp_path / ".lock").read_bytes() == b"a" and os.listdir(tmp_path) == [".lock"]
