@@ -21,12 +21,12 @@ import errno
 import os
 import shutil
 import stat
-import uuid
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 from .. import settings
+from ..format.layout import temp_name
 from . import libc, mapping, scatter
 from .base import FileChangedError, ReadRequest, Storage, Writer, check_name
 from .open_files import PINNED_FILES, OpenFile, OpenFiles, inside, where_opened
@@ -263,7 +263,7 @@ class LocalStorage(Storage):
         where an empty lock would never be judged stale. Without hard links, ``O_EXCL``."""
         path = self._path(name)
         directory, base = os.path.split(path)
-        tmp = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+        tmp = os.path.join(directory, temp_name(base))
         _write_new(tmp, os.O_EXCL, data)
         try:
             os.link(tmp, path)
@@ -338,7 +338,7 @@ class LocalWriter(Writer):
         self.path = path
         directory, base = os.path.split(path)
         self.directory = directory
-        self.tmp = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+        self.tmp = os.path.join(directory, temp_name(base))
         use_direct = direct_io_enabled() if direct is None else direct  # a bad setting raises before any file is made
         self.direct_by_choice = direct is None and settings.direct_io() == "auto"
         self.done = False

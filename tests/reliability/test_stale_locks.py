@@ -286,7 +286,12 @@ def test_a_failure_retiring_the_old_checkpoint_releases_the_lock(tmp_path, monke
 def test_a_commit_removes_what_dead_saves_left_of_rank_files(tmp_path):
     path = str(tmp_path / "ckpt")
     Checkpointer().save(path, STATE)
-    (tmp_path / "ckpt" / ".rank_1.safetensors.tmp-0123456789ab").write_bytes(b"x" * 100)
+    from checkpointer.storage.local import LocalStorage
+
+    dead = LocalStorage(path).open_writer("rank_1.safetensors")  # a rank that died writing: its temp file stays
+    dead.write([memoryview(b"x" * 100)])
+    os.close(dead.fd)
+    dead.fd = None
     (tmp_path / "ckpt" / "notes.txt").write_bytes(b"the user's")
     Checkpointer().save(path, STATE, save_overwrite=True)
     assert sorted(os.listdir(path)) == ["metadata.json", "notes.txt", "rank_0.safetensors"]
