@@ -55,13 +55,15 @@ def assign_readers(needs_per_rank: Sequence[Sequence[Need]], itemsizes: dict[str
         for s, e, r in intervals:
             opens[s].append(r)
             closes[e].append(r)
-        active: dict[int, int] = defaultdict(int)
+        active: dict[int, int] = {}  # rank -> its open intervals, only ranks with some open
         for lo, hi in zip(cuts, cuts[1:]):
             for r in closes.get(lo, ()):
                 active[r] -= 1
+                if not active[r]:
+                    del active[r]
             for r in opens.get(lo, ()):
-                active[r] += 1
-            ranks = tuple(sorted(r for r, count in active.items() if count > 0))
+                active[r] = active.get(r, 0) + 1
+            ranks = tuple(sorted(active))
             if not ranks:
                 continue
             if raw and raw[-1][:2] == (file, key) and raw[-1][3] == lo and raw[-1][4] == ranks:
