@@ -24,7 +24,7 @@ from .base import ReadRequest, Storage, check_name
 from .gcs_compose import GCSComposeWriter
 from .gcs_upload import GCSWriter
 from .parallel import run_parallel
-from .ranges import RangeTask, StreamEnded, ended_as_sent, ends_before, fill_range, plan_ranges
+from .ranges import RangeTask, StreamEnded, check_range_start, ended_as_sent, ends_before, fill_range, plan_ranges
 from .redact import redact, redact_transport_logs
 from .retry import RetryPolicy, call_with_retry, holds
 from .transient import HTTPStatusError, certificate_refused, is_transient, transient_status
@@ -243,6 +243,7 @@ class GCSStorage(Storage):
                 return b""
             if resp.status_code == 200 and start:
                 raise OSError(f"the server ignored the Range header of a read of {self.join(name)}")
+            check_range_start(start, resp.status_code, resp.headers.get("Content-Range"), f"GET {self.join(name)}")
             data = resp.content
             return data if end is None else data[: end - start]
 
@@ -265,6 +266,7 @@ class GCSStorage(Storage):
                     raise self._truncated(name, task.end)
                 if resp.status_code == 200 and first:
                     raise OSError(f"the server ignored the Range header of a read of {self.join(name)}")
+                check_range_start(first, resp.status_code, content_range, where)
                 with _transport_errors():
                     try:
                         fill_range(task, resp.raw)

@@ -20,7 +20,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from .base import ReadRequest, Storage, Writer, check_name
 from .parallel import run_parallel
-from .ranges import RangeTask, StreamEnded, content_length, ended_as_sent, ends_before, fill_range, plan_ranges
+from .ranges import RangeTask, StreamEnded, check_range_start, content_length, ended_as_sent, ends_before, fill_range, plan_ranges
 from .redact import redact, redact_transport_logs
 from .retry import RetryPolicy, call_with_retry
 from .transient import HTTPStatusError, is_transient
@@ -194,6 +194,7 @@ class HTTPStorage(Storage):
             return io.BytesIO(b""), resp
         try:  # urllib3 takes a length it cannot read for none, and would read to the connection's end
             content_length(resp.headers.get("Content-Length"), f"GET {self.join(name)}")
+            check_range_start(start, resp.status, resp.headers.get("Content-Range"), f"GET {self.join(name)}")
         except OSError:
             resp.close()
             resp.release_conn()

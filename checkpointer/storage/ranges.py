@@ -4,7 +4,8 @@ Stdlib only. :func:`plan_ranges` turns ``(offset, buffer)`` requests into ranged
 (:class:`RangeTask`): adjacent requests coalesced, large ones split. :func:`fill_range`
 streams one range straight into its buffers and resumes where it stopped when retried.
 :func:`ends_before` and :func:`ended_as_sent` tell a file shorter than the range asked for
-(fail at once) from a dropped connection (:class:`StreamEnded`, retried).
+(fail at once) from a dropped connection (:class:`StreamEnded`, retried); :func:`check_range_start`
+refuses a part of the file other than the one asked for.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .base import ReadRequest
 
 __all__ = [
     "READ_BLOCK", "RangeTask", "StreamEnded", "plan_ranges", "fill_range", "content_range_total", "content_length", "ends_before",
-    "ended_as_sent",
+    "ended_as_sent", "check_range_start",
 ]
 
 READ_BLOCK = 256 * 1024
@@ -120,6 +121,18 @@ def ends_before(end: int, first: int, status: int, length: str | int | None,
         return True
     total = content_range_total(content_range) if status == 206 else None
     return total is not None and total < end
+
+
+def check_range_start(first: int, status: int, content_range: str | None, where: str) -> None:
+    """A 206 whose ``Content-Range`` starts anywhere but at ``first``, the byte asked for, is an
+    ``OSError`` naming ``where``: its bytes belong elsewhere in the file (a proxy or a cache that
+    answers with another part). A 206 without the header cannot be checked."""
+    if status != 206 or content_range is None:
+        return
+    unit, _, spec = content_range.strip().partition(" ")
+    start = spec.partition("-")[0].strip()
+    if unit != "bytes" or not (start.isascii() and start.isdigit()) or int(start) != first:
+        raise OSError(f"{where}: asked for bytes from {first}, the server answered with {content_range[:80]!r}")
 
 
 def ended_as_sent(chunked: bool, content_range: str | None) -> bool:

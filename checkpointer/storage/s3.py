@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from .base import ReadRequest, Storage, check_name
 from .parallel import run_parallel
 from .parts import Part, PartReader, PartWriter
-from .ranges import RangeTask, ends_before, fill_range, plan_ranges
+from .ranges import RangeTask, check_range_start, ends_before, fill_range, plan_ranges
 from .redact import redact
 from .retry import RetryPolicy, call_with_retry, holds
 from .transient import is_transient, transient_status
@@ -238,9 +238,14 @@ class S3Storage(Storage):
             return self._client.get_object(Bucket=self.bucket, Key=key)
         rng = f"bytes={first}-" + ("" if last is None else str(last))
         resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)
-        if first and int(resp["ResponseMetadata"]["HTTPStatusCode"]) == 200:
+        status = int(resp["ResponseMetadata"]["HTTPStatusCode"])
+        try:
+            if first and status == 200:
+                raise OSError(f"the server ignored the Range header of a read of {self.join(name)}")
+            check_range_start(first, status, resp.get("ContentRange"), f"GET {self.join(name)}")
+        except OSError:
             resp["Body"].close()
-            raise OSError(f"the server ignored the Range header of a read of {self.join(name)}")
+            raise
         return resp
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:

@@ -214,6 +214,20 @@ def test_http_chunked_responses_leave_no_bytes_on_a_pooled_connection(served, fi
         assert store.size("rank_0.bin") == len(data)
 
 
+def test_http_answer_from_another_part_of_the_file_is_refused(served, file_server) -> None:
+    """A 206 whose Content-Range starts elsewhere than the byte asked for (a cache or proxy that
+    serves another part) is an error naming the file and the answer, not those bytes."""
+    root, data = served
+    store = HTTPStorage(f"{file_server(root, wrong_part=True).url}/ckpt", retry=FAST)
+    out = bytearray(100)
+    with pytest.raises(OSError, match=r"rank_0\.bin: asked for bytes from 300, the server answered with 'bytes 0-99/2000000'"):
+        store.read_into("rank_0.bin", [(300, memoryview(out))])
+    assert bytes(out) == bytes(100)
+    with pytest.raises(OSError, match="asked for bytes from 300"):
+        store.read("rank_0.bin", 300, 400)
+    assert store.read("rank_0.bin", 0, 100) == data[:100]  # the part asked for
+
+
 @pytest.mark.parametrize("ranges", [True, False], ids=["206", "200-whole-file"])
 def test_http_short_chunked_answer_fails_at_once_as_a_truncated_file(served, file_server, monkeypatch,
                                                                      ranges) -> None:

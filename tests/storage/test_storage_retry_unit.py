@@ -11,7 +11,9 @@ import pytest
 from checkpointer.settings import io_retries
 from checkpointer.storage.parallel import run_parallel
 from checkpointer.storage.parts import PartBuffer, PartReader
-from checkpointer.storage.ranges import RangeTask, content_length, ended_as_sent, ends_before, fill_range, plan_ranges
+from checkpointer.storage.ranges import (
+    RangeTask, check_range_start, content_length, ended_as_sent, ends_before, fill_range, plan_ranges,
+)
 from checkpointer.storage.redact import redact
 from checkpointer.storage.retry import RetryPolicy, call_with_retry
 from checkpointer.storage.transient import HTTPStatusError
@@ -78,6 +80,15 @@ def test_what_an_answer_says_of_the_file_size() -> None:
         with pytest.raises(OSError, match="GET https://h/x: the server's Content-Length .* is not a number of bytes"):
             ends_before(200, 100, 206, length, None, where="GET https://h/x")
     assert content_length(" 50 ", "x") == 50 and content_length(None, "x") is None
+
+
+def test_an_answer_must_start_at_the_byte_asked_for() -> None:
+    check_range_start(100, 206, "bytes 100-149/150", "GET x")
+    check_range_start(100, 206, None, "GET x")  # nothing to check
+    check_range_start(0, 200, None, "GET x")
+    for header in ("bytes 0-49/150", "bytes 101-149/150", "bytes */150", "items 100-149/150", "bytes -1-4/9"):
+        with pytest.raises(OSError, match=r"GET x: asked for bytes from 100, the server answered with"):
+            check_range_start(100, 206, header, "GET x")
 
 
 def test_retry_counts_and_names_the_operation() -> None:

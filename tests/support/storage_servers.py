@@ -372,12 +372,15 @@ class RangeFileServer:
     ``cut_bodies`` cuts that many of the next bodies halfway: the connection closes (a chunked
     body's last chunk never comes). ``missing_status=403`` answers 403 for a missing file, as a
     public S3 bucket without list permission does. ``content_length`` is sent as every answer's
-    ``Content-Length`` instead of the body's length (a server that lies, or writes nonsense)."""
+    ``Content-Length`` instead of the body's length (a server that lies, or writes nonsense).
+    ``wrong_part=True`` answers every range with as many bytes from the file's start, and a
+    ``Content-Range`` that says so (a cache or proxy that serves another part)."""
 
     def __init__(self, root: str, *, ranges: bool = True, auth: tuple[str, str] | None = None,
                  token: str | None = None, redirect_to: str | None = None, chunked: bool = False,
-                 tls=None, missing_status: int = 404, content_length: str | None = None):
+                 tls=None, missing_status: int = 404, content_length: str | None = None, wrong_part: bool = False):
         server = self
+        self.wrong_part = wrong_part
         self.missing_status = missing_status
         self.content_length = content_length
         self.root, self.ranges, self.token, self.redirect_to = root, ranges, token, redirect_to
@@ -451,6 +454,8 @@ class RangeFileServer:
         start, end = int(first), min(len(data), int(last) + 1 if last else len(data))
         if start >= len(data):
             return self._reply(h, 416, {"Content-Range": f"bytes */{len(data)}"}, b"", head)
+        if self.wrong_part:
+            start, end = 0, end - start
         return self._reply(h, 206, {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}"}, data[start:end], head)
 
     def close(self) -> None:
