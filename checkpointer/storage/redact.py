@@ -11,7 +11,8 @@ import re
 
 __all__ = ["redact", "redact_transport_logs"]
 
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@'\"]+@")
+# up to the authority's last "@", as urlsplit reads it: a password may hold an unencoded "@"
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#\s'\"]*@")
 _QUERY = re.compile(r"(?P<url>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s?'\"]*|/[^\s?'\"]*)\?[^\s'\"#)]*")
 
 

@@ -139,6 +139,18 @@ def test_backoff_grows_exponentially_with_jitter() -> None:
         assert all(cap / 2 <= d <= cap for d in delays) and len(delays) > 1
 
 
+def test_redact_takes_the_user_info_up_to_its_last_at_sign() -> None:
+    """urlsplit ends the user-info at the authority's last "@": so must redaction, or the tail of a
+    password with an unencoded "@" shows in every message."""
+    from checkpointer.storage.http import HTTPStorage
+
+    assert redact("GET https://alice:s3cr@t-pass@127.0.0.1:9/ckpt/x@y failed") == "GET https://***@127.0.0.1:9/ckpt/x@y failed"
+    assert redact("see https://h/a@b and s3://b/k?e=a@b") == "see https://h/a@b and s3://b/k?***"
+    store = HTTPStorage("https://alice:s3cr@t-pass@127.0.0.1:9/ckpt")
+    assert "pass" not in store.url and "pass" not in store.join("metadata.json")
+    assert store.url == "https://***@127.0.0.1:9/ckpt"
+
+
 def test_io_retries_env(monkeypatch) -> None:
     monkeypatch.delenv("CHECKPOINTER_IO_RETRIES", raising=False)
     assert io_retries() == 8 and RetryPolicy().retries == 8
