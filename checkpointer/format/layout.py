@@ -15,6 +15,7 @@ __all__ = [
     "LEGACY_FORMAT_VERSION",
     "rank_filename",
     "temp_name",
+    "part_prefix",
     "is_rank_filename",
     "is_rank_temp_file",
     "is_save_file",
@@ -40,6 +41,7 @@ FILE_ID_KEY = "checkpointer_file_id"
 """The key, in a rank file's safetensors ``__metadata__``, of the id ``metadata.json`` lists for it."""
 _RANK_FILE = re.compile(r"rank_(\d+)\.safetensors")
 _TEMP_FILE = re.compile(r"\.(.+)\.tmp-[0-9a-f]+")
+_PART_FILE = re.compile(r"\.(.+)\.part-[0-9a-f]+-c?[0-9]+")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
@@ -51,17 +53,22 @@ def is_rank_filename(name: str) -> bool:
     return _RANK_FILE.fullmatch(name) is not None
 
 
+def _unfinished(name: str):
+    return _TEMP_FILE.fullmatch(name) or _PART_FILE.fullmatch(name)
+
+
 def is_rank_temp_file(name: str) -> bool:
-    """The temp file (see :func:`temp_name`) of a rank file: one a save that died left behind."""
-    temp = _TEMP_FILE.fullmatch(name)
+    """The temp file (see :func:`temp_name`) or an uploaded part (see :func:`part_prefix`) of a
+    rank file: one a save that died left behind."""
+    temp = _unfinished(name)
     return temp is not None and is_rank_filename(temp.group(1))
 
 
 def is_save_file(name: str) -> bool:
     """A file only a save of this library leaves: a rank file, the save lock (or a takeover
-    marker of one), or the temp file
-    (see :func:`temp_name`) of either or of ``metadata.json``."""
-    temp = _TEMP_FILE.fullmatch(name)
+    marker of one), or the temp file (see :func:`temp_name`) or an uploaded part (see
+    :func:`part_prefix`) of either or of ``metadata.json``."""
+    temp = _unfinished(name)
     base = temp.group(1) if temp else name
     return (
         is_rank_filename(base)
@@ -79,6 +86,12 @@ def new_file_id() -> str:
 def temp_name(name: str) -> str:
     """A unique sibling name to write ``name`` under before renaming it into place."""
     return f".{name}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def part_prefix(name: str) -> str:
+    """A unique prefix for the hidden objects a parallel upload of ``name`` stores its parts in,
+    each named by the prefix and a number (``c`` and a number for a partial join of them)."""
+    return f".{name}.part-{uuid.uuid4().hex[:12]}-"
 
 
 def check_filename(name: str) -> str:

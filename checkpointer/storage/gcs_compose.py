@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import uuid
 from urllib.parse import quote, urlencode
 
+from ..format.layout import part_prefix
 from .gcs_upload import GCSWriter, Uploads, _body
 from .parallel import run_parallel
 from .parts import Part
@@ -48,7 +48,7 @@ class GCSComposeWriter(GCSWriter):
         super().__init__(storage, name, workers=storage.max_concurrency, in_flight=storage.max_concurrency,
                          max_parts=MAX_COMPONENTS, grow_every=MAX_COMPONENTS // 4)
         directory, base = posixpath.split(name)
-        self._part_prefix = posixpath.join(directory, f".{base}.part-{uuid.uuid4().hex[:12]}-")
+        self._part_prefix = posixpath.join(directory, part_prefix(base))
         self._temporaries: list[str] = []  # intermediate composites, deleted with the parts
         self._committed = self._cleaned = False
 

@@ -292,9 +292,15 @@ def test_a_commit_removes_what_dead_saves_left_of_rank_files(tmp_path):
     dead.write([memoryview(b"x" * 100)])
     os.close(dead.fd)
     dead.fd = None
+    from checkpointer.format.layout import part_prefix
+
+    parts = part_prefix("rank_2.safetensors")  # a parallel upload's parts (GCS), one joined partly
+    for suffix in ("1", "2", "c0"):
+        (tmp_path / "ckpt" / f"{parts}{suffix}").write_bytes(b"p" * 10)
     (tmp_path / "ckpt" / "notes.txt").write_bytes(b"the user's")
+    (tmp_path / "ckpt" / ".notes.txt.part-0123456789ab-1").write_bytes(b"not a rank file's")
     Checkpointer().save(path, STATE, save_overwrite=True)
-    assert sorted(os.listdir(path)) == ["metadata.json", "notes.txt", "rank_0.safetensors"]
+    assert sorted(os.listdir(path)) == [".notes.txt.part-0123456789ab-1", "metadata.json", "notes.txt", "rank_0.safetensors"]
 
 
 def test_a_refused_save_of_several_targets_leaves_no_lock_behind(tmp_path):

@@ -126,6 +126,30 @@ def test_incomplete_checkpoints(backend, capsys):
     assert latest_checkpoint(run) == f"{run}/step40"
 
 
+def test_a_dead_parallel_upload_leaves_parts_that_prune_and_the_next_commit_remove(backend):
+    """GCS uploads a rank file as hidden part objects, composed at commit. A save killed while
+    they uploaded leaves them: the incomplete step is still a save's (prune deletes it once a
+    newer checkpoint is complete), and a save that takes the step over removes them at its commit."""
+    if backend.kind != "gcs":
+        pytest.skip("only GCS uploads parts as objects (S3's multipart parts are not listed)")
+    from checkpointer import prune
+    from checkpointer.storage.gcs import GCSStorage
+
+    run = backend.url("run")
+    for step in ("step10", "step20"):
+        dead = GCSStorage(f"{run}/{step}", part_size=256 * 1024)
+        writer = dead.open_writer("rank_0.safetensors")
+        writer.write([memoryview(bytes(600 * 1024))])  # two whole parts uploaded, then the process "dies"
+        for part in writer._futures:
+            part.result()
+        assert sum(".part-" in n for n in backend.names(f"{run}/{step}")) == 2
+    Checkpointer().save(f"{run}/step30", flat_state(flat_full(), 1))
+    Checkpointer().save(f"{run}/step20", flat_state(flat_full(seed=2), 1))  # no checkpoint there yet
+    assert backend.names(f"{run}/step20") == ["metadata.json", "rank_0.safetensors"]
+    assert prune(run, keep_last=2) == [f"{run}/step10"]
+    assert sorted({n.split("/")[0] for n in backend.names(run)}) == ["step20", "step30"]
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXIT_JOB = r"""
 import sys, time

@@ -373,6 +373,17 @@ def test_temp_name_is_hidden_and_unique():
         check_filename(a)
 
 
+def test_uploaded_parts_are_a_save_s_files():
+    from checkpointer.format.layout import is_rank_temp_file, is_save_file, part_prefix
+
+    prefix = part_prefix("rank_3.safetensors")
+    assert prefix != part_prefix("rank_3.safetensors") and prefix.startswith(".rank_3.safetensors.part-")
+    for name in (f"{prefix}1", f"{prefix}1024", f"{prefix}c31"):
+        assert is_rank_temp_file(name) and is_save_file(name)
+    for name in (f"{prefix}", f"{prefix}x", f"{part_prefix('notes.txt')}1", "rank_3.safetensors.part-0a-1"):
+        assert not is_rank_temp_file(name) and not is_save_file(name)
+
+
 @pytest.mark.parametrize("code", sorted(DTYPE_CODES))
 def test_dtype_codes_round_trip(code):
     dtype = dtype_from_code(code)
