@@ -194,7 +194,7 @@ class HTTPStorage(Storage):
             return io.BytesIO(b""), resp
         try:  # urllib3 takes a length it cannot read for none, and would read to the connection's end
             content_length(resp.headers.get("Content-Length"), f"GET {self.join(name)}")
-            check_range_start(start, resp.status, resp.headers.get("Content-Range"), f"GET {self.join(name)}")
+            check_range_start(start, resp.status, resp.headers.get("Content-Range"), f"GET {self.join(name)}", whole=True)
         except OSError:
             resp.close()
             resp.release_conn()

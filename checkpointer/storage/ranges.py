@@ -123,10 +123,14 @@ def ends_before(end: int, first: int, status: int, length: str | int | None,
     return total is not None and total < end
 
 
-def check_range_start(first: int, status: int, content_range: str | None, where: str) -> None:
+def check_range_start(first: int, status: int, content_range: str | None, where: str, *, whole: bool = False) -> None:
     """A 206 whose ``Content-Range`` starts anywhere but at ``first``, the byte asked for, is an
     ``OSError`` naming ``where``: its bytes belong elsewhere in the file (a proxy or a cache that
-    answers with another part). A 206 without the header cannot be checked."""
+    answers with another part). A 206 without the header cannot be checked. A 200 (the whole
+    file: the server ignored the range) is one too where ``first`` is past 0, unless ``whole``
+    (the caller skips to ``first``)."""
+    if status == 200 and first and not whole:
+        raise OSError(f"{where}: the server ignored the Range header (asked for bytes from {first})")
     if status != 206 or content_range is None:
         return
     unit, _, spec = content_range.strip().partition(" ")

@@ -238,11 +238,8 @@ class S3Storage(Storage):
             return self._client.get_object(Bucket=self.bucket, Key=key)
         rng = f"bytes={first}-" + ("" if last is None else str(last))
         resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)
-        status = int(resp["ResponseMetadata"]["HTTPStatusCode"])
         try:
-            if first and status == 200:
-                raise OSError(f"the server ignored the Range header of a read of {self.join(name)}")
-            check_range_start(first, status, resp.get("ContentRange"), f"GET {self.join(name)}")
+            check_range_start(first, int(resp["ResponseMetadata"]["HTTPStatusCode"]), resp.get("ContentRange"), f"GET {self.join(name)}")
         except OSError:
             resp["Body"].close()
             raise

@@ -136,6 +136,24 @@ def test_a_store_that_ignores_range_is_refused_not_misread(kind_, request, fault
         store.read("f", 1000, 2000)
 
 
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_an_answer_with_another_part_of_the_object_is_refused(kind_, request, fault_proxy, monkeypatch,
+                                                             loopback_env) -> None:
+    """A cache in front of the store answers a range with another part of the object (its
+    Content-Range says so): an error naming the file, not those bytes as the ones asked for."""
+    store, proxy = make_remote(kind_, request, fault_proxy, monkeypatch, proxy_options={"wrong_part": True},
+                               retry=FAST)
+    data = os.urandom(10_000)
+    store.write("f", data)
+    out = bytearray(5000)
+    with pytest.raises(OSError, match=r"asked for bytes from 1000, the server answered with 'bytes 0-4999/10000'") as err:
+        store.read_into("f", [(1000, memoryview(out))])
+    assert store.join("f") in str(err.value) and bytes(out) == bytes(5000)
+    with pytest.raises(OSError, match="asked for bytes from 1000"):
+        store.read("f", 1000, 2000)
+    assert store.read("f", 0, 8) == data[:8]
+
+
 def test_read_into_asks_only_for_the_requested_ranges(remote) -> None:
     store, proxy = remote
     part = store.part_size

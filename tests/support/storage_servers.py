@@ -140,7 +140,9 @@ class FaultProxy:
     some gateways and S3-compatible stores send them.
 
     With ``ignore_range=True`` GETs reach the store without their ``Range`` header, as from a
-    store or cache that ignores it: the answer is a 200 with the whole object.
+    store or cache that ignores it: the answer is a 200 with the whole object. With
+    ``wrong_part=True`` a GET of ``bytes=a-b`` reaches it as ``bytes=0-(b-a)``: the answer is a 206
+    of another part of the object, whose ``Content-Range`` says so.
     """
 
     upstream: str
@@ -150,6 +152,7 @@ class FaultProxy:
     upload_times: bool = False
     chunked_gets: bool = False
     ignore_range: bool = False
+    wrong_part: bool = False
 
     def __post_init__(self) -> None:
         parsed = urllib.parse.urlsplit(self.upstream)
@@ -233,6 +236,8 @@ class FaultProxy:
             else:
                 sent = [(k, v) for k, v in h.headers.items()
                         if not (self.ignore_range and h.command == "GET" and k.lower() == "range")]
+                if self.wrong_part and h.command == "GET":
+                    sent = [(k, _from_zero(v) if k.lower() == "range" else v) for k, v in sent]
                 status, reason, headers, data = self._forward(h.command, h.path, sent, body)
         if self.upload_times and status == 200:
             data = self._upload_times(h.command, h.path, data)
@@ -359,6 +364,12 @@ def self_signed_cert(directory: str) -> tuple[str, str]:
         f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption()))
     return cert_file, key_file
+
+
+def _from_zero(spec: str) -> str:
+    """``bytes=a-b`` as ``bytes=0-(b-a)``: as long a range, from the object's start."""
+    first, _, last = spec.removeprefix("bytes=").partition("-")
+    return f"bytes=0-{int(last) - int(first)}" if last else "bytes=0-"
 
 
 class RangeFileServer:
