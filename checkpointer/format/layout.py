@@ -11,6 +11,7 @@ __all__ = [
     "METADATA_FILENAME",
     "LOCK_FILENAME",
     "LOCK_TAKEOVER_PREFIX",
+    "LOCK_BEAT_PREFIX",
     "FORMAT_VERSION",
     "LEGACY_FORMAT_VERSION",
     "rank_filename",
@@ -30,6 +31,8 @@ LOCK_FILENAME = ".checkpointer-save.lock"
 """Held by rank 0 from planning until commit, so two jobs never save into one directory at once."""
 LOCK_TAKEOVER_PREFIX = f"{LOCK_FILENAME}.taken-"
 """Followed by a digest of a stale lock: created exclusively by the one save that takes it over."""
+LOCK_BEAT_PREFIX = f"{LOCK_FILENAME}.beat-"
+"""Followed by a lock's token: the heartbeat of the save holding that lock, written beside it."""
 FORMAT_VERSION = 2
 """Format 2: regular layouts as shard rules, checksums in the rank files, one file id per save."""
 LEGACY_FORMAT_VERSION = 1
@@ -66,7 +69,7 @@ def is_rank_temp_file(name: str) -> bool:
 
 def is_save_file(name: str) -> bool:
     """A file only a save of this library leaves: a rank file, the save lock (or a takeover
-    marker of one), or the temp file (see :func:`temp_name`) or an uploaded part (see
+    marker or the heartbeat of one), or the temp file (see :func:`temp_name`) or an uploaded part (see
     :func:`part_prefix`) of either or of ``metadata.json``."""
     temp = _unfinished(name)
     base = temp.group(1) if temp else name
@@ -74,6 +77,7 @@ def is_save_file(name: str) -> bool:
         is_rank_filename(base)
         or base == LOCK_FILENAME
         or base.startswith(LOCK_TAKEOVER_PREFIX)
+        or base.startswith(LOCK_BEAT_PREFIX)
         or (temp is not None and base == METADATA_FILENAME)
     )
 

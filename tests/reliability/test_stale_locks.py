@@ -25,9 +25,9 @@ from storage_servers import S3_BUCKET, FaultProxy
 
 import checkpointer
 from checkpointer import Checkpointer
-from checkpointer.engine import commit, save as save_module
+from checkpointer.engine import save as save_module
 from checkpointer.format.layout import LOCK_FILENAME
-from checkpointer.storage import open_storage
+from checkpointer.storage import open_storage, save_lock
 
 
 def _dead_pid() -> int:
@@ -36,9 +36,19 @@ def _dead_pid() -> int:
     return child.pid
 
 
+def _last_beat(directory: str) -> int:
+    """The holder's last heartbeat: its beat file's time, or the lock's own before the first beat."""
+    lock = json.loads(open(os.path.join(directory, LOCK_FILENAME), "rb").read())
+    try:
+        with open(os.path.join(directory, f"{LOCK_FILENAME}.beat-{lock['token']}"), "rb") as f:
+            return json.loads(f.read())["beat_ms"]
+    except FileNotFoundError:
+        return lock["beat_ms"]
+
+
 def _lock(host: str, pid: int, beat_ms: int, pid_space: str | None = None) -> bytes:
     """A lock as a process of ``host`` writes it, in this boot and PID namespace unless ``pid_space`` says."""
-    space = commit._PID_SPACE if pid_space is None else pid_space
+    space = save_lock._PID_SPACE if pid_space is None else pid_space
     return json.dumps({"host": host, "pid": pid, "pid_space": space, "token": "f" * 32, "beat_ms": beat_ms}).encode()
 
 
@@ -107,6 +117,55 @@ def test_stale_locks_are_taken_over_and_live_ones_refuse(where, monkeypatch):
         assert _saved(where) and storage.list() == ["metadata.json", "rank_0.safetensors"]
 
 
+def test_a_late_beat_of_a_lock_taken_over_does_not_take_it_back(where, monkeypatch):
+    """Holder A goes silent past the lease (its beat's write stuck on a slow store, say) and B
+    takes its lock over; A's beat then lands. B still holds the lock, and A finds at its commit
+    that it does not: the beat went to A's own heartbeat file, not over B's lock (found by a review)."""
+    monkeypatch.setenv("CHECKPOINTER_LOCK_LEASE_S", "1")
+    storage = open_storage(where)
+    storage.prepare()
+    a = save_lock.acquire(storage, False)
+    save_lock._HEARTBEAT.release(save_lock._lock_key(storage, a))  # A falls silent
+    monkeypatch.setattr(save_lock, "_PID_SPACE", "another-host-s-pids")  # A's pid cannot be asked
+    time.sleep(1.2)
+    taken: list[bytes] = []
+    real_write = type(storage).write
+
+    def write(self, name, data):  # A's beat is slow to land: B takes the lock over meanwhile
+        if not taken:
+            taken.append(b"")
+            taken[0] = save_lock.acquire(storage, False)  # the lease passed
+        return real_write(self, name, data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(storage), "write", write)
+        save_lock._refresh((storage, a))  # A's beat
+    b = taken[0]
+    save_lock.check_lock_is_ours(storage, b)
+    with pytest.raises(FileExistsError, match="took over its lock"):
+        save_lock.check_lock_is_ours(storage, a)
+    save_lock.release_lock(storage, a)  # A gives up: B's lock stays
+    assert storage.exists(LOCK_FILENAME)
+    save_lock.release_lock(storage, b)
+    assert storage.list() == [] or all(".taken-" in n for n in storage.list())
+
+
+def test_a_lock_beating_in_its_own_file_is_live(where, monkeypatch):
+    """A lock's own time is when it was taken; its holder beats in a file beside it. A lock taken
+    long ago whose beat is fresh is live, and one whose beat is old too is stale."""
+    monkeypatch.setenv("CHECKPOINTER_LOCK_LEASE_S", "60")
+    storage = open_storage(where)
+    storage.prepare()
+    storage.write(LOCK_FILENAME, _lock("some-other-host", 1, _now_ms() - 3_600_000))
+    beat = f"{LOCK_FILENAME}.beat-{'f' * 32}"
+    storage.write(beat, json.dumps({"beat_ms": _now_ms()}).encode())
+    with pytest.raises(FileExistsError, match=r"in progress, or one crashed there.*last heartbeat [0-9]s ago"):
+        Checkpointer().save(where, STATE)
+    storage.write(beat, json.dumps({"beat_ms": _now_ms() - 61_000}).encode())
+    Checkpointer().save(where, STATE)
+    assert _saved(where) and storage.list() == ["metadata.json", "rank_0.safetensors"]  # its beat went at the commit
+
+
 def test_one_of_two_saves_takes_over_a_stale_lock(where):
     """Both find the same dead process's lock at once: one saves, the other is refused."""
     storage = open_storage(where)
@@ -153,14 +212,13 @@ def test_a_long_save_keeps_its_lock_alive(tmp_path, monkeypatch):
     with a short lease, finds it live and is refused; the first save commits."""
     monkeypatch.setenv("CHECKPOINTER_LOCK_LEASE_S", "4")
     path = str(tmp_path / "ckpt")
-    lock_path = os.path.join(path, LOCK_FILENAME)
     real = save_module.write_rank_file
     seen: list[object] = []
 
     def write_then_try_another(*args, **kwargs):
-        first = json.loads(open(lock_path, "rb").read())["beat_ms"]
+        first = _last_beat(path)
         deadline = time.monotonic() + 30
-        while json.loads(open(lock_path, "rb").read())["beat_ms"] == first and time.monotonic() < deadline:
+        while _last_beat(path) == first and time.monotonic() < deadline:
             time.sleep(0.05)
         try:
             Checkpointer().save(path, STATE)
@@ -186,9 +244,8 @@ def test_a_shorter_lease_is_kept_from_the_first_save_under_it(tmp_path, monkeypa
     waited: list[float] = []
 
     def write_after_a_beat(*args, **kwargs):
-        lock_path = os.path.join(path, LOCK_FILENAME)
-        first, start = json.loads(open(lock_path, "rb").read())["beat_ms"], time.monotonic()
-        while json.loads(open(lock_path, "rb").read())["beat_ms"] == first and time.monotonic() < start + 10:
+        first, start = _last_beat(path), time.monotonic()
+        while _last_beat(path) == first and time.monotonic() < start + 10:
             time.sleep(0.02)
         waited.append(time.monotonic() - start)
         return real(*args, **kwargs)
