@@ -6,15 +6,17 @@ In order (rank 0 alone; :func:`checkpointer.prune` gives the outcome to every ra
    (:func:`~checkpointer.engine.locate.step_of`) and judges each complete or not
    (:func:`~checkpointer.engine.locate.is_complete`).
 2. :func:`choose` (a pure function) picks what to delete: complete checkpoints beyond the newest
-   ``keep_last`` whose step is not a multiple of ``keep_every``, and incomplete ones older than
+   ``keep_last`` steps whose step is not a multiple of ``keep_every``, and incomplete ones older than
    the newest complete one (a newer one may be a save still writing). The newest complete
-   checkpoint is never chosen, nor one an async save of this process is writing.
+   checkpoint is never chosen, nor one an async save of this process is writing, nor any of the
+   same step as one kept (a link named for the step it leads to, say).
 3. :func:`delete_checkpoint` deletes each: ``metadata.json`` files first (the directory's own,
    then each part's), so a half-deleted checkpoint reads as incomplete, never as complete but
    damaged; then everything under it.
 
 An incomplete directory is deleted only when it holds nothing but what a save leaves (rank
-files, temporary files, the save lock, ``model/``, ``optim/``, ``train/``): a directory of
+files, temporary files, the save lock, and ``model/``, ``optim/``, ``train/`` holding only those
+and ``metadata.json``): a directory of
 other files whose name happens to carry a number is not a checkpoint, and is left alone; so is
 a committed ``model/`` without ``optim/`` (a model saved alone, such as torchtitan's last step
 with ``last_save_model_only``: a model and optimizer save creates ``optim/`` before it commits
@@ -65,7 +67,12 @@ def _only_save_files(storage: Storage) -> bool:
     names = storage.list()
     if "optim" not in names and "model" in names and storage.part("model").exists(METADATA_FILENAME):
         return False  # a model saved alone: a model + optimizer save locks optim/ before it commits model/
-    return bool(names) and all(is_save_file(n) or n in COMMITTED_PARTS for n in names)
+    return bool(names) and all(is_save_file(n) or (n in COMMITTED_PARTS and _part_of_a_save(storage.part(n))) for n in names)
+
+
+def _part_of_a_save(part: Storage) -> bool:
+    """``model/``, ``optim/`` or ``train/`` as a save leaves it: its files and ``metadata.json``."""
+    return all(is_save_file(n) or n == METADATA_FILENAME for n in part.list())
 
 
 def list_steps(run: Storage) -> list[Step]:
@@ -91,10 +98,11 @@ def choose(steps: list[Step], keep_last: int, keep_every: int | None, busy: set[
     if not complete:
         return []
     newest = complete[0]
-    kept = {s.name for s in complete[: max(1, keep_last)]}
+    # by step: a link named for the step it leads to (final_step300 -> step300) keeps its target
+    kept = set(sorted({s.step for s in complete}, reverse=True)[: max(1, keep_last)])
     if keep_every is not None:
-        kept |= {s.name for s in complete if s.step % keep_every == 0}
-    doomed = [s for s in complete if s.name not in kept]
+        kept |= {s.step for s in complete if s.step % keep_every == 0}
+    doomed = [s for s in complete if s.step not in kept]
     doomed += [s for s in steps if not s.complete and s.save_leftovers and s.step < newest.step]
     return [s.name for s in sorted(doomed, key=lambda s: (s.step, s.name)) if s.name not in busy]
 

@@ -117,3 +117,33 @@ def test_a_model_saved_alone_in_a_step_directory_is_not_deleted(tmp_path):
     assert checkpointer.prune(str(run), keep_last=5) == [f"{run}/step7"]
     assert sorted(os.listdir(run)) == ["step10", "step5"]
     assert torch.equal(checkpointer.Checkpointer().unshard(str(run / "step5" / "model"))["weight"], model.weight)
+
+
+def test_a_directory_of_other_files_under_a_part_name_is_not_deleted(tmp_path):
+    """Only ``model/``, ``optim/`` and ``train/`` as a save leaves them make an incomplete step a
+    save's leftovers: ``data_v2/train/shard0.jsonl`` is the user's (found by a review)."""
+    run = tmp_path / "run"
+    checkpointer.Checkpointer().save(str(run / "step200"), {"w": torch.zeros(2)})
+    for rel in ("data_v2/train/shard0.jsonl", "export_step150/model/config.json", "eval5/optim/results.txt"):
+        (run / rel).parent.mkdir(parents=True)
+        (run / rel).write_text("the user's")
+    checkpointer.Checkpointer().save(str(run / "step100" / "train"), {"w": torch.zeros(2)})
+    (run / "step100" / "optim").mkdir()
+    (run / "step100" / "optim" / ".rank_0.safetensors.tmp-0123456789ab").write_bytes(b"x")  # a save died here
+    assert checkpointer.prune(str(run), keep_last=1) == [f"{run}/step100"]
+    assert sorted(os.listdir(run)) == ["data_v2", "eval5", "export_step150", "step200"]
+
+
+def test_a_link_named_for_its_step_keeps_what_it_leads_to(tmp_path):
+    """``final_step300 -> step300``: both the newest step. Ranked by name, the link was kept as
+    the newest and ``step300`` deleted under it, leaving no checkpoint (found by a review)."""
+    run = tmp_path / "run"
+    for step in (100, 200, 300):
+        checkpointer.Checkpointer().save(str(run / f"step{step}"), {"w": torch.full((2,), float(step))})
+    os.symlink("step300", run / "final_step300")
+    assert checkpointer.prune(str(run), keep_last=1) == [f"{run}/step100", f"{run}/step200"]
+    assert sorted(os.listdir(run)) == ["final_step300", "step300"]
+    assert checkpointer.latest_checkpoint(str(run)) in (f"{run}/step300", f"{run}/final_step300")
+    steps = [Step("final_step3", 3, True), Step("step3", 3, True), Step("step2", 2, True), Step("step1", 1, True)]
+    assert choose(steps, 2, None) == ["step1"]
+    assert choose(steps, 1, 2) == ["step1"]
