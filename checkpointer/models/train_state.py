@@ -150,20 +150,17 @@ def save_parts(
 ) -> list[tuple[str, dict[str, Any]]]:
     """Every rank: the parts of a model + optimizer save as ``(dir/part, state dict)``, in commit
     order: ``train/`` (when ``train_state`` is given; recipe step 1), ``model/``, then ``optim/``,
-    whose commit is the checkpoint's. With a training state, one rank's error here (a value that
-    cannot be stored, optimizer state that is not a tensor) stops every rank before the job
-    values are compared."""
-    def model_and_optim() -> list[tuple[str, dict[str, Any]]]:
-        model_state = model_state_dict(model)
-        return [(f"{dir}/model", model_state), (f"{dir}/optim", flatten_optim_state(model, optim, model_state))]
-
-    if train_state is None:
-        return model_and_optim()
-    if not isinstance(train_state, Mapping):
+    whose commit is the checkpoint's. One rank's error here (a value that cannot be stored,
+    optimizer state that is not a tensor) stops every rank, before the job values are compared."""
+    if train_state is not None and not isinstance(train_state, Mapping):
         raise TypeError(f"train_state must be a dict, not {type(train_state).__name__}")
     with dist.phase("save"):
-        parts = model_and_optim()
-        flat, digests, manifest = _encode_all(train_state)
+        model_state = model_state_dict(model)
+        parts = [(f"{dir}/model", model_state), (f"{dir}/optim", flatten_optim_state(model, optim, model_state))]
+        if train_state is not None:
+            flat, digests, manifest = _encode_all(train_state)
+    if train_state is None:
+        return parts
     _check_job_values_agree(digests, manifest)
     return [(f"{dir}/{TRAIN_PART}", flat), *parts]
 
@@ -184,7 +181,9 @@ def _encode_all(train_state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor]
         tensors: list[torch.Tensor] = []
 
         def add(t: torch.Tensor, name: str = name, tensors: list = tensors) -> str:
-            tensors.append(t.detach())
+            # A copy: taken now, whenever the save stages (an async save's in the background), and
+            # never one tensor under two keys (a save stores that once, as an alias).
+            tensors.append(t.detach().clone())
             return f"{name}/{len(tensors) - 1}"
 
         try:
@@ -302,7 +301,8 @@ def _read(storage: Storage, wanted: dict[str, Any]) -> ReadTrainState:
     values: dict[str, Any] = {}
     for key, name in names.items():
         tree = _read_json(reader, name, where)
-        tensor_keys = [k for k in metadata.tensors if k.startswith(f"{name}/")]
+        # aliases too: one tensor under two keys of a value, as saves before copies stored it
+        tensor_keys = [k for k in [*metadata.tensors, *(metadata.aliases or {})] if k.startswith(f"{name}/")]
         tensors = reader.full_tensors(tensor_keys, verify=True) if tensor_keys else {}
         values[key] = train_codec.decode(tree, f"{where}: {name}", tensors)
     return ReadTrainState(values, lost, wanted, where)
