@@ -10,7 +10,10 @@ The recipe, on every rank of a process group (or one process alone):
 2. Each rank writes its own shards: the header first (shapes and offsets follow from the
    metadata), then tensor by tensor: read the whole tensor from the rank files (checksums
    checked where the checkpoint has them), cast, append, let go.
-3. All ranks agree the shards exist (an error anywhere raises everywhere).
+3. All ranks agree the shards exist (an error anywhere raises everywhere). A sharded export
+   first retires an earlier export's index (rank 0, then an agreement): shards overwritten one
+   by one never sit beside the old index, which would read them as one model with the old ones.
+   A failed export removes the shards it wrote.
 4. Rank 0 removes the shards of an earlier export that this one did not write, then writes the
    index last; all ranks agree again.
 
@@ -309,8 +312,18 @@ def run_export(
                 bar.close()
         return storage
 
+    if not plan.single_file:
+        with dist.phase("export", no_dist=no_dist):
+            if rank == 0 and prepared_error is None:
+                open_storage(out).delete(INDEX_NAME)
     # One rank may write for much longer than another (a single file is all rank 0's work).
-    storage = dist.agree_after(write_mine, "export", no_dist=no_dist)
+    written = False
+    try:
+        storage = dist.agree_after(write_mine, "export", no_dist=no_dist)
+        written = True
+    finally:
+        if not written:
+            _remove(files)
     if plan.single_file:
         return files
     with dist.phase("export index", no_dist=no_dist):
@@ -322,6 +335,16 @@ def run_export(
             storage.write(INDEX_NAME, plan.index_json())
             files.append(storage.join(INDEX_NAME))
     return files
+
+
+def _remove(files: list[str]) -> None:
+    """The shards a failed export wrote: left, they would read as a model missing the rest."""
+    for url in files:
+        parent, name = split_path(url)
+        try:
+            open_storage(parent).delete(name)
+        except OSError:
+            pass  # the export's own error is the one raised
 
 
 def export_checkpoint(

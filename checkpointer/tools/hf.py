@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 
 from ..engine.checks import HeaderCache, read_small_file
 from ..engine.reads import ReadJob, execute_reads
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import check_filename, is_rank_filename
 from ..format.metadata_parse import reject_duplicate_keys
@@ -210,12 +211,32 @@ def check_shard(storage: Storage, name: str, shown: str, index_name: str = INDEX
         raise CorruptCheckpointError(f"{shown}: shard listed in {index_name} is missing")
 
 
+_NUMBERED_SHARD = re.compile(r"(.+)-(\d+)-of-(\d+)\.safetensors")
+
+
 def _listed_safetensors(storage: Storage) -> list[str]:
+    """The ``.safetensors`` files of a directory without an index. Shards numbered ``-i-of-n``
+    must all be there: an export or a download cut short leaves some, and reading those alone
+    would drop the others' tensors silently."""
     try:
         names = storage.list()
     except (OSError, NotImplementedError):  # http(s) cannot list
         return []
-    return sorted(n for n in names if n.endswith(".safetensors") and not is_rank_filename(n))
+    files = sorted(n for n in names if n.endswith(".safetensors") and not is_rank_filename(n))
+    series: dict[tuple[str, str, int], set[int]] = {}
+    for name in files:
+        numbered = _NUMBERED_SHARD.fullmatch(name)
+        if numbered:
+            stem, number, total = numbered.groups()
+            series.setdefault((stem, total, len(number)), set()).add(int(number))
+    for (stem, total, width), numbers in series.items():
+        absent = [i for i in range(1, min(int(total), 100_000) + 1) if i not in numbers]
+        if absent:
+            raise IncompleteCheckpointError(
+                f"{storage.join(f'{stem}-{absent[0]:0{width}d}-of-{total}.safetensors')} is missing "
+                f"({len(absent)} of the {int(total)} shards, and no {INDEX_NAME}): an export or a download cut short?"
+            )
+    return files
 
 
 def read_hf_index(storage: Storage, index_name: str, *, where: str | None = None) -> dict[str, list[str]]:
