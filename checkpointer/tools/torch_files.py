@@ -14,6 +14,7 @@ import errno
 import io
 import os
 import pickle
+import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -126,6 +127,7 @@ def _torch_load(storage: Storage, name: str, where: str, *, mmap: bool, restrict
     else:
         source = io.BytesIO(storage.read(name))  # a pickle is read whole anyway; no mmap remotely
         mmap = False
+    _refuse_compressed_records(source, where)
     try:
         if restrict:
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
@@ -144,6 +146,27 @@ def _torch_load(storage: Storage, name: str, where: str, *, mmap: bool, restrict
         raise CorruptCheckpointError(
             f"{where}: cannot load the torch checkpoint{hint}: {type(ex).__name__}: {first_line[:300]}"
         ) from ex
+
+
+def _refuse_compressed_records(source: Any, where: str) -> None:
+    """``torch.save`` stores every record of its zip archive as it is; ``torch.load`` inflates
+    compressed ones too, so a file of a few hundred KB could ask for a thousand times that in
+    memory. A record that is compressed, or claims more bytes than the file has, is refused."""
+    try:
+        size = os.path.getsize(source) if isinstance(source, str) else len(source.getbuffer())
+        with zipfile.ZipFile(source) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError):
+        return  # not a zip archive (the legacy format), or a damaged one: torch.load says which
+    finally:
+        if not isinstance(source, str):
+            source.seek(0)
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.file_size > size:
+            raise CorruptCheckpointError(
+                f"{where}: record {record.filename[:200]!r} is compressed or larger than the file "
+                f"({record.file_size} bytes); torch.save writes neither"
+            )
 
 
 def _is_bad_archive(ex: OSError) -> bool:

@@ -316,3 +316,19 @@ def test_dcp_directory_is_named_with_the_way_out(tmp_path):
         dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     with pytest.raises(CorruptCheckpointError, match=r"dcp is a torch DCP checkpoint.*checkpointer convert"):
         lazy_load(str(tmp_path / "dcp"))
+
+
+def test_a_torch_file_with_compressed_records_is_refused_before_it_is_inflated(tmp_path):
+    """torch.load inflates deflated zip records, which torch.save never writes: 300 KB of file
+    became 300 MB in memory (found by a review). Refused, naming the record, before loading."""
+    import zipfile
+
+    plain, bomb = tmp_path / "plain.pt", tmp_path / "bomb.pt"
+    torch.save({"w": torch.zeros(4 << 20, dtype=torch.uint8)}, str(plain))
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    assert os.path.getsize(bomb) < 64 << 10
+    with pytest.raises(CorruptCheckpointError, match=r"bomb\.pt: record 'plain/data.pkl' is compressed"):
+        dict(lazy_load(str(bomb)))
+    assert dict(lazy_load(str(plain)))["w"].numel() == 4 << 20
