@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from .dtypes import DTYPE_CODES
 from .json_members import object_members, skip_whitespace
+from .layout import FORMAT_VERSION
 from .metadata import MAX_NDIM, MAX_NUMEL, TOP_FIELDS, SameId, StorageMetadata, TensorStorageMetadata, dims_fit
 from .spec_parser import SpecParser
 from .specs import gc_paused
@@ -150,6 +151,10 @@ def _validate(
         fields[name] = value
     if fields["checksum_chunk_bytes"] is not None and fields["checksum_chunk_bytes"] <= 0:
         raise ValueError("checksum_chunk_bytes must be positive")
+    version = fields["format_version"]
+    if version is not None and not 1 <= version <= FORMAT_VERSION:
+        raise ValueError(f"format_version {version}: this version of checkpointer reads 1 to {FORMAT_VERSION}"
+                         + (" (a newer checkpointer wrote it: upgrade)" if version > FORMAT_VERSION else ""))
     algorithm = raw.get("checksum_algorithm")
     if algorithm is not None and type(algorithm) is not str:
         raise ValueError("checksum_algorithm must be a string or null")
