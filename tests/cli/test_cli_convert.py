@@ -148,6 +148,18 @@ def test_convert_refuses_to_overwrite(ckpts, capsys, tmp_path):
     assert_same_tensors(unshard(dst), ckpts.flat3_full)
 
 
+def test_convert_refuses_to_write_over_its_own_source(ckpts, capsys, tmp_path):
+    """With --overwrite, the source's metadata.json went before it was read: a failure part-way
+    left the source unreadable (a review's suspicion, confirmed)."""
+    src = str(tmp_path / "ours")
+    assert cli(capsys, "convert", ckpts.flat3, src, "--to", "checkpointer", "-q")[0] == 0
+    for target in ("checkpointer", "dcp", "hf"):
+        code, _, err = cli(capsys, "convert", src, src + "/", "--to", target, "--overwrite")
+        assert code == 1 and err == f"checkpointer: error: convert writes a new checkpoint: {src}/ is the source itself\n", err
+    assert sorted(os.listdir(src)) == ["metadata.json", "rank_0.safetensors"]
+    assert_same_tensors(unshard(src), ckpts.flat3_full)
+
+
 def test_convert_unknown_source(capsys, tmp_path):
     (tmp_path / "readme.txt").write_text("hi")
     code, _, err = cli(capsys, "convert", str(tmp_path), str(tmp_path / "x"), "--to", "hf")
