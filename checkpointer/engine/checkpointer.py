@@ -14,7 +14,7 @@ from .. import dist
 from .load import load_state_dict, load_state_dicts, read_metadata, read_metadatas
 from .async_save import AsyncSaver, WatchedFuture, wait_for_writes_into
 from .save import SavePlanCache, save_state_dicts
-from .two_stage import LoadStats, load_two_stage
+from .two_stage import LoadStats, load_two_stage, prepare_two_stage
 from .load import unshard_state_dict
 
 __all__ = ["Checkpointer"]
@@ -242,8 +242,12 @@ def load_parts(
     metadatas = list(metadatas) if metadatas is not None else read_metadatas(storages)
     with dist.phase("load"), torch.no_grad():
         planned = list(state_dicts(metadatas))
-    for storage, metadata, state_dict in zip(storages, metadatas, planned, strict=True):
-        load_two_stage(storage, state_dict, metadata, verify=verify)
+    # every part planned on every rank before any is filled: a damaged optimizer checkpoint
+    # found by its planning leaves the model as it was
+    runs = [prepare_two_stage(storage, state_dict, metadata, verify=verify)
+            for storage, metadata, state_dict in zip(storages, metadatas, planned, strict=True)]
+    for run in runs:
+        run()
     if finish is not None:
         with dist.phase("load"):
             finish()

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -38,7 +38,7 @@ from .checks import HeaderCache, piece_start
 from .reader import CheckpointReader
 from .reads import ReadJob, read_file_ranges, scatter_span, verify_reads
 
-__all__ = ["LoadStats", "load_two_stage"]
+__all__ = ["LoadStats", "load_two_stage", "prepare_two_stage"]
 
 log = logging.getLogger(__name__)
 _BATCH_BYTES = 64 << 20
@@ -55,6 +55,21 @@ class LoadStats:
     def __str__(self) -> str:
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
         return f"{phases}; read {self.bytes_read} B, received {self.bytes_received} B"
+
+
+class _Laps:
+    """``lap(phase)`` adds the time since the last lap (or :meth:`restart`) to ``phase``."""
+
+    def __init__(self, stats: LoadStats):
+        self.stats, self.clock = stats, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.stats.seconds[phase] += now - self.clock
+        self.clock = now
+
+    def restart(self) -> None:
+        self.clock = time.perf_counter()
 
 
 @dataclass
@@ -86,16 +101,23 @@ def load_two_stage(
     verify: bool = False,
     stats: LoadStats | None = None,
 ) -> LoadStats:
+    """The whole recipe for one checkpoint."""
+    return prepare_two_stage(storage, state_dict, metadata, verify=verify, stats=stats)()
+
+
+def prepare_two_stage(
+    storage: Storage,
+    state_dict: Mapping[str, Any],
+    metadata: StorageMetadata,
+    *,
+    verify: bool = False,
+    stats: LoadStats | None = None,
+) -> Callable[[], LoadStats]:
+    """Steps 1-3 of the recipe, on every rank (a planning error on any rank raises on every
+    rank, before anything is written); returns steps 4-5, which fill ``state_dict``. Several
+    checkpoints loaded as one (a model's and its optimizer's) are all prepared first."""
     stats = stats or LoadStats()
-    clock = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        stats.seconds[phase] += now - clock
-        clock = now
-
-    rank = dist.get_rank()
+    lap = _Laps(stats)
     error: BaseException | None = None
     needs: list[Need] = []
     dests: dict[tuple[str, str], list[_Dest]] = defaultdict(list)
@@ -129,9 +151,28 @@ def load_two_stage(
     sizes = {key: itemsize(meta.dtype) for key, meta in metadata.tensors.items()}
     # By key: the units of a tensor follow each other, so one staged tensor is in host memory at a time.
     units = sorted(_split(assign_readers(needs_per_rank, sizes), sizes), key=lambda u: (u.key, u.file, u.start))
-    lap("planning")
-
     headers = CheckpointReader(storage, metadata).headers
+    rank = dist.get_rank()
+
+    def check_headers() -> None:  # the pieces this rank reads are in its files, as metadata.json says
+        for file, key in {(u.file, u.key) for u in units if u.reader == rank}:
+            meta = metadata.tensors[key]
+            piece_start(headers, file, key, meta.dtype, meta.shard_spec_per_file[file].local_numel)
+
+    dist.agree(dist.attempt(check_headers)[1], "two-stage load")
+    lap("planning")
+    return lambda: _run(headers, metadata, units, sizes, dests, staged, jobs, verify, stats)
+
+
+def _run(
+    headers: HeaderCache, metadata: StorageMetadata, units: list[ReadUnit], sizes: dict[str, int],
+    dests: dict[tuple[str, str], list[_Dest]], staged: list[_Staged], jobs: list[ReadJob], verify: bool, stats: LoadStats,
+) -> LoadStats:
+    """Steps 4-5 of the recipe: read, share and copy the units this rank needs."""
+    rank = dist.get_rank()
+    error: BaseException | None = None
+    lap = _Laps(stats)
+    storage = headers.storage
     chunk = metadata.checksum_chunk_bytes if verify else None
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
@@ -160,7 +201,7 @@ def load_two_stage(
             stats.seconds["reads"] += time.perf_counter() - t
             error = error or read_error
             pending = reader.submit(read_batch, batches[i + 1]) if i + 1 < len(batches) else None
-            clock = time.perf_counter()
+            lap.restart()
             for u in batch:
                 dist.share_tensor(bufs[u], u.reader, u.ranks, tag=tags[u])
                 if u.reader == rank:
