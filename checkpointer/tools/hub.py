@@ -49,6 +49,13 @@ def parse_hf_url(url: str) -> HFUrl:
     name, _, revision = parts[1].partition("@")
     if not name or (_ and not revision):
         raise ValueError(f"{url!r}: empty repository name or revision (hf://ORG/NAME[@REVISION][/PATH])")
+    # cached-path reads the revision up to the next "@" or "/": another would fetch something else
+    if "@" in parts[0] or "@" in revision:
+        raise ValueError(f"{url!r}: an organisation or revision holding '@' cannot be fetched through hf:// "
+                         "(pass the commit hash, or a local snapshot's path)")
+    if revision == "refs" and parts[2:3] in (["pr"], ["convert"]):
+        raise ValueError(f"{url!r}: a revision holding '/' ({'/'.join(['refs', *parts[2:4]])}) cannot be fetched through "
+                         "hf:// (pass its commit hash, or a local snapshot's path)")
     return f"{parts[0]}/{name}", revision or None, "/".join(parts[2:])
 
 

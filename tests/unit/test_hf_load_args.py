@@ -48,6 +48,12 @@ def test_parse_hf_url():
     for bad in ("hf://org", "hf://org/", "hf://org/name@", "hf://org/../x", "hf://org/name/../../etc"):
         with pytest.raises(ValueError):
             parse_hf_url(bad)
+    # What cached-path cannot carry: it would fetch another revision or repository (found by a review).
+    for bad in ("hf://org/name@release@v2", "hf://org/name@rev@", "hf://org@x/name"):
+        with pytest.raises(ValueError, match="holding '@' cannot be fetched through hf://"):
+            parse_hf_url(bad)
+    with pytest.raises(ValueError, match=r"a revision holding '/' \(refs/pr/1\) cannot be fetched"):
+        parse_hf_url("hf://org/name@refs/pr/1")
 
 
 def test_detection_and_arguments(tmp_path):
