@@ -161,7 +161,14 @@ def wrong_directory_hint(storage: Storage) -> str:
             return f"{parent.url} does not exist or is empty"
         if any(is_save_file(n) for n in parent_names):
             return unfinished_save_message(parent)
+        pickles = sorted(n for n in parent_names if n in _TORCH_WEIGHTS)
+        if pickles:
+            return (f"{parent.url} holds {pickles[0]}, a Hugging Face checkpoint as torch pickles: models load in "
+                    "place from safetensors only (lazy_load reads these files)")
     return f"{storage.url} does not exist or is empty"
+
+
+_TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:

@@ -18,7 +18,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 import checkpointer
-from checkpointer import CheckpointMismatchError
+from checkpointer import CheckpointMismatchError, IncompleteCheckpointError, load_model_and_optim_state
 from checkpointer.models.hf_load import is_hf_checkpoint, map_name
 from checkpointer.tools.hub import parse_hf_url
 
@@ -81,3 +81,10 @@ def test_detection_and_arguments(tmp_path):
     save_file({**state, "norm.bias": torch.zeros(5)}, str(hf / "model.safetensors"))
     with pytest.raises(CheckpointMismatchError, match="norm.bias"):
         checkpointer.load_model_and_optim_state(str(hf), Tied())
+
+
+def test_a_directory_of_torch_pickles_is_named_as_such(tmp_path):
+    """``pytorch_model.bin`` alone: the error said only that ``DIR/model`` does not exist (found by a review)."""
+    torch.save({"weight": torch.ones(2, 2)}, str(tmp_path / "pytorch_model.bin"))
+    with pytest.raises(IncompleteCheckpointError, match=r"holds pytorch_model\.bin, a Hugging Face checkpoint as torch pickles"):
+        load_model_and_optim_state(str(tmp_path), torch.nn.Linear(2, 2, bias=False))
