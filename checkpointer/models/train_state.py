@@ -152,17 +152,38 @@ def save_parts(
     order: ``train/`` (when ``train_state`` is given; recipe step 1), ``model/``, then ``optim/``,
     whose commit is the checkpoint's. One rank's error here (a value that cannot be stored,
     optimizer state that is not a tensor) stops every rank, before the job values are compared."""
-    if train_state is not None and not isinstance(train_state, Mapping):
+    def model_and_optim() -> list[tuple[str, Mapping[str, Any]]]:
+        model_state = model_state_dict(model)
+        return [(f"{dir}/model", model_state), (f"{dir}/optim", flatten_optim_state(model, optim, model_state))]
+
+    if train_state is None:  # an error goes into the save, whose planning brings it to every rank
+        parts, error = dist.attempt(model_and_optim)
+        return parts if error is None else [(f"{dir}/{part}", _Unsaveable(error)) for part in ("model", "optim")]
+    if not isinstance(train_state, Mapping):
         raise TypeError(f"train_state must be a dict, not {type(train_state).__name__}")
     with dist.phase("save"):
-        model_state = model_state_dict(model)
-        parts = [(f"{dir}/model", model_state), (f"{dir}/optim", flatten_optim_state(model, optim, model_state))]
-        if train_state is not None:
-            flat, digests, manifest = _encode_all(train_state)
-    if train_state is None:
-        return parts
+        parts = model_and_optim()
+        flat, digests, manifest = _encode_all(train_state)
     _check_job_values_agree(digests, manifest)
     return [(f"{dir}/{TRAIN_PART}", flat), *parts]
+
+
+class _Unsaveable(Mapping):
+    """A state dict this rank could not make: reading it raises that error, which the save's
+    description of its values carries into its planning, whose agreement reaches every rank
+    (no collective of its own: a repeated async save keeps one all-reduce)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __getitem__(self, key: str) -> Any:
+        raise self.error
+
+    def __iter__(self):
+        raise self.error
+
+    def __len__(self) -> int:
+        raise self.error
 
 
 def _encode_all(train_state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, Any]]:
