@@ -14,7 +14,7 @@ local tensor is described by the exact flattened ranges it holds, in its own row
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
@@ -432,6 +432,12 @@ def describe_state_dict(
             )
         if data.layout != torch.strided:
             raise CheckpointError(f"cannot {action} {key!r}: it is a {data.layout} tensor (save its .to_dense())")
+        if data.is_neg() or data.is_conj():  # a lazy view: its memory holds other values than it reads as
+            if action != "save":
+                raise CheckpointError(f"cannot {action} into {key!r}: it is a negated or conjugated view "
+                                      "(torch's lazy .conj(), .imag of one): pass the tensor it views")
+            lt = replace(lt, data=data.resolve_conj().resolve_neg())
+            data = lt.data
         if data.numel() > 0:
             ident = (data.device, data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.dtype, lt.shape, lt.piece)
             if ident in seen:

@@ -326,3 +326,17 @@ def test_a_refused_value_leaves_the_step_it_would_overwrite(tmp_path, how):
     fresh = nn.Linear(4, 4)
     checkpointer.load_model_and_optim_state(step, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_a_negated_view_is_saved_with_its_sign_and_refused_as_a_destination(tmp_path):
+    """torch's lazy ``.conj()`` marks ``.imag`` of it negated without changing its memory: written
+    from memory, it lost its sign, and beside the plain ``.imag`` it was taken for an alias of it
+    (found by a review)."""
+    c = torch.tensor([7 - 3j, 1 + 2j])
+    state = {"im": c.imag, "im_conj": c.conj().imag, "scalar": torch.tensor(7 - 3j).conj().imag}
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, state)
+    got = Checkpointer().unshard(path, no_dist=True)
+    assert {k: v.tolist() for k, v in got.items()} == {"im": [-3.0, 2.0], "im_conj": [3.0, -2.0], "scalar": 3.0}
+    with pytest.raises(CheckpointError, match="cannot load into 'im_conj': it is a negated or conjugated view"):
+        Checkpointer().load(path, {"im_conj": torch.zeros(2, dtype=torch.complex64).conj().imag}, no_dist=True)
