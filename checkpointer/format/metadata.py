@@ -14,9 +14,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, model_validator
 
-from .dtypes import DTYPE_CODES
+from .dtypes import DTYPE_CODES, dtype_from_code
 from .layout import FORMAT_VERSION, check_filename
 from .shard_spec import TensorShardSpec
 from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, box_run_count, gc_paused
@@ -83,6 +84,11 @@ class TensorStorageMetadata(BaseModel):
         if dtype not in DTYPE_CODES:
             raise ValueError(f"unknown dtype {dtype!r}")
         return dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` (a safetensors code, ``"BF16"``) as a torch dtype."""
+        return dtype_from_code(self.dtype)
 
     @field_validator("shard_spec_per_file")
     @classmethod

@@ -23,6 +23,13 @@ ranks that share a data-parallel rank under TP hold equal copies). All of it com
 save killed at any point leaves no step that looks complete. ``keep_latest_k`` is
 :func:`checkpointer.prune`, which never deletes the newest complete step nor one being written.
 
+As with torchtitan's DCP backend: a run rolled back with ``load_step`` saves over the later
+steps it reaches again; ``initial_load_path`` with ``initial_load_model_only=False`` restores the
+whole run (schedulers, data position, ``train_state``), not just the model; a model saved alone
+(a seed checkpoint, a last step in ``export_dtype``) is cast into the model's dtypes as it loads;
+a name in ``exclude_from_loading`` that the job does not have is a ``ValueError``; and ``close``
+makes no collective (torchtitan closes a rank that failed while the others wait in a step).
+
 The checkpoint is an ordinary ``checkpointer`` checkpoint: ``load_model_and_optim_state``,
 ``export_safetensors`` and the ``checkpointer`` command read it outside torchtitan, at any world
 size. Resuming at another data-parallel size loads the model, optimizer, LR schedulers and
@@ -52,6 +59,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer import (
     DATALOADER,
     LR_SCHEDULER,
@@ -189,12 +197,12 @@ class CheckpointerManager(BaseCheckpointManager):
             self._save_model_only(step_dir)
         elif self.config.async_mode == "disabled":
             checkpointer.save_model_and_optim_state(
-                step_dir, self.model, self.optimizer, train_state=self._train_state()
+                step_dir, self.model, self.optimizer, train_state=self._train_state(), save_overwrite=_saved(step_dir)
             )
         else:
             self.save_future = checkpointer.async_save_model_and_optim_state(
                 step_dir, self.model, self.optimizer, train_state=self._train_state(),
-                stage_in_background=self.config.stage_in_background,
+                stage_in_background=self.config.stage_in_background, save_overwrite=_saved(step_dir),
             )
         self._prune()
         logger.info("checkpointer: step %d %s in %.2f s", curr_step,
@@ -208,13 +216,20 @@ class CheckpointerManager(BaseCheckpointManager):
             k: v.to(self.export_dtype) if v.is_floating_point() and v.dtype != self.export_dtype else v
             for k, v in self.model.state_dict().items()
         }
+        if _saved(step_dir):  # a whole step saved before a rollback (load_step): its optimizer and
+            _barrier()        # training state go first, or they would read as this model's
+            if _rank() == 0:
+                for part in ("optim", "train"):
+                    shutil.rmtree(os.path.join(step_dir, part), ignore_errors=True)
+            _barrier()
+        overwrite = os.path.isfile(os.path.join(step_dir, "model", "metadata.json"))
         if not self.config.last_save_in_hf:
-            checkpointer.Checkpointer().save(f"{step_dir}/model", state)
+            checkpointer.Checkpointer().save(f"{step_dir}/model", state, save_overwrite=overwrite)
             return
         assert self.hf_names is not None
         hf_state = {hf: state[name] for hf, name in self.hf_names.items()}
         staging = f"{step_dir}/model"
-        checkpointer.Checkpointer().save(staging, hf_state)
+        checkpointer.Checkpointer().save(staging, hf_state, save_overwrite=overwrite)
         checkpointer.export_safetensors(staging, step_dir)
         _barrier()
         if _rank() == 0:
@@ -241,9 +256,11 @@ class CheckpointerManager(BaseCheckpointManager):
         self._prune()
 
     def _close(self) -> None:
-        """Finish the async save in flight (a resumed job would otherwise lose its newest step)."""
-        if getattr(self, "save_future", None) is not None:
-            self._wait_for_saving()
+        """Finish the async save in flight (a resumed job would otherwise lose its newest step).
+        No collective: torchtitan closes a rank that failed while the others wait in a step."""
+        future, self.save_future = getattr(self, "save_future", None), None
+        if future is not None:
+            future.result()
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -258,7 +275,7 @@ class CheckpointerManager(BaseCheckpointManager):
         if step == 0 or (step == -1 and latest is None
                          and os.path.isfile(os.path.join(seed, "model", "metadata.json"))):
             begin = time.monotonic()
-            checkpointer.load_model_and_optim_state(seed, self.model)
+            self._load_model_only(seed)
             logger.info("checkpointer: loaded the seed checkpoint %s in %.2f s", seed, time.monotonic() - begin)
             return True
         if step != -1:
@@ -270,7 +287,16 @@ class CheckpointerManager(BaseCheckpointManager):
         if step_dir is None:
             return self._initial_load()
         begin = time.monotonic()
-        excluded = frozenset(config.exclude_from_loading)
+        self._load_all(step_dir)
+        logger.info("checkpointer: loaded %s in %.2f s", step_dir, time.monotonic() - begin)
+        return True
+
+    def _load_all(self, step_dir: str) -> None:
+        """The model, the optimizer and the training state, but those ``exclude_from_loading`` names."""
+        excluded = frozenset(self.config.exclude_from_loading)
+        known = {MODEL, OPTIMIZER, LR_SCHEDULER, *self.states, *([DATALOADER] if self.dataloader is not None else [])}
+        for name in sorted(excluded - known):
+            raise ValueError(f"{name} not found in state_dict.")  # as torchtitan's DCP backend says it
         optimizer = None if OPTIMIZER in excluded else self.optimizer
         result = checkpointer.load_model_and_optim_state(
             step_dir, self.model, optimizer, train_state=self._train_state(excluded)
@@ -279,10 +305,23 @@ class CheckpointerManager(BaseCheckpointManager):
             warnings.warn(
                 f"{step_dir}: the data loader was saved by fewer ranks than this job has (rank {_rank()} "
                 f"has no saved position): it starts from the beginning of the data",
-                stacklevel=2,
+                stacklevel=3,
             )
-        logger.info("checkpointer: loaded %s in %.2f s", step_dir, time.monotonic() - begin)
-        return True
+
+    def _load_model_only(self, path: str) -> None:
+        """The model alone from ``path``: a seed checkpoint or a last step, saved alone in
+        ``export_dtype``, is cast into the model's dtypes where they differ (as torchtitan's DCP
+        backend casts), through a copy of just those tensors."""
+        model_state = self.model.state_dict()
+        saved = checkpointer.Checkpointer().get_metadata(f"{path}/model").tensors
+        differ = {k for k, v in model_state.items() if k in saved and saved[k].torch_dtype != v.dtype}
+        if not differ:
+            checkpointer.load_model_and_optim_state(path, self.model)
+            return
+        staged = {k: _empty_like(v, saved[k].torch_dtype) if k in differ else v for k, v in model_state.items()}
+        checkpointer.Checkpointer().load(f"{path}/model", staged)
+        for key in differ:
+            _local(model_state[key]).copy_(_local(staged[key]))
 
     def _initial_load(self) -> bool:
         config = self.config
@@ -300,11 +339,30 @@ class CheckpointerManager(BaseCheckpointManager):
             checkpointer.load_model_and_optim_state(
                 path, self.model, key_map=names.get, dtype=dtypes.pop() if len(dtypes) == 1 else None
             )
-        else:
-            model_only = config.initial_load_model_only
-            checkpointer.load_model_and_optim_state(path, self.model, None if model_only else self.optimizer)
+        elif config.initial_load_model_only:
+            self._load_model_only(path)
+        else:  # everything, as torchtitan's DCP backend loads it
+            self._load_all(path)
         logger.info("checkpointer: loaded %s in %.2f s", path, time.monotonic() - begin)
         return True
+
+
+def _saved(step_dir: str) -> bool:
+    """A step saved already (resumed from an earlier step with ``load_step``): saved over, as
+    torchtitan's DCP backend does. Every rank sees the same (shared) folder."""
+    return os.path.isfile(os.path.join(step_dir, "optim", "metadata.json"))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _empty_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor sharded as ``t`` is, in ``dtype``."""
+    if isinstance(t, DTensor):
+        local = torch.empty_like(t.to_local(), dtype=dtype)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return torch.empty_like(t, dtype=dtype)
 
 
 class _LoaderPosition:

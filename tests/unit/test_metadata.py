@@ -627,3 +627,9 @@ def test_a_repeated_entry_with_a_flaw_is_still_refused_by_name():
     past_world = good.replace("[0,[[1,2,1]]]", "[1,[[1,2,1]]]")
     with pytest.raises(CorruptCheckpointError, match="past the world size"):
         parse_metadata(_rule_doc([good] * 4 + [past_world] + [good]), where=WHERE)
+
+
+@pytest.mark.parametrize("code", sorted(DTYPE_CODES))
+def test_tensor_metadata_gives_its_torch_dtype(code):
+    meta = TensorStorageMetadata(shape=(2,), is_sharded=False, dtype=code, shard_spec_per_file={})
+    assert meta.torch_dtype == dtype_from_code(code)

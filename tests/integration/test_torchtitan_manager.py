@@ -1,0 +1,87 @@
+"""``CheckpointerManager`` against torchtitan's own DCP ``CheckpointManager``, one process, no
+trainer launch (``tests/support/titan_job.py``): what each backend does with the same settings.
+Each case was found by a review where the two differed. Skipped without torchtitan."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
+torch = pytest.importorskip("torch")
+
+from titan_job import Job  # noqa: E402  (tests/support; after the skip: it needs torchtitan)
+
+BACKENDS = ["dcp", "checkpointer"]
+
+
+def _same(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k != "weights"} == {k: v for k, v in b.items() if k != "weights"} and all(
+        torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_whole_initial_load_restores_the_run_not_just_the_model(backend, tmp_path):
+    """``initial_load_model_only=False``: the schedule, the data position and the step come back
+    too (the run restarted at step 0 with a fresh schedule)."""
+    first = Job(backend, str(tmp_path / "a"), interval=3, last_save_model_only=False)
+    first.train(3)
+    first.finish()
+    resumed = Job(backend, str(tmp_path / "b"), seed=1, initial_load_path=str(tmp_path / "a" / "checkpoint" / "step-3"),
+                  initial_load_model_only=False)
+    resumed.ckpt.load()
+    assert _same(resumed.where(), first.where())
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_run_rolled_back_with_load_step_saves_over_the_later_steps(backend, async_mode, tmp_path):
+    """``load_step=2`` while steps 3 and 4 exist: the resumed run saves them again (it failed with
+    FileExistsError at its next save), and step 3 is the new run's."""
+    first = Job(backend, str(tmp_path), interval=1, async_mode=async_mode, last_save_model_only=False)
+    first.train(4)
+    first.finish()
+    again = Job(backend, str(tmp_path), seed=1, interval=1, async_mode=async_mode, load_step=2, last_save_model_only=False)
+    again.ckpt.load(step=2)
+    again.train(2)
+    again.finish()
+    check = Job(backend, str(tmp_path), seed=2, load_step=4)
+    check.ckpt.load(step=4)
+    assert _same(check.where(), again.where())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_model_saved_in_the_export_dtype_starts_an_fp32_job(backend, tmp_path):
+    """The last step, the model alone in bfloat16 (torchtitan's defaults make it so), as the
+    ``initial_load_path`` of an fp32 job: cast as it is loaded (it was a dtype mismatch)."""
+    first = Job(backend, str(tmp_path / "a"), interval=10, last_save_model_only=True, export_dtype="bfloat16")
+    first.train(2, save=False)
+    first.ckpt.save(2, last_step=True)
+    first.finish()
+    fresh = Job(backend, str(tmp_path / "b"), seed=1, initial_load_path=str(tmp_path / "a" / "checkpoint" / "step-2"))
+    fresh.ckpt.load()
+    for got, saved in zip(fresh.model.parameters(), first.model.parameters()):
+        assert got.dtype == torch.float32 and torch.equal(got, saved.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_unknown_name_in_exclude_from_loading_is_an_error(backend, tmp_path):
+    first = Job(backend, str(tmp_path), interval=2, last_save_model_only=False)
+    first.train(2)
+    first.finish()
+    typo = Job(backend, str(tmp_path), exclude_from_loading=["lr_schedulers"])
+    with pytest.raises(ValueError, match="lr_schedulers not found in state_dict"):
+        typo.ckpt.load()
+
+
+def test_closing_with_an_async_save_in_flight_makes_no_collective(tmp_path, monkeypatch):
+    """torchtitan closes a rank that failed while the others wait in a step's collective: close
+    finishes the save in flight and returns (it pruned, a collective, and hung there)."""
+    import checkpointer
+
+    job = Job("checkpointer", str(tmp_path), interval=1, async_mode="async", keep_latest_k=2, last_save_model_only=False)
+    job.train(2)
+    called: list[str] = []
+    monkeypatch.setattr(checkpointer, "prune", lambda *a, **k: called.append("prune"))
+    job.ckpt.close()
+    assert called == [] and job.ckpt.save_future is None
+    assert checkpointer.latest_checkpoint(str(tmp_path / "checkpoint")) == str(tmp_path / "checkpoint" / "step-2")
