@@ -216,7 +216,7 @@ class CheckpointerManager(BaseCheckpointManager):
             k: v.to(self.export_dtype) if v.is_floating_point() and v.dtype != self.export_dtype else v
             for k, v in self.model.state_dict().items()
         }
-        if _saved(step_dir):  # a whole step saved before a rollback (load_step): its optimizer and
+        if _saved(step_dir, ("optim",)):  # a whole step saved before a rollback: its optimizer and
             _barrier()        # training state go first, or they would read as this model's
             if _rank() == 0:
                 for part in ("optim", "train"):
@@ -347,10 +347,11 @@ class CheckpointerManager(BaseCheckpointManager):
         return True
 
 
-def _saved(step_dir: str) -> bool:
-    """A step saved already (resumed from an earlier step with ``load_step``): saved over, as
-    torchtitan's DCP backend does. Every rank sees the same (shared) folder."""
-    return os.path.isfile(os.path.join(step_dir, "optim", "metadata.json"))
+def _saved(step_dir: str, parts: tuple[str, ...] = ("model", "optim")) -> bool:
+    """A step saved already (a run rolled back with ``load_step``, or one that goes on past its
+    earlier last step, saved as the model alone): saved over, as torchtitan's DCP backend does.
+    Every rank sees the same (shared) folder."""
+    return any(os.path.isfile(os.path.join(step_dir, part, "metadata.json")) for part in parts)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,21 @@ def test_a_run_rolled_back_with_load_step_saves_over_the_later_steps(backend, as
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_run_longer_than_an_earlier_one_saves_over_its_last_step(backend, tmp_path):
+    """The earlier run's last step is the model alone; a longer run reaching it saves it whole."""
+    first = Job(backend, str(tmp_path), interval=2, last_save_model_only=True)
+    first.train(1, save=False)
+    first.ckpt.save(1, last_step=True)
+    first.finish()
+    longer = Job(backend, str(tmp_path), seed=1, interval=1, last_save_model_only=True)
+    longer.train(2)
+    longer.finish()
+    check = Job(backend, str(tmp_path), seed=2, load_step=2)
+    check.ckpt.load(step=2)
+    assert _same(check.where(), longer.where())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_model_saved_in_the_export_dtype_starts_an_fp32_job(backend, tmp_path):
     """The last step, the model alone in bfloat16 (torchtitan's defaults make it so), as the
     ``initial_load_path`` of an fp32 job: cast as it is loaded (it was a dtype mismatch)."""
