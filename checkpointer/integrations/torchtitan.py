@@ -313,7 +313,10 @@ class CheckpointerManager(BaseCheckpointManager):
         ``export_dtype``, is cast into the model's dtypes where they differ (as torchtitan's DCP
         backend casts), through a copy of just those tensors."""
         model_state = self.model.state_dict()
-        saved = checkpointer.Checkpointer().get_metadata(f"{path}/model").tensors
+        try:
+            saved = checkpointer.Checkpointer().get_metadata(f"{path}/model").tensors
+        except (checkpointer.CheckpointError, OSError):
+            saved = {}  # not this library's model part (a Hugging Face one, say): loaded as it is
         differ = {k for k, v in model_state.items() if k in saved and saved[k].torch_dtype != v.dtype}
         if not differ:
             checkpointer.load_model_and_optim_state(path, self.model)
