@@ -100,3 +100,15 @@ def test_closing_with_an_async_save_in_flight_makes_no_collective(tmp_path, monk
     job.ckpt.close()
     assert called == [] and job.ckpt.save_future is None
     assert checkpointer.latest_checkpoint(str(tmp_path / "checkpoint")) == str(tmp_path / "checkpoint" / "step-2")
+
+
+def test_a_hugging_face_directory_as_the_initial_load_path_loads_as_it_is(tmp_path):
+    """Not this library's checkpoint: the model-only load takes it as ``load_model_and_optim_state``
+    does (Hugging Face safetensors by the model's own names), with no dtype probe in the way."""
+    from safetensors.torch import save_file
+
+    source = Job("checkpointer", str(tmp_path / "a"), seed=3)
+    save_file({k: v.contiguous() for k, v in source.model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    fresh = Job("checkpointer", str(tmp_path / "b"), seed=1, initial_load_path=str(tmp_path))
+    fresh.ckpt.load()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), source.model.parameters()))
