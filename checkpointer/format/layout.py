@@ -56,7 +56,7 @@ def is_rank_filename(name: str) -> bool:
     return _RANK_FILE.fullmatch(name) is not None
 
 
-def _unfinished(name: str):
+def _unfinished(name: str) -> re.Match[str] | None:
     return _TEMP_FILE.fullmatch(name) or _PART_FILE.fullmatch(name)
 
 
