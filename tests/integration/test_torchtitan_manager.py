@@ -19,6 +19,13 @@ def _same(a: dict, b: dict) -> bool:
         torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
 
 
+def _where_step_leaves(backend: str, folder: str, step: int) -> dict:
+    """Where a new job stands once it has loaded ``step`` from ``folder``."""
+    job = Job(backend, folder, seed=2, load_step=step)
+    job.ckpt.load(step=step)
+    return job.where()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_whole_initial_load_restores_the_run_not_just_the_model(backend, tmp_path):
     """``initial_load_model_only=False``: the schedule, the data position and the step come back
@@ -44,9 +51,7 @@ def test_a_run_rolled_back_with_load_step_saves_over_the_later_steps(backend, as
     again.ckpt.load(step=2)
     again.train(2)
     again.finish()
-    check = Job(backend, str(tmp_path), seed=2, load_step=4)
-    check.ckpt.load(step=4)
-    assert _same(check.where(), again.where())
+    assert _same(_where_step_leaves(backend, str(tmp_path), 4), again.where())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -59,9 +64,7 @@ def test_a_run_longer_than_an_earlier_one_saves_over_its_last_step(backend, tmp_
     longer = Job(backend, str(tmp_path), seed=1, interval=1, last_save_model_only=True)
     longer.train(2)
     longer.finish()
-    check = Job(backend, str(tmp_path), seed=2, load_step=2)
-    check.ckpt.load(step=2)
-    assert _same(check.where(), longer.where())
+    assert _same(_where_step_leaves(backend, str(tmp_path), 2), longer.where())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
