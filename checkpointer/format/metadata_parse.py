@@ -47,6 +47,8 @@ def _parse(data: bytes, where: str) -> StorageMetadata:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({_short(ex)})") from ex
     except (ValueError, CorruptCheckpointError) as ex:
         raise CorruptCheckpointError(f"{where}: invalid checkpoint metadata: {_short(ex)}") from ex
+    except MemoryError:
+        raise CorruptCheckpointError(f"{where}: describes more than this host's memory holds") from None
 
 
 class _NotAnObject(Exception):

@@ -29,11 +29,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_RULE_CELLS", "MAX_RULE_TERMS", "RuleError", "check_rule", "expand_rule", "detect_rule", "rule_cells"]
+__all__ = ["MAX_RULE_CELLS", "MAX_RULE_VALUES", "MAX_RULE_TERMS", "RuleError", "check_rule", "expand_rule", "detect_rule", "rule_cells", "rule_values"]
 
 MAX_RULE_CELLS = 1 << 22
 """The most pieces one rule may describe (4,194,304 ranks), and the most a document's distinct
 rules may describe together: past it, expanding them would be a large allocation."""
+MAX_RULE_VALUES = 5 * MAX_RULE_CELLS
+"""The most numbers a document's distinct rules may expand into together: a piece of a box rule
+is ``2 * ndim + 1`` numbers (its shape, offset and file), of a flat rule 3. So a rule of many
+dims describes fewer pieces (a 2-D rule up to :data:`MAX_RULE_CELLS`)."""
+
+
+def rule_values(shape: Sequence[int], rule: dict[str, Any], cells: int) -> int:
+    """How many numbers the ``cells`` pieces of a checked ``rule`` expand into."""
+    return cells * (3 if rule["form"] == "flat" else 2 * len(shape) + 1)
 MAX_RULE_TERMS = 8
 MAX_FILE_INDEX = (1 << 31) - 1
 _RANK = re.compile(r"rank_(\d+)\.safetensors")

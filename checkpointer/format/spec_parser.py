@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import json
 
 from .layout import check_filename
-from .rules import MAX_RULE_CELLS, check_rule, expand_rule
+from .rules import MAX_RULE_CELLS, MAX_RULE_VALUES, check_rule, expand_rule, rule_values
 from .specs import FIELDS, MAX_RUNS_PER_TENSOR, Layout, ShardSpecs, box_run_count, shared_layout
 
 __all__ = ["SpecParser"]
@@ -51,6 +51,7 @@ class SpecParser:
         self._layouts: dict[tuple, list[Layout]] = {}
         self._rules: dict[tuple, tuple[Layout, dict, int, int, int]] = {}
         self.rule_cells = 0
+        self.rule_values = 0
         self.max_file = -1
         """The largest rank file index a rule names (checked against ``world_size``)."""
         self.members = 0
@@ -75,7 +76,8 @@ class SpecParser:
     def parse_rule(self, shape: tuple[int, ...], raw: Any) -> ShardSpecs:
         """A ``shard_rule`` (see :mod:`~checkpointer.format.rules`): checked in time linear in
         its size, then expanded, once per distinct (shape, rule), within a budget of
-        :data:`~checkpointer.format.rules.MAX_RULE_CELLS` pieces for the whole document."""
+        :data:`~checkpointer.format.rules.MAX_RULE_CELLS` pieces and
+        :data:`~checkpointer.format.rules.MAX_RULE_VALUES` numbers for the whole document."""
         try:
             key = (shape, json.dumps(raw, separators=(",", ":")))
         except (TypeError, ValueError, RecursionError):
@@ -86,8 +88,12 @@ class SpecParser:
             self.count(raw)
             cells, top = check_rule(shape, raw)
             self.rule_cells += cells
+            self.rule_values += rule_values(shape, raw, cells)
             if self.rule_cells > MAX_RULE_CELLS:
                 raise ValueError(f"the document's shard rules describe more than {MAX_RULE_CELLS} pieces together")
+            if self.rule_values > MAX_RULE_VALUES:
+                raise ValueError(f"the document's shard rules expand into more than {MAX_RULE_VALUES} numbers "
+                                 "together (a piece of an n-dim box is 2n + 1)")
             names, flat, ls, go = expand_rule(shape, raw)
             known = (Layout(shape, names, flat, ls, go), raw, self.members - members, self.colons - colons, top)
             if key is not None:
