@@ -10,7 +10,7 @@ from functools import partial
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from ..buffers import memoryview_of
-from ..checksums import crc32c, crc32c_extend
+from ..checksums import ALGORITHM, crc32c, crc32c_extend
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import CHECKSUMS_KEY, FILE_ID_KEY, METADATA_FILENAME
@@ -21,7 +21,7 @@ from ..storage.base import FileChangedError, ReadRequest, Storage
 
 __all__ = [
     "HeaderCache", "piece_start", "check_files_hold", "read_small_file", "read_with", "check_chunk", "HashedRun",
-    "verified_requests", "read_hashed", "verify_tasks", "FileChecksums", "piece_files",
+    "verified_requests", "read_hashed", "verify_tasks", "FileChecksums", "piece_files", "verify_chunk_bytes",
 ]
 
 T = TypeVar("T")
@@ -162,6 +162,20 @@ def piece_files(headers: HeaderCache, metadata: Any, key: str, files: Sequence[s
     if getattr(metadata, "checksums_in_files", None) and metadata.checksum_chunk_bytes:
         return numels, FileChecksums(headers, key, list(files), metadata.checksum_chunk_bytes)
     return numels, {f: stored(f) for f in files}
+
+
+def verify_chunk_bytes(storage: Storage, metadata: Any, verify: bool) -> int | None:
+    """The bytes each stored checksum covers, for reads that check them (``verify``), else None.
+    Checksums of an algorithm this version cannot compute are refused, not skipped."""
+    if not verify:
+        return None
+    algorithm = getattr(metadata, "checksum_algorithm", None)
+    if algorithm not in (None, ALGORITHM):
+        raise CorruptCheckpointError(
+            f"{storage.join(METADATA_FILENAME)}: checksums of algorithm {algorithm!r}, which this version "
+            f"cannot check (it computes {ALGORITHM!r})"
+        )
+    return metadata.checksum_chunk_bytes
 
 
 def _file_size(storage: Storage, name: str, what: str) -> int:

@@ -28,7 +28,7 @@ from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..sharding import LocalTensor, describe_state_dict
 from ..storage.base import Storage
 from .locate import missing_metadata_message
-from .checks import HeaderCache, piece_files
+from .checks import HeaderCache, piece_files, verify_chunk_bytes
 from .reader import CheckpointReader
 from .reads import ReadJob, execute_reads, execute_reads_from
 
@@ -219,14 +219,16 @@ def load_state_dicts(
         given[i] = meta
     metas: list[StorageMetadata] = given  # type: ignore[assignment]
     parts: list[tuple[HeaderCache, list[LocalLoad]]] = []
+    chunks: list[int | None] = []
     with dist.phase("load", no_dist=no_dist), torch.no_grad():
         for storage, meta, state_dict in zip(storages, metas, state_dicts(metas), strict=True):
+            chunks.append(verify_chunk_bytes(storage, meta, verify))
             headers = CheckpointReader(storage, meta).headers
             parts.append((headers, plan_local_loads(storage, meta, state_dict, headers)))
     with dist.phase("load", no_dist=no_dist), torch.no_grad():
         by_chunk: dict[int | None, list[tuple[HeaderCache, list[LocalLoad]]]] = {}
-        for part, meta in zip(parts, metas):
-            by_chunk.setdefault(meta.checksum_chunk_bytes if verify else None, []).append(part)
+        for part, chunk in zip(parts, chunks):
+            by_chunk.setdefault(chunk, []).append(part)
         for chunk, group in by_chunk.items():
             fill_in_place_from(group, num_threads=num_threads, verify_chunk_bytes=chunk)
         if finish is not None:
@@ -368,13 +370,13 @@ def read_full_onto(
     """Every full tensor, allocated on ``device`` and filled as a load fills its tensors: through
     host buffers of bounded size, never the whole checkpoint in host memory at once."""
     reader = CheckpointReader(storage, metadata, num_threads=num_threads)
+    chunk = verify_chunk_bytes(storage, metadata, verify)
     for key, meta in metadata.tensors.items():
         reader.check_whole(key, meta)
     out = {
         key: torch.empty(meta.shape, dtype=dtype_from_code(meta.dtype), device=device)
         for key, meta in metadata.tensors.items()
     }
-    chunk = metadata.checksum_chunk_bytes if verify else None
     with torch.no_grad():
         loads = plan_local_loads(storage, metadata, out, reader.headers)
         fill_in_place(storage, loads, num_threads=num_threads, verify_chunk_bytes=chunk, headers=reader.headers)

@@ -21,7 +21,7 @@ from ..planning.pieces import Piece
 from ..planning.load_plan import TensorLoadPlan, build_load_plan, stored_cover_exactly
 from ..planning.pieces import spec_ranges, whole
 from ..storage.base import Storage
-from .checks import HeaderCache, check_files_hold, piece_files
+from .checks import HeaderCache, check_files_hold, piece_files, verify_chunk_bytes
 from .reads import ReadJob, execute_reads
 
 __all__ = ["CheckpointReader", "HEADER_BYTES_FIELD", "header_bytes_of"]
@@ -143,4 +143,4 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"tensor {key!r}: the files hold {index.covered()} of its {meta.numel} elements")
 
     def _chunk(self, verify: bool) -> int | None:
-        return self.metadata.checksum_chunk_bytes if verify else None
+        return verify_chunk_bytes(self.storage, self.metadata, verify)

@@ -34,7 +34,7 @@ from ..planning.load_plan import ReadItem
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
 from .load import LocalLoad, copy_into, plan_local_loads
-from .checks import HeaderCache, piece_start
+from .checks import HeaderCache, piece_start, verify_chunk_bytes
 from .reader import CheckpointReader
 from .reads import ReadJob, read_file_ranges, scatter_span, verify_reads
 
@@ -123,8 +123,11 @@ def prepare_two_stage(
     dests: dict[tuple[str, str], list[_Dest]] = defaultdict(list)
     staged: list[_Staged] = []
     jobs: list[ReadJob] = []
+    chunk: int | None = None
 
     def plan() -> None:
+        nonlocal chunk
+        chunk = verify_chunk_bytes(storage, metadata, verify)
         for load in plan_local_loads(storage, metadata, state_dict):
             if load.local.numel == 0:
                 continue
@@ -161,19 +164,19 @@ def prepare_two_stage(
 
     dist.agree(dist.attempt(check_headers)[1], "two-stage load")
     lap("planning")
-    return lambda: _run(headers, metadata, units, sizes, dests, staged, jobs, verify, stats)
+    return lambda: _run(headers, metadata, units, sizes, dests, staged, jobs, chunk, stats)
 
 
 def _run(
     headers: HeaderCache, metadata: StorageMetadata, units: list[ReadUnit], sizes: dict[str, int],
-    dests: dict[tuple[str, str], list[_Dest]], staged: list[_Staged], jobs: list[ReadJob], verify: bool, stats: LoadStats,
+    dests: dict[tuple[str, str], list[_Dest]], staged: list[_Staged], jobs: list[ReadJob], chunk: int | None,
+    stats: LoadStats,
 ) -> LoadStats:
     """Steps 4-5 of the recipe: read, share and copy the units this rank needs."""
     rank = dist.get_rank()
     error: BaseException | None = None
     lap = _Laps(stats)
     storage = headers.storage
-    chunk = metadata.checksum_chunk_bytes if verify else None
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
 

@@ -22,7 +22,7 @@ from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..format.layout import METADATA_FILENAME
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
-from ..engine.checks import check_files_hold, piece_files
+from ..engine.checks import check_files_hold, piece_files, verify_chunk_bytes
 from ..engine.load import read_metadata
 from ..engine.locate import PARTS, model_checkpoint
 from ..engine.reader import CheckpointReader, new_tensor
@@ -70,7 +70,7 @@ class CheckpointTensors:
         self.reader = CheckpointReader(storage, metadata, num_threads=num_threads)
         self.headers = self.reader.headers
         self.verify = verify
-        self.verify_chunk = metadata.checksum_chunk_bytes if verify else None
+        self.verify_chunk = verify_chunk_bytes(storage, metadata, verify)
         self.num_threads = num_threads
         self._staging = Staging() if reuse_memory else None
 

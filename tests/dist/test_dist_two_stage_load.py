@@ -231,3 +231,39 @@ def test_a_load_that_fails_planning_the_optimizer_writes_no_model_tensor(run_dis
     two_stage filled the model first, then failed on the optimizer (found by a review)."""
     for out in run_distributed(_a_damaged_optimizer_leaves_the_model_alone, 2, str(tmp_path / "ck"), timeout=240):
         assert out == {"default": ("CorruptCheckpointError", []), "two_stage": ("CorruptCheckpointError", [])}, out
+
+
+def _an_unknown_checksum_algorithm(rank: int, world_size: int, directory: str) -> dict:
+    import json
+    import os
+
+    import torch.distributed as dist
+    from dist_helpers import catch
+
+    from checkpointer import Checkpointer
+
+    full = _save(rank, world_size, directory, "shard0")
+    dist.barrier()
+    if rank == 0:
+        path = os.path.join(directory, "metadata.json")
+        meta = json.load(open(path))
+        meta["checksum_algorithm"] = "xxh3"  # the stored values are still crc32c: only the name says otherwise
+        json.dump(meta, open(path, "w"))
+    dist.barrier()
+    out = {}
+    for strategy in ("default", "two_stage"):
+        dest = _lay_out(full, "shard0", rank, world_size)
+        _zero(dest)
+        error = catch(Checkpointer().load, directory, dest, strategy=strategy, verify=True)
+        untouched = all(not _local(v).any() for v in dest.values())
+        Checkpointer().load(directory, dest, strategy=strategy)
+        loaded = all(torch.equal(_local(dest[k]), _local(v)) for k, v in _lay_out(full, "shard0", rank, world_size).items())
+        out[strategy] = (error and error["type"], error and "'xxh3'" in error["msg"], untouched, loaded)
+    return out
+
+
+def test_verify_refuses_checksums_it_cannot_compute(run_distributed, tmp_path):
+    """verify=True checked an unknown algorithm's checksums as CRC32C: a false mismatch, or, as
+    here, a pass. Now refused by name before anything is written; without verify it loads."""
+    for out in run_distributed(_an_unknown_checksum_algorithm, 2, str(tmp_path / "ck"), timeout=240):
+        assert out == {s: ("CorruptCheckpointError", True, True, True) for s in ("default", "two_stage")}, out
