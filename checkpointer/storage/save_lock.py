@@ -76,8 +76,8 @@ def _new_lock() -> bytes:
     """This process's lock: the token makes it ours alone (a conditional create retried after a
     lost answer recognises its own file by it); ``beat_ms``, its first beat, takes the same
     length for centuries, so ownership compares lengths too."""
-    return _with_beat(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_space": _PID_SPACE,
-                                  "token": uuid.uuid4().hex, "beat_ms": 0}).encode())
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_space": _PID_SPACE,
+                       "token": uuid.uuid4().hex, "beat_ms": int(time.time() * 1000)}).encode()
 
 
 def _pid_space() -> str:
@@ -92,12 +92,6 @@ def _pid_space() -> str:
 
 
 _PID_SPACE = _pid_space()
-
-
-def _with_beat(lock: bytes) -> bytes:
-    fields = json.loads(lock)
-    fields["beat_ms"] = int(time.time() * 1000)
-    return json.dumps(fields).encode()
 
 
 def _fields(data: bytes | None) -> dict[str, Any]:
