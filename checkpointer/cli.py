@@ -278,7 +278,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     problems: list[str] = []
     checked = []
     try:
-        parts = checkpoint_parts(open_storage(args.dir))
+        parts = checkpoint_parts(open_storage(args.dir), train=True)
     except CorruptCheckpointError as ex:
         parts, problems = [], [_one_line(ex)]
     for name, storage in parts:

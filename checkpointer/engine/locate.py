@@ -18,6 +18,7 @@ __all__ = [
     "newest_checkpoint",
     "step_of",
     "is_complete",
+    "holds_anything",
     "wrong_directory_hint",
     "run_directory_hint",
     "missing_metadata_message",
@@ -45,6 +46,11 @@ def _lists(storage: Storage) -> list[str]:
         return []
 
 
+def holds_anything(storage: Storage) -> bool:
+    """Whether a part directory lists anything: a save began writing it (unlistable storage: no)."""
+    return bool(_lists(storage))
+
+
 def is_complete(storage: Storage) -> bool:
     """A checkpoint directory (``metadata.json``), or a top-level one holding ``model/`` and
     ``optim/`` in which every part present (``model/``, ``optim/``, ``train/``) committed its
@@ -56,7 +62,7 @@ def is_complete(storage: Storage) -> bool:
     if not all(part in names for part in PARTS):
         return False
     return all(
-        storage.part(part).exists(METADATA_FILENAME) or (part not in PARTS and not _lists(storage.part(part)))
+        storage.part(part).exists(METADATA_FILENAME) or (part not in PARTS and not holds_anything(storage.part(part)))
         for part in COMMITTED_PARTS
         if part in names
     )
@@ -171,10 +177,11 @@ def wrong_directory_hint(storage: Storage) -> str:
 _TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:
+def checkpoint_parts(storage: Storage, *, train: bool = False) -> list[tuple[str, Storage]]:
     """``[("", storage)]`` for a checkpoint directory (it holds ``metadata.json``); for the
-    top-level directory of ``save_model_and_optim_state``, its ``model/`` and ``optim/`` parts
-    (each listed when present, complete or not).
+    top-level directory of ``save_model_and_optim_state``, its ``model/`` and ``optim/`` parts,
+    with ``train`` its ``train/`` too where it holds anything (each listed when present,
+    complete or not).
 
     Raises:
         IncompleteCheckpointError: neither ``metadata.json`` nor ``model/`` or ``optim/`` is there.
@@ -183,9 +190,13 @@ def checkpoint_parts(storage: Storage) -> list[tuple[str, Storage]]:
         return [("", storage)]
     try:
         names = set(storage.list())
+        listed = True
     except io.UnsupportedOperation:  # read-only storage (http): look for the parts by name
-        names = {name for name in PARTS if storage.part(name).exists(METADATA_FILENAME)}
+        names = {name for name in COMMITTED_PARTS if storage.part(name).exists(METADATA_FILENAME)}
+        listed = False
     parts = [(name, storage.part(name)) for name in PARTS if name in names]
+    if train and "train" in names and (not listed or holds_anything(storage.part("train"))):
+        parts.append(("train", storage.part("train")))  # an empty train/ counts as absent
     if not names:
         if storage.is_local() and os.path.isfile(storage.url):
             raise IncompleteCheckpointError(

@@ -43,8 +43,9 @@ from .. import dist
 from ..buffers import memoryview_of
 from ..engine.async_save import wait_for_writes_into
 from ..engine.checkpointer import Checkpointer
+from ..engine.locate import holds_anything
 from ..engine.reader import CheckpointReader
-from ..errors import CheckpointMismatchError, CorruptCheckpointError
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME
 from ..storage.base import Storage
 from . import train_codec
@@ -278,13 +279,18 @@ class ReadTrainState:
 
 def read_train_state(storage: Storage, train_state: Mapping[str, Any] | None) -> ReadTrainState:
     """Every rank: read ``storage`` (a ``dir/train``) and decode every saved value this rank
-    gets (none when the checkpoint has no training state and none is asked for). Keys passed
+    gets (none when the checkpoint has no training state and none is asked for; a ``train/``
+    holding files but no ``metadata.json`` is incomplete). Keys passed
     that the checkpoint lacks are a :class:`CheckpointMismatchError`; per-rank keys this rank
     has no value for at another world size are warned about. Errors reach every rank."""
     wanted = dict(train_state or {})
     wait_for_writes_into(storage.url)  # an async save of this process writing it: its metadata comes last
     with dist.phase("load"):
         if not storage.exists(METADATA_FILENAME):
+            if holds_anything(storage):  # its save began and never committed: a copy cut short, say
+                raise IncompleteCheckpointError(
+                    f"{storage.join(METADATA_FILENAME)} is missing: this step's training state was never committed"
+                )
             if wanted:
                 raise CheckpointMismatchError(
                     f"{storage.url}: the checkpoint holds no training state, asked for {sorted(wanted)[:10]}"

@@ -69,7 +69,7 @@ def describe_parts(dir: str | Storage) -> list[tuple[str, dict[str, Any]]]:
         return [("", _describe_hf(dir))]
     storage = open_storage(dir)
     try:
-        parts = checkpoint_parts(storage)
+        parts = checkpoint_parts(storage, train=True)
     except IncompleteCheckpointError:
         if _hf_directory(storage):
             return [("", _describe_hf(dir))]

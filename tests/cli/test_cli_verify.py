@@ -45,6 +45,34 @@ def test_sound_checkpoints_pass(ckpts, capsys, which):
     assert verify_checkpoint(os.path.join(path, "model") if which != "flat3" else path) == []
 
 
+def test_the_training_state_is_verified_too(capsys, tmp_path):
+    """verify DIR read model/ and optim/ only: a flipped byte in train/, or a train/ that never
+    committed, passed (found by a review), though loading the step refuses both."""
+    import checkpointer
+    from dist_helpers import build_model, build_optim
+
+    model = build_model(1, seed=1)
+    optim = build_optim(model, "adamw")
+    top = str(tmp_path / "step1")
+    checkpointer.save_model_and_optim_state(top, model, optim, train_state={"t": torch.arange(100)})
+    code, out, _ = cli(capsys, "verify", top)
+    assert code == 0 and os.path.join(top, "train") in out
+    assert os.path.join(top, "train") in cli(capsys, "inspect", top)[1]
+    rank_file = os.path.join(top, "train", "rank_0.safetensors")
+    original = open(rank_file, "rb").read()
+    with open(rank_file, "r+b") as f:
+        f.seek(len(original) - 5)
+        f.write(bytes([original[-5] ^ 0xFF]))
+    code, lines, _ = problems_of(capsys, top)
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"{rank_file}: checksum mismatch"), lines
+    with open(rank_file, "wb") as f:
+        f.write(original)
+    os.remove(os.path.join(top, "train", "metadata.json"))
+    code, lines, _ = problems_of(capsys, top)
+    assert code == 1 and lines == [f"{os.path.join(top, 'train', 'metadata.json')} is missing: "
+                                   f"{os.path.join(top, 'train')} is not a complete checkpoint (its save never finished)"], lines
+
+
 def test_quiet_prints_nothing_when_sound(ckpts, capsys):
     assert cli(capsys, "verify", ckpts.flat3, "--quiet") == (0, "", "")
 

@@ -66,6 +66,22 @@ def test_a_flipped_byte_in_the_train_state_fails_its_checksum(tmp_path, model_an
         checkpointer.load_model_and_optim_state(top, model, optim)
 
 
+def test_a_train_state_that_never_committed_is_incomplete(tmp_path, model_and_optim):
+    """model/ and optim/ committed, train/ holds its rank file but no metadata.json (a copy cut
+    short): the load returned an empty training state, so the run restarted its schedule and
+    RNG silently (found by a review). An empty train/ is still a save without training state."""
+    model, optim = model_and_optim
+    top = str(tmp_path / "step1")
+    checkpointer.save_model_and_optim_state(top, model, optim, train_state={"step": 7})
+    os.remove(os.path.join(top, "train", "metadata.json"))
+    for asked in (None, {"step": 0}):
+        with pytest.raises(checkpointer.IncompleteCheckpointError, match=r"train/metadata\.json"):
+            checkpointer.load_model_and_optim_state(top, model, optim, train_state=asked)
+    for name in os.listdir(os.path.join(top, "train")):
+        os.remove(os.path.join(top, "train", name))
+    assert checkpointer.load_model_and_optim_state(top, model, optim).train_state == {}
+
+
 class Picky:
     """A stateful object whose ``load_state_dict`` rejects what the file says."""
 
