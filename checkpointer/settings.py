@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "SETTINGS",
@@ -80,42 +80,53 @@ _OFF = ("0", "false", "no", "off")
 
 
 def _on(name: str) -> bool:
-    """A switch that is on unless set to 0, false, no or off."""
-    return os.environ.get(name, "1").strip().lower() not in _OFF
+    """A switch: on unless set to 0, false, no or off; unset or empty is on."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _OFF:
+        return False
+    if raw in ("", "1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={raw!r}: set it to 1 (on) or 0 (off)")
+
+
+def _number(name: str, default: float, kind: type, *, least: float, equal: bool = True) -> Any:
+    """The variable as a ``kind`` (int or float) of at least ``least`` (more than it, without
+    ``equal``); unset or empty is ``default``. Anything else is refused, naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return kind(default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not (value >= least if equal else value > least):  # NaN fails both
+        raise ValueError(f"{name}={raw!r} must be {'at least' if equal else 'more than'} {least:g}")
+    return value
 
 
 def timeout_s() -> float:
     """Seconds a collective waits for the other ranks: ``CHECKPOINTER_TIMEOUT_S`` (default 300)."""
-    return float(os.environ.get(TIMEOUT_S_ENV, "300"))
+    return _number(TIMEOUT_S_ENV, 300.0, float, least=0, equal=False)
 
 
 def io_retries() -> int:
     """Retries allowed after a transient failure: ``CHECKPOINTER_IO_RETRIES`` (default 8)."""
-    raw = os.environ.get(IO_RETRIES_ENV, "").strip()
-    if not raw:
-        return 8
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{IO_RETRIES_ENV}={raw!r} is not an integer; set it to 0 or more") from None
-    if value < 0:
-        raise ValueError(f"{IO_RETRIES_ENV}={value} is negative; set it to 0 or more")
-    return value
+    return _number(IO_RETRIES_ENV, 8, int, least=0)
 
 
 def io_threads() -> int:
     """Threads reading one rank's files in parallel: ``CHECKPOINTER_IO_THREADS`` (default 4)."""
-    return int(os.environ.get(IO_THREADS_ENV, "4"))
+    return _number(IO_THREADS_ENV, 4, int, least=1)
 
 
 def staging_mib() -> float:
     """MiB of host memory for copying tensors a save cannot write in place: ``CHECKPOINTER_STAGING_MIB`` (default 256)."""
-    return float(os.environ.get(STAGING_MIB_ENV, "256"))
+    return _number(STAGING_MIB_ENV, 256.0, float, least=0, equal=False)
 
 
 def max_metadata_mib() -> float:
     """The largest ``metadata.json`` a load reads, in MiB: ``CHECKPOINTER_MAX_METADATA_MIB`` (default 4096)."""
-    return float(os.environ.get(MAX_METADATA_MIB_ENV, "4096"))
+    return _number(MAX_METADATA_MIB_ENV, 4096.0, float, least=0, equal=False)
 
 
 def direct_io() -> str:
@@ -132,7 +143,10 @@ def direct_io() -> str:
 
 def crc32c() -> str:
     """The preferred CRC32C implementation: ``CHECKPOINTER_CRC32C`` (``google``; default ``""``, the fastest)."""
-    return os.environ.get(CRC32C_ENV, "")
+    raw = os.environ.get(CRC32C_ENV, "").strip().lower()
+    if raw not in ("", "google"):
+        raise ValueError(f"{CRC32C_ENV}={raw!r}: set it to google, or leave it unset for the fastest")
+    return raw
 
 
 def verify_replicas() -> bool:
@@ -147,11 +161,4 @@ def gcs_parallel_upload() -> bool:
 
 def lock_lease_s() -> float:
     """``CHECKPOINTER_LOCK_LEASE_S``: a save's lock not refreshed for this long is stale (default 120)."""
-    raw = os.environ.get(LOCK_LEASE_S_ENV, "").strip()
-    try:
-        value = float(raw) if raw else 120.0
-    except ValueError:
-        raise ValueError(f"{LOCK_LEASE_S_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{LOCK_LEASE_S_ENV}={raw!r} must be more than 0 seconds")
-    return value
+    return _number(LOCK_LEASE_S_ENV, 120.0, float, least=0, equal=False)

@@ -156,6 +156,24 @@ def test_io_retries_refuses_bad_values(monkeypatch):
             settings.io_retries()
 
 
+@pytest.mark.parametrize(
+    "name, bad",
+    [("CHECKPOINTER_TIMEOUT_S", ["abc", "0", "-5", "nan"]), ("CHECKPOINTER_IO_THREADS", ["abc", "0", "2.5"]),
+     ("CHECKPOINTER_STAGING_MIB", ["abc", "0", "nan"]), ("CHECKPOINTER_MAX_METADATA_MIB", ["abc", "-1"]),
+     ("CHECKPOINTER_LOCK_LEASE_S", ["abc", "0"]), ("CHECKPOINTER_CRC32C", ["foo", "isal"]),
+     ("CHECKPOINTER_VERIFY_REPLICAS", ["maybe", "2"]), ("CHECKPOINTER_GCS_PARALLEL_UPLOAD", ["sometimes"])],
+)
+def test_every_setting_refuses_what_it_cannot_mean_by_name(name, bad, monkeypatch):
+    """An unparsable value was a bare ``int()``/``float()`` error naming no variable, an
+    unknown CRC32C choice or switch value was taken for the default (found by a review)."""
+    for value in bad:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"^{name}="):
+            _getter(name)()
+    monkeypatch.setenv(name, " ")
+    assert _getter(name)() == SETTINGS[name].default
+
+
 def test_the_metadata_limit_documented_in_load_is_the_default():
     from checkpointer.engine.load import MAX_METADATA_BYTES
 
