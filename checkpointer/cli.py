@@ -341,9 +341,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_prune(args: argparse.Namespace) -> int:
     from .api import prune
     from .storage import open_storage
-    from .tools.retention import plan_prune
+    from .tools.retention import check_run_directory, plan_prune
 
     run_dir = args.dir.rstrip("/") or "/"
+    check_run_directory(open_storage(run_dir))
     if args.dry_run:
         names = plan_prune(open_storage(run_dir), args.keep_last, args.keep_every) if _rank() == 0 else []
         for name in names:

@@ -26,16 +26,20 @@ with ``last_save_model_only``: a model and optimizer save creates ``optim/`` bef
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from .. import dist
 from ..engine.async_save import writing_under
 from ..engine.locate import COMMITTED_PARTS, is_complete, step_of
+from ..errors import CheckpointError
 from ..format.layout import METADATA_FILENAME, is_save_file
 from ..storage import open_storage
 from ..storage.base import Storage
 
-__all__ = ["Step", "list_steps", "choose", "plan_prune", "delete_checkpoint", "check_counts", "prune_run"]
+__all__ = [
+    "Step", "list_steps", "choose", "plan_prune", "delete_checkpoint", "check_counts", "prune_run", "check_run_directory",
+]
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,25 @@ def delete_checkpoint(run: Storage, name: str) -> None:
     except PermissionError:
         pass  # a local link leading out of the run directory: the link goes, what it leads to stays
     run.delete_tree(name)
+
+
+def check_run_directory(run: Storage) -> None:
+    """What the command line checks before it prunes (a library call takes a missing directory
+    as one without checkpoints): ``run`` is an existing directory (where local), and not
+    itself a checkpoint, whose parts prune would never look at.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: a local path that is missing or a file.
+        CheckpointError: ``run`` is a checkpoint directory.
+    """
+    if run.is_local() and not os.path.isdir(run.url):
+        if os.path.exists(run.url):
+            raise NotADirectoryError(f"{run.url} is a file, not a run directory holding checkpoints")
+        raise FileNotFoundError(f"{run.url}: no such run directory")
+    if run.exists(METADATA_FILENAME) or any(run.part(part).exists(METADATA_FILENAME) for part in COMMITTED_PARTS):
+        raise CheckpointError(
+            f"{run.url} is a checkpoint; prune takes the run directory holding one sub-directory per checkpoint"
+        )
 
 
 def prune_run(run_dir: str, keep_last: int, keep_every: int | None) -> list[str]:

@@ -30,3 +30,22 @@ def test_prune_usage_errors(tmp_path, capsys):
     assert code == 2 and "--keep-last" in err
     code, _, err = cli(capsys, "prune", str(tmp_path), "--keep-last", "-1")
     assert code == 1 and "keep_last must be 0 or more" in err
+
+
+def test_prune_refuses_a_path_that_is_not_a_run_directory(tmp_path, capsys):
+    """A typo, a file, or a checkpoint given for its run directory printed nothing and exited 0
+    (found by a review): the run directory's checkpoints were never looked at."""
+    run = str(tmp_path / "run")
+    make_run(run)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    step = os.path.join(run, "step500")  # complete
+    before = sorted(os.listdir(run))
+    for path, says in [(str(tmp_path / "rnu"), "no such run directory"), (str(a_file), "is a file"),
+                       (step, "is a checkpoint; prune takes the run directory")]:
+        for dry in ([], ["--dry-run"]):
+            code, out, err = cli(capsys, "prune", path, "--keep-last", "1", *dry)
+            assert (code, out) == (1, "") and says in err and path in err, (path, err)
+    assert sorted(os.listdir(run)) == before
+    os.mkdir(tmp_path / "new_run")
+    assert cli(capsys, "prune", str(tmp_path / "new_run"), "--keep-last", "1") == (0, "", "")
