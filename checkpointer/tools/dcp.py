@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -199,9 +200,18 @@ def write_dcp(
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(path, DCP_METADATA))
     before = set(os.listdir(path))
+    written: set[str] = set()
+
+    class _Writer(FileSystemWriter):
+        """DCP's writer, noting the data files its index names (the files of this save)."""
+
+        def finish(self, metadata: Any, results: Any) -> None:  # noqa: D102 - DCP's interface
+            written.update(r.storage_data.relative_path for per_rank in results for r in per_rank)
+            super().finish(metadata, results)
+
     try:
         # One file per tensor: DCP's writer keeps every tensor of a file alive until the file is done.
-        writer = FileSystemWriter(path, single_file_per_rank=False, thread_count=1)
+        writer = _Writer(path, single_file_per_rank=False, thread_count=1)
         with _single_process():
             save(state, storage_writer=writer, planner=_FetchingPlanner(), no_dist=True)
     except BaseException as ex:  # DCP's CheckpointException is a BaseException: an error of ours (fetch) or its own
@@ -215,7 +225,14 @@ def write_dcp(
     finally:
         if bar is not None:
             bar.close()
-    return sorted(os.path.join(path, n) for n in set(os.listdir(path)) - before | {DCP_METADATA})
+    for name in before - written:  # an earlier checkpoint's data files that this one does not name
+        if _DATA_FILE.fullmatch(name):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, name))
+    return sorted(os.path.join(path, n) for n in written | {DCP_METADATA})
+
+
+_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
 
 
 def _remove_new_files(path: str, before: set[str]) -> None:

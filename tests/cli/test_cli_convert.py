@@ -331,3 +331,18 @@ def test_convert_that_cannot_commit_leaves_no_lock(ckpts, capsys, tmp_path, monk
     monkeypatch.setattr(LocalStorage, "write", real)
     assert cli(capsys, "convert", ckpts.flat3, str(dst), "--to", "checkpointer", "-q") == (0, "", "")
     assert_same_tensors(unshard(str(dst)), ckpts.flat3_full)
+
+
+def test_dcp_overwrite_reports_and_keeps_only_its_own_files(capsys, tmp_path):
+    """``--to dcp --overwrite`` printed only the files new since the last convert (``wrote 1
+    file``: the index), and left the data files of a larger earlier checkpoint beside its own
+    (found by a review)."""
+    big, small, dst = tmp_path / "big", tmp_path / "small", tmp_path / "dcp"
+    Checkpointer().save(str(big), {f"t{i}": torch.full((4,), float(i)) for i in range(4)})
+    Checkpointer().save(str(small), {"t0": torch.full((3,), 9.0), "t1": torch.ones(2)})
+    code, out, _ = cli(capsys, "convert", str(big), str(dst), "--to", "dcp")
+    assert code == 0 and out.startswith("wrote 5 files ") and out.endswith(f" to {dst}\n"), out
+    code, out, _ = cli(capsys, "convert", str(small), str(dst), "--to", "dcp", "--overwrite")
+    assert code == 0 and out.startswith("wrote 3 files "), out
+    assert len(os.listdir(dst)) == 3 and ".metadata" in os.listdir(dst)
+    assert_same_tensors(load_dcp(str(dst)), unshard(str(small)))
