@@ -94,12 +94,15 @@ def _cached(file_url: str, url: str, *, missing_ok: bool = False, missing: str |
 
     try:
         return str(cached_path(file_url, quiet=True))
+    except hub_errors.LocalEntryNotFoundError as ex:  # offline: not a missing file, an unreachable hub
+        raise OSError(f"{url}: {file_url} is not in the local cache, and the Hugging Face hub cannot be "
+                      f"reached (offline, or HF_HUB_OFFLINE set)") from ex
     except (hub_errors.EntryNotFoundError, hub_errors.RevisionNotFoundError,
             hub_errors.RepositoryNotFoundError) as ex:
         if missing_ok and isinstance(ex, hub_errors.EntryNotFoundError):
             return None
-        what = missing or file_url
-        raise FileNotFoundError(f"{url}: no Hugging Face checkpoint there ({what} not found: {type(ex).__name__})") from ex
+        what = f"{missing} found" if missing else f"{file_url} not found"
+        raise FileNotFoundError(f"{url}: no Hugging Face checkpoint there ({what}: {type(ex).__name__})") from ex
     except (hub_errors.HfHubHTTPError, OSError) as ex:
         if isinstance(ex, FileNotFoundError) and missing_ok:
             return None

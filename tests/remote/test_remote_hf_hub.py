@@ -101,6 +101,16 @@ def test_hf_url_fetches_what_the_model_needs_once(hub, tmp_path):
     assert all(torch.equal(back[k], v) for k, v in expected.items())
 
 
+def test_offline_without_the_files_cached_says_the_hub_cannot_be_reached(hub, tmp_path):
+    """Offline, a repository that exists was reported as "no Hugging Face checkpoint there
+    (neither ... nor ... not found)" (found by a review)."""
+    server, _, _ = hub
+    got = _run(server, str(tmp_path / "hf_home"), "error", f"hf://{REPO}", str(tmp_path / "err.pt"), HF_HUB_OFFLINE="1")
+    assert got["type"] == "OSError" and got["message"].startswith(f"hf://{REPO}: "), got
+    assert "not in the local cache, and the Hugging Face hub cannot be reached" in got["message"], got
+    assert server.gets() == []
+
+
 def test_hf_url_at_a_revision_and_missing_repositories(hub, tmp_path):
     server, model, _ = hub
     home = str(tmp_path / "hf_home")

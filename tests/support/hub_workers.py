@@ -10,7 +10,8 @@ process is rank 0 and starts the others).
 - ``cached``: ``load`` and ``lazy`` one after the other, then the command line's
   ``inspect URL --json`` and ``convert URL OUT.converted --to checkpointer``, all in this process;
 - ``load_then_missing``: ``load``, then a load from ``hf://nobody/nothing``, whose
-  ``FileNotFoundError`` message it keeps (``None`` if none was raised).
+  ``FileNotFoundError`` message it keeps (``None`` if none was raised);
+- ``error``: a load from ``URL``; writes the class name and message of what it raised.
 
 Rank 0 writes the full tensors by Hugging Face names (and the load's missing keys) to ``OUT``
 (``torch.save``); ``cached`` writes one such result per step, and the two commands' exit
@@ -100,6 +101,14 @@ def main() -> None:
     mode, url, out, world = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     if mode == "cached":
         torch.save(_cached(url, out), out)
+        return
+    if mode == "error":
+        try:
+            _rank(0, 1, "load", url, "")
+        except Exception as e:  # the test asserts on the class and the message
+            torch.save({"type": type(e).__name__, "message": str(e)}, out)
+        else:
+            torch.save({"type": None}, out)
         return
     if mode == "load_then_missing":
         torch.save({**_rank(0, 1, "load", url, ""), "missing_repository": _missing_repository()}, out)
