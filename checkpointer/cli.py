@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", help="delete old checkpoints of a run directory, keeping the newest complete ones")
     p.add_argument("dir", metavar="RUN_DIR", help="a directory holding one sub-directory per checkpoint (step100, ...)")
-    p.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the newest N complete checkpoints")
+    p.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the newest N complete checkpoints (the newest is always kept, even with 0)")
     p.add_argument("--keep-every", type=int, metavar="K", help="also keep every complete checkpoint whose step is a multiple of K")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     return parser
