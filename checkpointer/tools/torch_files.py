@@ -14,6 +14,7 @@ import errno
 import io
 import os
 import pickle
+import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -83,8 +84,12 @@ class TorchSource(TensorSource):
         if not isinstance(obj, Mapping):
             raise CorruptCheckpointError(f"{shown}: holds a {type(obj).__name__}, not a state dict")
         flat: dict[str, torch.Tensor] = {}
-        _flatten(obj, "", flat, shown)
+        skipped: list[str] = []
+        _flatten(obj, "", flat, shown, skipped)
         del obj
+        if skipped:
+            what = "1 entry is not a tensor and is" if len(skipped) == 1 else f"{len(skipped)} entries are not tensors and are"
+            warnings.warn(f"{shown}: {what} skipped: {skipped[:10]}", stacklevel=2)
         if keys is not None:
             missing = [k for k in keys if k not in flat]
             if missing:
@@ -174,7 +179,10 @@ def _is_bad_archive(ex: OSError) -> bool:
     return ex.errno == errno.EINVAL and ex.filename is None
 
 
-def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], where: str, depth: int = 1) -> None:
+def _flatten(
+    obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], where: str, skipped: list[str], depth: int = 1
+) -> None:
+    """``obj``'s tensors into ``out`` by dotted key; the keys of other values into ``skipped``."""
     if depth > MAX_NESTING:  # a hostile file (or a mapping holding itself) would exhaust the stack
         raise CorruptCheckpointError(f"{where}: state dict nests mappings more than {MAX_NESTING} deep")
     for k, v in obj.items():
@@ -184,4 +192,6 @@ def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], 
                 raise CorruptCheckpointError(f"{where}: two tensors flatten to the key {key!r}")
             out[key] = v.detach()
         elif isinstance(v, Mapping):
-            _flatten(v, f"{key}.", out, where, depth + 1)
+            _flatten(v, f"{key}.", out, where, skipped, depth + 1)
+        else:
+            skipped.append(key)

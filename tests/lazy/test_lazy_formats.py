@@ -352,3 +352,12 @@ def test_torch_file_whose_nested_keys_collide_is_refused(tmp_path):
     torch.save({"a": {"b": torch.ones(2)}, "a.c": torch.zeros(1)}, path)  # nested and dotted, no clash
     got = dict(lazy_load(path))
     assert sorted(got) == ["a.b", "a.c"] and torch.equal(got["a.b"], torch.ones(2))
+
+
+def test_torch_file_entries_that_are_not_tensors_are_named_in_a_warning(tmp_path):
+    """A training checkpoint's ``epoch`` or config values were dropped without a word."""
+    path = str(tmp_path / "train.pt")
+    torch.save({"model": {"w": torch.arange(3.0)}, "epoch": 3, "cfg": {"lr": 0.1, "names": ["a"]}}, path)
+    with pytest.warns(UserWarning, match=r"train\.pt: 3 entries are not tensors and are skipped: \['epoch', 'cfg\.lr', 'cfg\.names'\]"):
+        got = dict(lazy_load(path))
+    assert list(got) == ["model.w"] and torch.equal(got["model.w"], torch.arange(3.0))
