@@ -214,8 +214,11 @@ def _encode_all(train_state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor]
             raise CheckpointMismatchError(str(ex)) from None
         flat[name] = _json_tensor(text)
         flat.update((f"{name}/{i}", t) for i, t in enumerate(tensors))
-        if name.startswith("job."):
-            digests[key] = zlib.crc32(text)
+        if name.startswith("job."):  # the tensors' bytes too: a tensor differing is named here, by its key
+            digest = zlib.crc32(text)
+            for t in tensors:
+                digest = zlib.crc32(memoryview_of(t.cpu().contiguous().reshape(-1)), digest)
+            digests[key] = digest
     manifest = {"format": _FORMAT, "world_size": world, "job": job, "per_rank": per_rank}
     flat["manifest"] = _json_tensor(train_codec.dumps(manifest))
     return flat, digests, manifest

@@ -67,11 +67,14 @@ def _values_and_policy(rank, world_size, root):
     differs = catch(checkpointer.save_model_and_optim_state, os.path.join(root, "bad"), job.model, job.optim,
                     train_state={"seed": rank})
     bad_exists = os.path.exists(os.path.join(root, "bad", "model", "metadata.json"))
+    tensor_differs = catch(checkpointer.save_model_and_optim_state, os.path.join(root, "bad_t"), job.model, job.optim,
+                           train_state={"seeds": {"s": torch.tensor([rank])}})
     other = build_job(world_size, seed=3)
     before = [p.detach().full_tensor().clone() for p in other.model.parameters()]
     unknown = catch(checkpointer.load_model_and_optim_state, ckpt, other.model, other.optim, train_state={"nope": other.sched})
     untouched = all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, other.model.parameters()))
-    return {"differs": differs, "bad_exists": bad_exists, "unknown": unknown, "untouched": untouched}
+    return {"differs": differs, "bad_exists": bad_exists, "unknown": unknown, "untouched": untouched,
+            "tensor_differs": tensor_differs}
 
 
 def _load_elsewhere(rank, world_size, root):
@@ -91,6 +94,9 @@ def test_values_come_back_and_per_rank_values_follow_the_policy(run_distributed,
         assert r["differs"] is not None and r["differs"]["type"] == "CheckpointMismatchError"
         assert "train_state['seed']" in r["differs"]["msg"] and "PerRank" in r["differs"]["msg"]
         assert not r["bad_exists"], "a refused save wrote the model"
+        # was a ReplicaMismatchError naming the stored key 'job.seeds/0' (found by a review)
+        assert r["tensor_differs"]["type"] == "CheckpointMismatchError", r["tensor_differs"]
+        assert "train_state['seeds'] differs between rank 0 and rank 1" in r["tensor_differs"]["msg"]
         assert r["unknown"]["type"] == "CheckpointMismatchError" and "nope" in r["unknown"]["msg"]
         assert r["untouched"], "a load refused for its train_state keys changed the model"
     for world_size in (1, 3):
