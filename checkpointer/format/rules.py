@@ -29,7 +29,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_RULE_CELLS", "MAX_RULE_VALUES", "MAX_RULE_TERMS", "RuleError", "check_rule", "expand_rule", "detect_rule", "rule_cells", "rule_values"]
+__all__ = [
+    "MAX_RULE_CELLS", "MAX_RULE_VALUES", "MAX_RULE_TERMS", "RuleError", "check_rule", "expand_rule", "detect_rule",
+    "rule_cells", "rule_values",
+]
 
 MAX_RULE_CELLS = 1 << 22
 """The most pieces one rule may describe (4,194,304 ranks), and the most a document's distinct
@@ -38,11 +41,6 @@ MAX_RULE_VALUES = 5 * MAX_RULE_CELLS
 """The most numbers a document's distinct rules may expand into together: a piece of a box rule
 is ``2 * ndim + 1`` numbers (its shape, offset and file), of a flat rule 3. So a rule of many
 dims describes fewer pieces (a 2-D rule up to :data:`MAX_RULE_CELLS`)."""
-
-
-def rule_values(shape: Sequence[int], rule: dict[str, Any], cells: int) -> int:
-    """How many numbers the ``cells`` pieces of a checked ``rule`` expand into."""
-    return cells * (3 if rule["form"] == "flat" else 2 * len(shape) + 1)
 MAX_RULE_TERMS = 8
 MAX_FILE_INDEX = (1 << 31) - 1
 _RANK = re.compile(r"rank_(\d+)\.safetensors")
@@ -60,6 +58,11 @@ def rule_cells(shape: Sequence[int], rule: dict[str, Any]) -> int:
     """The number of pieces of a rule already checked by :func:`check_rule`."""
     extents = [math.prod(shape)] if rule["form"] == "flat" else list(shape)
     return math.prod(-(-extents[d] // chunk) for d, chunk in rule["cuts"])
+
+
+def rule_values(shape: Sequence[int], rule: dict[str, Any], cells: int) -> int:
+    """How many numbers the ``cells`` pieces of a checked ``rule`` expand into."""
+    return cells * (3 if rule["form"] == "flat" else 2 * len(shape) + 1)
 
 
 def check_rule(shape: tuple[int, ...], rule: Any) -> tuple[int, int]:

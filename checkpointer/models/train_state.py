@@ -283,9 +283,9 @@ class ReadTrainState:
 def read_train_state(storage: Storage, train_state: Mapping[str, Any] | None) -> ReadTrainState:
     """Every rank: read ``storage`` (a ``dir/train``) and decode every saved value this rank
     gets (none when the checkpoint has no training state and none is asked for; a ``train/``
-    holding files but no ``metadata.json`` is incomplete). Keys passed
-    that the checkpoint lacks are a :class:`CheckpointMismatchError`; per-rank keys this rank
-    has no value for at another world size are warned about. Errors reach every rank."""
+    holding files but no ``metadata.json`` is incomplete). Keys passed that the checkpoint lacks
+    are a :class:`CheckpointMismatchError`; per-rank keys this rank has no value for at another
+    world size are warned about. Errors reach every rank."""
     wanted = dict(train_state or {})
     wait_for_writes_into(storage.url)  # an async save of this process writing it: its metadata comes last
     with dist.phase("load"):
