@@ -63,8 +63,9 @@ def describe_metadata(url: str, metadata: StorageMetadata) -> dict[str, Any]:
 
 def describe_parts(dir: str | Storage) -> list[tuple[str, dict[str, Any]]]:
     """``[(part, description)]``: one entry ``("", ...)`` for a checkpoint directory, or
-    ``("model", ...)``, ``("optim", ...)`` and ``("train", ...)`` for the top-level directory of a model save; one
-    entry ``("", ...)`` for Hugging Face safetensors (``hf://`` too: fetched into the cache)."""
+    ``("model", ...)``, ``("optim", ...)`` and ``("train", ...)`` for the top-level directory of
+    a model save; one entry ``("", ...)`` for Hugging Face safetensors (``hf://`` too: fetched
+    into the cache)."""
     if is_hf_url(dir):
         return [("", _describe_hf(dir))]
     storage = open_storage(dir)
