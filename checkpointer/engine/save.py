@@ -104,7 +104,7 @@ def _plan(
     error: BaseException | None = local_error
     if rank == 0 and error is None:
         _, error = dist.attempt(lambda: check_directory(storage, save_overwrite, retire_old=False))
-    planned, error = _plan_from_layouts(described, aliases, error)
+    planned, error = _plan_from_layouts(described, aliases, error, storage.url)
     if planned is None:
         planned, error = _exchange_and_plan(described, aliases, error, fingerprint)
     plan, plan_id, save_id = planned or (None, -1, None)
@@ -118,10 +118,13 @@ def _plan(
     return plan.keys_for(rank), plan.metadata, lock, plan_id, copies, save_id
 
 
-def _plan_from_layouts(described, aliases, error) -> tuple[tuple[SavePlan | None, int, str] | None, BaseException | None]:
+def _plan_from_layouts(
+    described, aliases, error, url: str
+) -> tuple[tuple[SavePlan | None, int, str] | None, BaseException | None]:
     """Every rank's pieces computed from layouts the same on every rank
     (:mod:`~checkpointer.planning.layouts`), confirmed by one all-reduce, which also picks the
-    save's file id; ``(None, error)``: the pieces must be exchanged (which reports ``error``)."""
+    save's file id and checks that every rank saves to ``url``; ``(None, error)``: the pieces
+    must be exchanged (which reports ``error``)."""
     form = f"{COMPACT_METADATA}"
     mine = None
     if error is None:
@@ -130,13 +133,15 @@ def _plan_from_layouts(described, aliases, error) -> tuple[tuple[SavePlan | None
         mine, error = dist.attempt(lambda: describe_layouts(
             items, own, aliases, world=dist.get_world_size(), rank=dist.get_rank(), form=form))
     digest = mine.digest if mine is not None and error is None else -1
-    same, save_id = dist.all_equal_and_least(digest, secrets.randbits(62))
+    (same, same_place), save_id = dist.all_equal_each_and_least([digest, _digest(url)], secrets.randbits(62))
+    if not same_place:  # the same on every rank: every rank raises, before any lock or file
+        raise CheckpointError(f"cannot save: the ranks passed different directories (this rank's: {url})")
     if not same or digest < 0:
         return None, error
     assert mine is not None
     planned, error = dist.attempt(lambda: _refusing(lambda: plan_from_layouts(
         mine.entries, mine.classes, dist.get_world_size(), aliases=dict(aliases), compact=COMPACT_METADATA)))
-    plan_id = int.from_bytes(hashlib.sha256(b"layouts %d" % digest).digest()[:7], "little")
+    plan_id = _digest(f"layouts {digest}")
     return (planned, plan_id, f"{save_id:016x}"), error  # planned None: error, agreed on next
 
 
@@ -165,6 +170,11 @@ def _exchange_and_plan(described, aliases, error, fingerprint) -> tuple[tuple[Sa
     assert columns is not None
     planned, error = dist.attempt(lambda: _refusing(lambda: _plan_from(gathered, columns)))
     return (planned[0], planned[1], None) if planned is not None else None, error
+
+
+def _digest(text: str) -> int:
+    """``text`` as a number the ranks compare in an all-reduce."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
 def _refusing(fn):
@@ -258,9 +268,9 @@ def reuse_cached_plans(
     # Every rank's entries must come from one plan: each rank's own pieces can recur while
     # another rank's did not (they moved between ranks), or recur from another save.
     plan_id = -1
-    if ok:
-        digest = hashlib.sha256(",".join(str(hit.plan_id) for hit in hits if hit is not None).encode())
-        plan_id = int.from_bytes(digest.digest()[:7], "little")
+    if ok:  # the targets too: ranks saving elsewhere go to the full plan, which refuses them
+        plan_id = _digest(",".join(str(hit.plan_id) for hit in hits if hit is not None) + "".join(
+            f"\n{storage.url}" for storage, _ in targets))
     same, save_id = dist.all_equal_and_least(plan_id, secrets.randbits(62))  # the save's file id comes along
     if same and plan_id >= 0:
         if save_overwrite:

@@ -584,3 +584,28 @@ def test_a_shape_mismatch_on_rank_one_shows_its_traceback_on_rank_zero(run_distr
     results = run_distributed(_load_flat, 2, ckpt, {"beta_bias": torch.zeros(6)}, 1)
     check_all_raised(results, checkpointer.CheckpointMismatchError, "beta_bias")
     assert "rank 1's traceback" in results[0]["msg"] and "plan_local_loads" in results[0]["msg"]
+
+
+def _save_to_different_directories(rank, world_size, root):
+    """Ranks that pass different directories (a rank-dependent path, or node-local disks): each
+    committed a metadata.json listing rank files that were written elsewhere (found by a review)."""
+    from resume_helpers import build_job
+
+    job = build_job(world_size, seed=0)
+    ckpt = Checkpointer()
+    out = {"first": catch(ckpt.save, os.path.join(root, f"flat{rank}"), flat_state(world_size))}
+    ckpt.save(os.path.join(root, "same"), flat_state(world_size))  # the plan is cached for the next save
+    out["cached"] = catch(ckpt.save, os.path.join(root, f"cached{rank}"), flat_state(world_size))
+    out["parts"] = catch(checkpointer.save_model_and_optim_state, os.path.join(root, f"step{rank}"), job.model, job.optim)
+    out["after"] = catch(ckpt.save, os.path.join(root, "after"), flat_state(world_size))  # in step afterwards
+    return out
+
+
+def test_ranks_saving_to_different_directories_are_refused(run_distributed, tmp_path):
+    results = run_distributed(_save_to_different_directories, 2, str(tmp_path))
+    for case in ("first", "cached", "parts"):
+        check_all_raised([r[case] for r in results], checkpointer.CheckpointError, "the ranks passed different directories")
+    assert [r["after"] for r in results] == [None, None]
+    committed = sorted(os.path.relpath(os.path.join(d, f), tmp_path) for d, _, fs in os.walk(tmp_path) for f in fs
+                       if f == "metadata.json")
+    assert committed == ["after/metadata.json", "same/metadata.json"], committed
