@@ -377,7 +377,9 @@ def prune(run_dir: str, *, keep_last: int, keep_every: int | None = None) -> lis
     ``metadata.json`` files first, so one half-deleted reads as incomplete. Local, ``s3://`` and
     ``gs://``.
 
-    Every rank may call it together (rank 0 deletes, every rank gets the list), or one process alone.
+    Every rank calls it together (rank 0 deletes, every rank gets the list), or one process
+    alone, outside a process group: under ``if rank == 0:`` it fails after
+    ``CHECKPOINTER_TIMEOUT_S``, having deleted nothing.
 
     Args:
         run_dir: the directory holding one sub-directory per checkpoint (``step100``, ...).

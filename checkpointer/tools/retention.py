@@ -161,4 +161,7 @@ def prune_run(run_dir: str, keep_last: int, keep_every: int | None) -> list[str]
             deleted.append(f"{run_dir}/{name}")
         return json.dumps(deleted).encode()
 
+    # Every rank first: one rank alone (under ``if rank == 0:``) fails here having deleted nothing;
+    # the broadcast alone would not wait for the others, and would leave them a collective behind.
+    dist.agree(None, "prune")
     return json.loads(dist.share_from(0, work, "prune"))

@@ -302,3 +302,35 @@ def test_a_save_called_by_rank_0_only_says_every_rank_must_call_it(tmp_path):
     assert first.startswith("RankFailedError"), first
     assert "rank 1" in first and "never entered this collective" in first, first
     assert "Every rank must call it together" in first and "no_dist=True" in first, first
+
+
+def _prune_on_rank_0_only(rank, world_size, run, flag):
+    import time
+
+    if rank != 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    try:
+        return f"returned {checkpointer.prune(run, keep_last=1)}"
+    except checkpointer.CheckpointError as ex:
+        return f"{type(ex).__name__}: {ex}"
+    finally:
+        open(flag, "w").close()
+
+
+def test_a_prune_called_by_rank_0_only_deletes_nothing_and_says_so(tmp_path):
+    """prune under ``if rank == 0:`` deleted, then returned normally: its broadcast does not wait
+    for the others, and left the group one collective out of step (found by a review)."""
+    from prune_helpers import make_run
+
+    run = str(tmp_path / "run")
+    make_run(run)
+    before = sorted(os.listdir(run))
+    first, second = rel_helpers.values(
+        rel_helpers.run_group(_prune_on_rank_0_only, 2, run, str(tmp_path / "flag"), checkpointer_timeout_s=3.0)
+    )
+    assert second is None
+    assert first.startswith("RankFailedError") and "never entered this collective" in first, first
+    assert sorted(os.listdir(run)) == before
