@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import dist
 from .engine.checkpointer import Checkpointer, Strategy
 from .engine.async_save import WatchedFuture
 from .engine.commit import claim_parts, claim_step
@@ -290,14 +291,16 @@ def load_model_and_optim_state(
             "(it loads by the model's own names and dtypes)"
         )
     # The training state is read and checked first: a key it lacks leaves the model untouched.
-    saved_train_state = read_train_state(_part(dir, TRAIN_PART), train_state)
+    # A model's state_dict hook failing on one rank reaches every rank in that first phase.
+    model_state, error = dist.attempt(lambda: load_targets(model, strict=strict))
+    saved_train_state = read_train_state(_part(dir, TRAIN_PART), train_state, prepared_error=error)
     storages = [_part(dir, "model")] + ([_part(dir, "optim")] if optim is not None else [])
 
     def fill_train_state(result: LoadResult) -> None:
         result.train_state = saved_train_state.apply(result.missing_keys)
 
-    return load_model_and_optim(storages, model, optim, load_targets(model, strict=strict), strict=strict,
-                                strategy=strategy, then=fill_train_state)
+    return load_model_and_optim(storages, model, optim, model_state, strict=strict, strategy=strategy,
+                                then=fill_train_state)
 
 
 def _part(dir: str, name: str) -> Storage:

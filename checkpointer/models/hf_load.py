@@ -110,14 +110,17 @@ def load_hf(
     ``cast_batch_bytes`` per rank at a time (one load each batch after the first)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, not {dtype!r}")
-    model_state = load_targets(model, strict=strict)
+    model_state: dict[str, Any] = {}
 
     def wanted(key: str) -> bool:
         name = map_name(key_map, key)
         return name is not None and name in model_state
 
-    found = dist.agree_after(lambda: _describe(src, wanted) if dist.get_rank() == 0 else None,
-                             "reading the Hugging Face checkpoint")
+    def targets_then_describe() -> Any:  # a model's hook failing on one rank reaches every rank here
+        model_state.update(load_targets(model, strict=strict))
+        return _describe(src, wanted) if dist.get_rank() == 0 else None
+
+    found = dist.agree_after(targets_then_describe, "reading the Hugging Face checkpoint")
     desc = json.loads(dist.share_from(0, lambda: json.dumps(found).encode(), "reading the Hugging Face checkpoint"))
     if is_hf_url(src):  # a rank on another node fetches into its own cache
         seen = all(os.path.exists(os.path.join(url, file)) for _, url, file, *_ in desc["tensors"])

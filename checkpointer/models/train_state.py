@@ -160,9 +160,9 @@ def save_parts(
     if train_state is None:  # an error goes into the save, whose planning brings it to every rank
         parts, error = dist.attempt(model_and_optim)
         return parts if error is None else [(f"{dir}/{part}", _Unsaveable(error)) for part in ("model", "optim")]
-    if not isinstance(train_state, Mapping):
-        raise TypeError(f"train_state must be a dict, not {type(train_state).__name__}")
     with dist.phase("save"):
+        if not isinstance(train_state, Mapping):
+            raise TypeError(f"train_state must be a dict, not {type(train_state).__name__}")
         parts = model_and_optim()
         flat, digests, manifest = _encode_all(train_state)
     _check_job_values_agree(digests, manifest)
@@ -280,15 +280,20 @@ class ReadTrainState:
         return self.values
 
 
-def read_train_state(storage: Storage, train_state: Mapping[str, Any] | None) -> ReadTrainState:
+def read_train_state(
+    storage: Storage, train_state: Mapping[str, Any] | None, *, prepared_error: BaseException | None = None
+) -> ReadTrainState:
     """Every rank: read ``storage`` (a ``dir/train``) and decode every saved value this rank
     gets (none when the checkpoint has no training state and none is asked for; a ``train/``
     holding files but no ``metadata.json`` is incomplete). Keys passed that the checkpoint lacks
     are a :class:`CheckpointMismatchError`; per-rank keys this rank has no value for at another
-    world size are warned about. Errors reach every rank."""
+    world size are warned about. Errors reach every rank, ``prepared_error`` too (a failure of
+    this rank before the load's first phase)."""
     wanted = dict(train_state or {})
     wait_for_writes_into(storage.url)  # an async save of this process writing it: its metadata comes last
     with dist.phase("load"):
+        if prepared_error is not None:
+            raise prepared_error
         if not storage.exists(METADATA_FILENAME):
             if holds_anything(storage):  # its save began and never committed: a copy cut short, say
                 raise IncompleteCheckpointError(

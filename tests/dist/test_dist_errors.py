@@ -609,3 +609,53 @@ def test_ranks_saving_to_different_directories_are_refused(run_distributed, tmp_
     committed = sorted(os.path.relpath(os.path.join(d, f), tmp_path) for d, _, fs in os.walk(tmp_path) for f in fs
                        if f == "metadata.json")
     assert committed == ["after/metadata.json", "same/metadata.json"], committed
+
+
+class _HookFailsOnRank1(torch.nn.Linear):
+    """A model whose ``state_dict`` hook raises on rank 1 once ``armed``."""
+
+    armed = False
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.register_state_dict_post_hook(self._hook)
+
+    @staticmethod
+    def _hook(module, state_dict, prefix, local_metadata):
+        import torch.distributed as tdist
+
+        if module.armed and tdist.get_rank() == 1:
+            raise RuntimeError("the hook failed on rank 1")
+
+
+def _a_rank_failing_before_the_first_collective(rank, world_size, root):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)  # one model on every rank (replicated)
+    model = _HookFailsOnRank1()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer.save_model_and_optim_state(os.path.join(root, "ours"), model, optim)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(root, "hf.safetensors"))
+    torch.distributed.barrier()
+    model.armed = True
+    out = {"load": catch(checkpointer.load_model_and_optim_state, os.path.join(root, "ours"), model, optim),
+           "hf": catch(checkpointer.load_model_and_optim_state, os.path.join(root, "hf.safetensors"), model)}
+    model.armed = False
+    out["train_state"] = catch(checkpointer.save_model_and_optim_state, os.path.join(root, "bad"), model, optim,
+                               train_state={"step": 1} if rank == 0 else [1])
+    out["after"] = catch(checkpointer.load_model_and_optim_state, os.path.join(root, "ours"), model, optim)
+    return out
+
+
+def test_a_rank_failing_before_the_first_collective_fails_every_rank_at_once(run_distributed, tmp_path):
+    """A load whose model hook raised on one rank, or a save given a train_state that is not a dict
+    on one rank, raised there before the first collective: the other ranks waited out the
+    timeout, then the group stayed a collective out of step (found by a review)."""
+    results = run_distributed(_a_rank_failing_before_the_first_collective, 2, str(tmp_path))
+    for case, cls, says in [("load", RuntimeError, "the hook failed on rank 1"), ("hf", RuntimeError, "the hook failed on rank 1"),
+                            ("train_state", TypeError, "train_state must be a dict, not list")]:
+        check_all_raised([results[1][case]], cls, says)
+        check_all_raised([results[0][case]], checkpointer.RankFailedError, "rank 1", says)
+    assert [r["after"] for r in results] == [None, None]
+    assert not os.path.exists(tmp_path / "bad" / "model" / "metadata.json")
