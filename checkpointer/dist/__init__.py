@@ -325,8 +325,17 @@ def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int)
 
 
 def new_cpu_group() -> Any:
-    """A gloo group over every rank, for collectives that run beside training (async saves)."""
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds())) if is_distributed() else None
+    """A gloo group over every rank, for collectives that run beside training (async saves).
+    Every rank makes it together: one that does not (its save is synchronous) fails the others'."""
+    if not is_distributed():
+        return None
+    try:
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds()))
+    except (RuntimeError, ValueError) as ex:  # torch's store timeout (DistStoreError) among them
+        raise RankFailedError(
+            f"making the process group of the first async save failed ({type(ex).__name__}: {ex}): every rank "
+            "must make its first async save together; did a rank save synchronously, or not at all?"
+        ) from ex
 
 
 def join_from_env() -> bool:

@@ -334,3 +334,30 @@ def test_a_prune_called_by_rank_0_only_deletes_nothing_and_says_so(tmp_path):
     assert second is None
     assert first.startswith("RankFailedError") and "never entered this collective" in first, first
     assert sorted(os.listdir(run)) == before
+
+
+def _async_save_on_rank_0_only(rank, world_size, top, flag):
+    import time
+
+    if rank != 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        checkpointer.async_save_model_and_optim_state(top, model, optim).result(timeout=60)
+    except checkpointer.CheckpointError as ex:
+        return f"{type(ex).__name__}: {ex}"
+    finally:
+        open(flag, "w").close()
+    return "saved"
+
+
+def test_a_first_async_save_on_rank_0_only_is_a_rank_failure_naming_it(tmp_path):
+    """Its process group timed out in torch's store: a bare DistStoreError (found by a review)."""
+    first, second = rel_helpers.values(rel_helpers.run_group(
+        _async_save_on_rank_0_only, 2, str(tmp_path / "step1"), str(tmp_path / "flag"), checkpointer_timeout_s=3.0))
+    assert second is None
+    assert first.startswith("RankFailedError") and "every rank must make its first async save together" in first, first
