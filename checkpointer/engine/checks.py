@@ -112,7 +112,8 @@ class HeaderCache:
             if found != expected:
                 raise CorruptCheckpointError(
                     f"{where}: written by another save than {self.storage.join(METADATA_FILENAME)} describes "
-                    f"(file id {found!r}, expected {expected!r}): did two saves write this directory at once?"
+                    f"(file id {found!r}, expected {expected!r}): did two saves write this directory at once, or "
+                    "do the ranks load different directories (rank 0 reads metadata.json for every rank)?"
                 )
         with self._lock:
             self._headers[name] = header
