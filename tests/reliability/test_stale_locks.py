@@ -312,7 +312,7 @@ def test_a_cached_plan_retires_the_old_checkpoint_only_once_every_rank_planned(t
     real = dist.all_equal_and_least
     monkeypatch.setattr(dist, "all_equal_and_least", lambda value, pick: (False, real(value, pick)[1]))
     refused = RankFailedError("save failed on rank 1: cannot save 'w': injected")  # what the full plan's exchange brings
-    monkeypatch.setattr(save_module, "_plan_from_layouts", lambda described, aliases, error: (None, refused))
+    monkeypatch.setattr(save_module, "_plan_from_layouts", lambda described, aliases, error, url: (None, refused))
     monkeypatch.setattr(save_module, "_exchange_and_plan", lambda described, aliases, error, fingerprint: (None, error))
     with pytest.raises(checkpointer.CheckpointError, match="injected"):
         ckpt.save(path, {"w": torch.zeros(6)}, save_overwrite=True)
