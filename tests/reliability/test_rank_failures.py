@@ -272,14 +272,20 @@ def test_the_store_host_that_exits_is_named_by_the_others(tmp_path):
 # --------------------------------------------------------------------------------------
 
 
+def _wait_for(flag: str) -> None:
+    """A rank that stays alive but never makes the call: it leaves once rank 0 has its answer."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _save_on_rank_0_only(rank, world_size, top, flag):
     import time
 
-    if rank != 0:  # alive, but never calls the save; it leaves once rank 0 has its answer
-        deadline = time.monotonic() + 60
-        while not os.path.exists(flag) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return None
+    if rank != 0:
+        return _wait_for(flag)
     model = torch.nn.Linear(4, 4)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     start = time.monotonic()
@@ -305,13 +311,8 @@ def test_a_save_called_by_rank_0_only_says_every_rank_must_call_it(tmp_path):
 
 
 def _prune_on_rank_0_only(rank, world_size, run, flag):
-    import time
-
     if rank != 0:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(flag) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return None
+        return _wait_for(flag)
     try:
         return f"returned {checkpointer.prune(run, keep_last=1)}"
     except checkpointer.CheckpointError as ex:
@@ -337,13 +338,8 @@ def test_a_prune_called_by_rank_0_only_deletes_nothing_and_says_so(tmp_path):
 
 
 def _async_save_on_rank_0_only(rank, world_size, top, flag):
-    import time
-
     if rank != 0:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(flag) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return None
+        return _wait_for(flag)
     model = torch.nn.Linear(4, 4)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
