@@ -188,11 +188,12 @@ def checkpoint_parts(storage: Storage, *, train: bool = False) -> list[tuple[str
     """
     if storage.exists(METADATA_FILENAME):
         return [("", storage)]
+    wanted = COMMITTED_PARTS if train else PARTS
     try:
         names = set(storage.list())
         listed = True
     except io.UnsupportedOperation:  # read-only storage (http): look for the parts by name
-        names = {name for name in COMMITTED_PARTS if storage.part(name).exists(METADATA_FILENAME)}
+        names = {name for name in wanted if storage.part(name).exists(METADATA_FILENAME)}
         listed = False
     parts = [(name, storage.part(name)) for name in PARTS if name in names]
     if train and "train" in names and (not listed or holds_anything(storage.part("train"))):
