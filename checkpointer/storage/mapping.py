@@ -9,11 +9,13 @@ runs with 1 KiB gaps over 64 MiB of cached file, on the development machine: 8.3
 Reading a mapped page the kernel cannot provide kills the process (``SIGBUS``) where a read
 would raise an error: a page past the file's end, or one whose disk read fails. So a range is
 mapped only after the file's size is checked, and used only while every page of it is in the
-page cache (``mincore``); otherwise, or where the file system refuses the mapping, the caller
-reads it instead. (A file uncached from disk gains nothing from a mapping anyway: the disk's
-time dominates.) What remains is a cached page dropped and its re-read failing between the
-check and the copy, or a file shrunk in place meanwhile; the callers map only the rank files a
-save wrote, which are never changed in place.
+page cache; otherwise, or where the file system refuses the mapping, the caller reads it
+instead. The kernel counts a range's cached pages (``cachestat``, Linux 6.5) in a quarter of the
+time ``mincore`` takes to list them for a mapping (about 0.1 ms against 0.4 ms for 8 MiB here),
+which older kernels use. (A file uncached from disk gains nothing from a mapping anyway: the
+disk's time dominates.) What remains is a cached page dropped and its re-read failing between
+the check and the copy, or a file shrunk in place meanwhile; the callers map only the rank files
+a save wrote, which are never changed in place.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -35,11 +38,39 @@ _MMAP = libc.function(
 )
 _MUNMAP = libc.function("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
 _MINCORE = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int)
+_SYSCALL = libc.function(
+    "syscall", [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint], ctypes.c_long
+)
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_CACHESTAT = 451  # the system call's number on every architecture (Linux 6.5)
+_cachestat_works = sys.platform.startswith("linux") and _SYSCALL is not None
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Counts(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
 
 
 def available() -> bool:
     return _MMAP is not None and _MUNMAP is not None and _MINCORE is not None
+
+
+def _file_cached(fd: int, start: int, length: int) -> bool | None:
+    """Whether every page of bytes ``[start, start + length)`` of ``fd`` is in the page cache, from
+    the kernel's count of them (one call, no mapping, no array of pages); ``None`` where this kernel
+    cannot say (older than Linux 6.5, or the call is filtered)."""
+    global _cachestat_works
+    if not _cachestat_works:
+        return None
+    counts = _Counts()
+    if _SYSCALL(_CACHESTAT, fd, ctypes.byref(_Range(start, length)), ctypes.byref(counts), 0) != 0:
+        _cachestat_works = False
+        return None
+    first = start // mmap.PAGESIZE
+    return counts.cache >= -(-(start + length) // mmap.PAGESIZE) - first
 
 
 def _all_cached(address: int, length: int) -> bool:
@@ -60,11 +91,15 @@ def mapped_range(fd: int, start: int, nbytes: int, where: str) -> Iterator[memor
         raise EOFError(f"{where}: {size} bytes, not the {start + nbytes} its header gives: the file is truncated")
     base = start - start % mmap.ALLOCATIONGRANULARITY
     length = start + nbytes - base
+    cached = _file_cached(fd, base, length)
+    if cached is False:
+        yield None
+        return
     address = _MMAP(None, length, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, base)
     if address is None or address == _MAP_FAILED:
         yield None  # refused (a file system without mappings, no address space left): read instead
         return
-    if not _all_cached(address, length):
+    if cached is None and not _all_cached(address, length):
         _MUNMAP(address, length)
         yield None
         return

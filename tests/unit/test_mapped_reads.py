@@ -127,6 +127,22 @@ def test_mapped_range_checks_the_size_and_maps_any_offset(tmp_path):
     assert str(path) not in _mapped_files()
 
 
+def _cached_pages(path: str) -> np.ndarray:
+    """Whether each page of the file is in the page cache, by ``mincore``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        address = mapping._MMAP(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
+        try:
+            pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+            assert mapping._MINCORE(address, size, pages.ctypes.data) == 0
+            return (pages & 1).astype(bool)
+        finally:
+            mapping._MUNMAP(address, size)
+    finally:
+        os.close(fd)
+
+
 def _uncached(path: str) -> bool:
     """Drop the file's clean pages from the page cache; whether the kernel did (not on tmpfs),
     asked with ``mincore`` here rather than through the code under test."""
@@ -134,23 +150,47 @@ def _uncached(path: str) -> bool:
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return not _cached_pages(path).all()
+
+
+def test_the_page_count_agrees_with_mincore(tmp_path):
+    """``cachestat``'s count of a range's cached pages against ``mincore``'s page by page, over
+    ranges starting and ending inside pages, around holes dropped from the cache."""
+    path = tmp_path / "f"
+    page = mmap.PAGESIZE
+    path.write_bytes(os.urandom(64 * page + 100))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        for first, count in ((5, 1), (20, 3), (64, 1)):
+            os.posix_fadvise(fd, first * page, count * page, os.POSIX_FADV_DONTNEED)
+        cached = _cached_pages(str(path))
+        if cached.all():
+            pytest.skip("this file system keeps the files in memory (tmpfs)")
+        if mapping._file_cached(fd, 0, page) is None:
+            pytest.skip("no cachestat in this kernel (Linux 6.5)")
         size = os.fstat(fd).st_size
-        address = mapping._MMAP(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
-        try:
-            pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
-            assert mapping._MINCORE(address, size, pages.ctypes.data) == 0
-            return not np.all(pages & 1)
-        finally:
-            mapping._MUNMAP(address, size)
+        for start in (0, 1, 4 * page, 5 * page + 7, 6 * page, 19 * page + 1, 23 * page, 63 * page + 5):
+            for end in (start + 1, start + page, 6 * page, 20 * page, 23 * page + 3, 64 * page, size):
+                if end <= start:
+                    continue
+                want = bool(cached[start // page : -(-end // page)].all())
+                assert mapping._file_cached(fd, start, end - start) is want, (start, end)
     finally:
         os.close(fd)
 
 
-def test_a_range_not_in_the_page_cache_is_read_not_mapped(tmp_path, monkeypatch):
+@pytest.mark.parametrize("check", ["cachestat", "mincore"])
+def test_a_range_not_in_the_page_cache_is_read_not_mapped(tmp_path, monkeypatch, check):
     """Reading an uncached mapped page whose disk read fails would be a ``SIGBUS``: such a block
     is read instead, with the same values: its runs straight into the destination (scattered
-    reads, no staging block)."""
+    reads, no staging block). The kernel's page count decides, or ``mincore`` of the mapping
+    where the kernel has no such count."""
     monkeypatch.setattr(reads, "_MAP_BYTES", 0)
+    if check == "mincore":
+        monkeypatch.setattr(mapping, "_cachestat_works", False)
     rows = 16384  # 4 MiB a file: reading its header does not bring in the rest
     full = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))
     columns = [Piece(local_shape=(rows, 64), global_offset=(0, 64 * r)) for r in range(2)]
