@@ -281,6 +281,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         parts = checkpoint_parts(open_storage(args.dir), train=True)
     except CorruptCheckpointError as ex:
         parts, problems = [], [_one_line(ex)]
+    names = {name for name, _ in parts}
+    if names and "" not in names and "optim" not in names:  # optim/ commits a step: its save died before it
+        problems.append(f"{os.path.join(args.dir, 'optim', 'metadata.json')} is missing: {args.dir} is not a complete "
+                        "checkpoint (its save never committed optim/, which ends it; loads and latest_checkpoint skip it)")
     for name, storage in parts:
         found = verify_checkpoint(storage, make_progress=_progress(args, f"verify {name or 'checkpoint'}", "chunks"))
         problems.extend(found)

@@ -73,6 +73,24 @@ def test_the_training_state_is_verified_too(capsys, tmp_path):
                                    f"{os.path.join(top, 'train')} is not a complete checkpoint (its save never finished)"], lines
 
 
+def test_a_step_without_optim_is_incomplete(capsys, tmp_path):
+    """model/ committed and optim/ never (a save that died between them) passed verify, though
+    latest_checkpoint skips the step and a load with an optimizer refuses it (found by a review)."""
+    import checkpointer
+    from dist_helpers import build_model, build_optim
+
+    model = build_model(1, seed=1)
+    optim = build_optim(model, "adamw")
+    top = str(tmp_path / "step1")
+    checkpointer.save_model_and_optim_state(top, model, optim)
+    shutil.rmtree(os.path.join(top, "optim"))
+    assert checkpointer.latest_checkpoint(str(tmp_path)) is None
+    code, lines, err = problems_of(capsys, top)
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{os.path.join(top, 'optim', 'metadata.json')} is missing: {top} is not a complete checkpoint")
+    assert err == f"checkpointer: error: 1 problem found in {top}\n"
+
+
 def test_quiet_prints_nothing_when_sound(ckpts, capsys):
     assert cli(capsys, "verify", ckpts.flat3, "--quiet") == (0, "", "")
 
