@@ -81,8 +81,9 @@ def test_the_rule_and_the_list_give_every_rank_the_same_pieces(state):
                     held[(i,)] = name
     assert len(held) == math.prod(shape)
     text = json.loads(compact.metadata.to_json_bytes())["tensors"]["t"]
-    if "shard_rule" in text:
-        assert len(json.dumps(text["shard_rule"])) < 200  # the rule, not a list of ranks
+    # Every mesh layout is regular: the compact form holds a rule (else this compared two lists).
+    assert "shard_rule" in text and "shard_spec_per_file" not in text, text
+    assert len(json.dumps(text["shard_rule"])) < 200  # the rule, not a list of ranks
 
 
 def test_regular_layouts_are_rules():
@@ -205,3 +206,28 @@ def test_an_accepted_rule_puts_every_piece_in_its_own_file(cells, terms):
         return
     names = expand_rule((cells,), rule)[0]
     assert len(set(names)) == cells, (rule, names)
+    assert names == [f"rank_{f}.safetensors" for f in _files_by_brute_force(cells, terms)]
+
+
+def _files_by_brute_force(cells: int, terms) -> list[int]:
+    """Each piece's file by a flat rule's definition: for piece ``i``, the sum over its terms
+    ``(every, count, step)`` of ``((i // every) % count) * step``."""
+    return [sum(((i // every) % count) * step for every, count, step in terms) for i in range(cells)]
+
+
+@pytest.mark.parametrize("cells, terms", [
+    (8, [(1, 8, 1)]),  # Shard(0) over 8
+    (8, [(1, 4, 2), (4, 2, 1)]),  # a 2 x 4 mesh, ranks in column order
+    (6, [(1, 3, 1), (3, 2, 3)]),  # 3 x 2
+    (5, [(1, 5, 3)]),  # every third rank
+    (12, [(1, 2, 1), (2, 3, 4), (6, 2, 2)]),
+])
+def test_rules_of_regular_layouts_are_accepted(cells, terms):
+    rule = {"form": "flat", "cuts": [[0, 1]], "files": [0, [list(t) for t in terms]]}
+    check_rule((cells,), rule)
+    assert expand_rule((cells,), rule)[0] == [f"rank_{f}.safetensors" for f in _files_by_brute_force(cells, terms)]
+
+
+def test_the_overlapping_digits_rule_is_refused():
+    with pytest.raises(RuleError):
+        check_rule((10,), {"form": "flat", "cuts": [[0, 1]], "files": [0, [[1, 4, 1], [3, 2, 4], [5, 2, 8]]]})
