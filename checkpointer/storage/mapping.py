@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -42,8 +43,11 @@ _SYSCALL = libc.function(
     "syscall", [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint], ctypes.c_long
 )
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_CACHESTAT = 451  # the system call's number on every architecture (Linux 6.5)
-_cachestat_works = sys.platform.startswith("linux") and _SYSCALL is not None
+_CACHESTAT = 451  # the system call's number (Linux 6.5) on these architectures; MIPS and Alpha number it otherwise
+_cachestat_works = (
+    sys.platform.startswith("linux") and _SYSCALL is not None
+    and platform.machine() in ("x86_64", "aarch64", "riscv64", "ppc64le", "s390x", "i686", "armv7l")
+)
 
 
 class _Range(ctypes.Structure):
