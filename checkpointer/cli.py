@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the same information as JSON")
 
     p = sub.add_parser("verify", parents=[quiet], help="read every byte; check structure and checksums")
-    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or one holding model/ and optim/")
+    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, one holding model/ and optim/, or Hugging Face "
+                   "safetensors (structure only: they hold no checksums)")
 
     p = sub.add_parser(
         "unshard", parents=[quiet], help="write the model as safetensors: one file, or HF-style shards + index"
@@ -272,7 +273,7 @@ def _files_label(files: list[str]) -> str:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .engine.locate import checkpoint_parts
-    from .tools.verify import verify_checkpoint
+    from .tools.verify import verify_checkpoint, verify_hf_checkpoint
     from .storage import open_storage
 
     problems: list[str] = []
@@ -281,6 +282,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         parts = checkpoint_parts(open_storage(args.dir), train=True)
     except CorruptCheckpointError as ex:
         parts, problems = [], [_one_line(ex)]
+        hf_problems = verify_hf_checkpoint(args.dir)
+        if hf_problems is not None:
+            problems = hf_problems
+            checked.append(f"{args.dir} (Hugging Face safetensors, which hold no checksums)")
     names = {name for name, _ in parts}
     if names and "" not in names and "optim" not in names:  # optim/ commits a step: its save died before it
         problems.append(f"{os.path.join(args.dir, 'optim', 'metadata.json')} is missing: {args.dir} is not a complete "
@@ -294,7 +299,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         _error(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found in {args.dir}")
         return 1
-    _say(args, f"ok: {', '.join(checked)}: every tensor complete, every byte read, checksums match")
+    sums = "" if parts == [] else ", checksums match"
+    _say(args, f"ok: {', '.join(checked)}: every tensor complete, every byte read{sums}")
     return 0
 
 

@@ -91,6 +91,32 @@ def test_a_step_without_optim_is_incomplete(capsys, tmp_path):
     assert err == f"checkpointer: error: 1 problem found in {top}\n"
 
 
+def test_a_hugging_face_export_is_verified_without_checksums(capsys, tmp_path):
+    """verify refused an exported Hugging Face directory as "not a checkpoint", which inspect
+    reads (found by a review): its headers and index are checked and every tensor read."""
+    import checkpointer
+    from dist_helpers import build_model, build_optim
+
+    model = build_model(1, seed=1)
+    top = str(tmp_path / "step1")
+    checkpointer.save_model_and_optim_state(top, model, build_optim(model, "adamw"))
+    hf = str(tmp_path / "hf")
+    assert cli(capsys, "unshard", top, hf, "--max-shard-size", "1")[0] == 0  # a shard per tensor
+    shards = sorted(n for n in os.listdir(hf) if n.endswith(".safetensors"))
+    assert len(shards) > 1
+    for path in (hf, os.path.join(hf, shards[0])):
+        code, out, err = cli(capsys, "verify", path)
+        assert (code, err) == (0, "") and out == (f"ok: {path} (Hugging Face safetensors, which hold no checksums): "
+                                                  "every tensor complete, every byte read\n")
+    victim = os.path.join(hf, shards[-1])
+    os.truncate(victim, os.path.getsize(victim) - 4)
+    code, lines, err = problems_of(capsys, hf)
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"{victim}: "), lines
+    os.remove(victim)
+    code, lines, err = problems_of(capsys, hf)
+    assert code == 1 and len(lines) == 1 and shards[-1] in lines[0], lines
+
+
 def test_quiet_prints_nothing_when_sound(ckpts, capsys):
     assert cli(capsys, "verify", ckpts.flat3, "--quiet") == (0, "", "")
 
