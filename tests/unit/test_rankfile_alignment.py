@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from checkpointer.buffers import memoryview_of
-from checkpointer.checksums import chunk_crcs
+from checkpointer.checksums import CHUNK_BYTES, chunk_crcs
+from checkpointer.engine.checks import HeaderCache
 from checkpointer.engine.rankfile import order_for_alignment
 from checkpointer.engine.rankfile import write_rank_file
 from checkpointer.format.dtypes import code_from_dtype
@@ -136,6 +137,25 @@ def test_rank_files_write_the_best_aligned_bytes_from_tensor_memory(tmp_path_fac
     best = max((sum(n - (align if r else 0) for n in sizes) for r, sizes in shares.items()), default=0)
     assert stream.from_source >= best
     assert stream.from_source + stream.copied == os.path.getsize(os.path.join(root, "rank_0.safetensors"))
+
+
+def test_checksums_in_the_file_follow_the_keys_when_alignment_reorders_the_pieces(tmp_path, monkeypatch):
+    """A reader takes the checksums a file holds in the order of its keys, sorted; the pieces are
+    written in the order that aligns the most bytes. A file whose checksums followed the pieces'
+    order instead would read as corrupt (found by mutation: no test wrote such a file)."""
+    monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", "1")
+    arena = Arena(70 * MiB)
+    tensors = {"a": arena.place(16 * MiB, 128, 0), "b": arena.place(16 * MiB, 64, 1), "c": arena.place(32 * MiB, 64, 2)}
+    storage = LocalStorage(str(tmp_path))
+    crcs = write_rank_file(storage, "rank_0.safetensors", [(k, piece(t)) for k, t in tensors.items()], checksums_in_file=True)
+    with safe_open(os.path.join(str(tmp_path), "rank_0.safetensors"), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(k), t) for k, t in tensors.items())
+    header = HeaderCache(storage).get("rank_0.safetensors")
+    in_file = sorted((k for k in header.entries if k in tensors), key=lambda k: header.entries[k].start)
+    if in_file == sorted(tensors):
+        pytest.skip("this file system refuses O_DIRECT: the pieces keep their order")
+    got = HeaderCache(storage).checksums("rank_0.safetensors", CHUNK_BYTES)
+    assert {k: list(v) for k, v in got.items()} == {k: list(crcs[k]) for k in tensors}
 
 
 class Hinted(Recording):
