@@ -31,6 +31,7 @@ from checkpointer import (
     load_model_and_optim_state,
     save_model_and_optim_state,
 )
+from checkpointer.engine import rankfile
 from checkpointer.engine.rankfile import VERIFY_ENV
 
 
@@ -101,6 +102,18 @@ def _flat_saves(rank, world_size, run):
     finally:
         del os.environ[VERIFY_ENV]
     barrier()
+    # Hashing its copies fails on one rank, on the hashing thread: the save fails on every rank
+    # and commits nothing.
+    real, inline = rankfile.hash_pieces, rankfile._INLINE_BYTES
+    if rank == world_size - 1:
+        rankfile.hash_pieces = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("hashing broke"))
+        rankfile._INLINE_BYTES = 0
+    try:
+        results["hashing"] = catch(ckpt.save, f"{run}/step6", _state(world_size))
+    finally:
+        rankfile.hash_pieces, rankfile._INLINE_BYTES = real, inline
+    barrier()
+    results["hashing"]["metadata"] = os.path.exists(f"{run}/step6/metadata.json")
     return results, off, os.path.exists(f"{run}/step5/metadata.json")
 
 
@@ -123,6 +136,8 @@ def test_flipped_bit_or_per_rank_value_refuses_the_save(run_distributed, tmp_pat
         assert all(f"rank {x}" in r["msg"] or f", {x}" in r["msg"] for x in range(world_size)), r["msg"]
         assert not r["metadata"]
         assert off is None and committed_off, (rank, off)
+        r = results["hashing"]
+        assert r is not None and "hashing broke" in r["msg"] and not r["metadata"], (rank, r)
 
 
 def _model_and_optim(rank, world_size, run):
