@@ -70,6 +70,41 @@ def test_choose_never_takes_the_newest_complete_nor_a_busy_one():
     assert choose(steps, 1, 2) == ["s0", "s1", "s3"]
     assert choose(steps, 0, None, busy={"s1", "s3"}) == ["s0", "s2"]
     assert choose([Step("s1", 1, False)], 0, None) == []
+    # An incomplete step numbered as the newest complete one may be a save still writing (another
+    # name for the same step): only older incomplete ones are taken.
+    assert choose([Step("step300", 300, True), Step("epoch2-step300", 300, False), Step("a-step299", 299, False)],
+                  0, None) == ["a-step299"]
+
+
+def test_prune_keeps_a_step_an_async_save_of_this_process_is_writing(tmp_path, monkeypatch):
+    """Only ``choose``'s ``busy`` was tested (found by mutation): here prune runs while this
+    process's async save of an older step is held before it writes, next to ``step1``, whose
+    name its path begins with."""
+    import threading
+
+    from checkpointer.engine import async_save
+
+    run = str(tmp_path / "run")
+    ckpt = checkpointer.Checkpointer()
+    for step in (1, 200):
+        ckpt.save(f"{run}/step{step}", {"w": torch.full((4,), float(step))})
+    gate = threading.Event()
+    write_and_commit = async_save.write_and_commit
+    monkeypatch.setattr(async_save, "write_and_commit", lambda *a, **k: (gate.wait(60), write_and_commit(*a, **k))[1])
+    future = ckpt.async_save(f"{run}/step10", {"w": torch.full((4,), 10.0)})
+    try:
+        for _ in range(600):  # until its lock is taken: the directory is there, holding what a save leaves
+            if os.path.isdir(f"{run}/step10"):
+                break
+            threading.Event().wait(0.01)
+        assert os.path.isdir(f"{run}/step10")
+        assert checkpointer.prune(run, keep_last=1) == [f"{run}/step1"]
+    finally:
+        gate.set()
+    future.result(timeout=60)
+    assert sorted(os.listdir(run)) == ["step10", "step200"]
+    assert torch.equal(ckpt.unshard(f"{run}/step10")["w"], torch.full((4,), 10.0))
+    assert checkpointer.prune(run, keep_last=1) == [f"{run}/step10"]
 
 
 class _DeleteFails(MemoryStorage):
