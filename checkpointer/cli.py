@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the same information as JSON")
 
     p = sub.add_parser("verify", parents=[quiet], help="read every byte; check structure and checksums")
-    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, one holding model/ and optim/, or Hugging Face "
-                   "safetensors (structure only: they hold no checksums)")
+    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, one holding model/ and optim/, or one of Hugging "
+                   "Face safetensors (structure only: they hold no checksums)")
 
     p = sub.add_parser(
         "unshard", parents=[quiet], help="write the model as safetensors: one file, or HF-style shards + index"

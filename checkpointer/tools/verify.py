@@ -106,10 +106,11 @@ def verify_checkpoint(
 
 
 def verify_hf_checkpoint(path: str) -> list[str] | None:
-    """Every problem of the Hugging Face safetensors checkpoint at ``path`` (a file, or a
-    directory of shards): its headers and index are sound and every tensor's bytes are read,
-    one tensor at a time. Its files hold no checksums, so a flipped byte passes. ``None`` where
-    ``path`` holds no such checkpoint."""
+    """Every problem of the Hugging Face safetensors checkpoint in the directory ``path`` (its
+    shards, with or without their index): its headers and index are sound and every tensor's
+    bytes are read, one tensor at a time. Its files hold no checksums, so a flipped byte passes.
+    ``None`` where ``path`` is no such directory (a single file, a rank file among them, is not
+    taken, as ``inspect`` does not take it)."""
     from .detect import detect
     from .hf import HFSource
 
@@ -117,7 +118,7 @@ def verify_hf_checkpoint(path: str) -> list[str] | None:
         source_class, where = detect(path)
     except (CorruptCheckpointError, OSError):
         return None
-    if source_class is not HFSource:
+    if source_class is not HFSource or where.name is not None:
         return None
     try:
         source = HFSource(where)
