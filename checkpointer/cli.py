@@ -278,13 +278,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     problems: list[str] = []
     checked = []
+    sums = ", checksums match"
     try:
         parts = checkpoint_parts(open_storage(args.dir), train=True)
     except CorruptCheckpointError as ex:
         parts, problems = [], [_one_line(ex)]
         hf_problems = verify_hf_checkpoint(args.dir)
         if hf_problems is not None:
-            problems = hf_problems
+            problems, sums = hf_problems, ""
             checked.append(f"{args.dir} (Hugging Face safetensors, which hold no checksums)")
     names = {name for name, _ in parts}
     if names and "" not in names and "optim" not in names:  # optim/ commits a step: its save died before it
@@ -299,7 +300,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         _error(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found in {args.dir}")
         return 1
-    sums = "" if parts == [] else ", checksums match"
     _say(args, f"ok: {', '.join(checked)}: every tensor complete, every byte read{sums}")
     return 0
 
