@@ -91,3 +91,42 @@ def test_layouts_refused_when_they_do_not_describe_the_ranks():
     assert describe_layouts([("w", (8, 4), "F32", True, None)], own, {}, world=4, rank=0, form="x") is None
     other = describe_layouts(items, own, {"v": "w"}, world=4, rank=0, form="x")
     assert other.digest != describe_layouts(items, own, {}, world=4, rank=0, form="x").digest
+
+
+def test_the_digest_covers_everything_the_ranks_must_agree_on():
+    """Ranks agree on a plan from layouts by this digest alone: a field left out of it (the dtype
+    was, under a mutation that no test caught) would let ranks that differ in it save one plan."""
+    from checkpointer.planning.layouts import LayoutEntry, description_digest
+
+    layout = (((2,), (("shard", 0),)),)
+    entry = LayoutEntry("w", (4, 6), "F32", True, layout)
+    base = description_digest([entry], {}, 2, "compact")
+    changed = [
+        [LayoutEntry("v", (4, 6), "F32", True, layout)],
+        [LayoutEntry("w", (4, 7), "F32", True, layout)],
+        [LayoutEntry("w", (4, 6), "BF16", True, layout)],
+        [LayoutEntry("w", (4, 6), "F32", False, layout)],
+        [LayoutEntry("w", (4, 6), "F32", True, (((2,), (("shard", 1),)),))],
+    ]
+    digests = {description_digest(entries, {}, 2, "compact") for entries in changed}
+    digests |= {description_digest([entry], {"v": "w"}, 2, "compact"), description_digest([entry], {}, 3, "compact"),
+                description_digest([entry], {}, 2, "verbose")}
+    assert base not in digests and len(digests) == len(changed) + 3
+
+
+def test_distinct_empty_tensors_are_not_aliases(tmp_path):
+    """Empty tensors share the address 0: taking them for one tensor's names (found by mutation)
+    would store one and alias the other, and a load into a model whose empty buffers are separate
+    would see keys it did not save."""
+    import torch
+
+    from checkpointer import Checkpointer
+    from checkpointer.format.metadata_parse import parse_metadata
+
+    state = {"a": torch.zeros(0, 3), "b": torch.zeros(0, 3), "c": torch.ones(2)}
+    Checkpointer().save(str(tmp_path / "ckpt"), state)
+    metadata = parse_metadata((tmp_path / "ckpt" / "metadata.json").read_bytes(), where="m")
+    assert not metadata.aliases and sorted(metadata.tensors) == ["a", "b", "c"]
+    loaded = {"a": torch.full((0, 3), 1.0), "b": torch.full((0, 3), 1.0), "c": torch.zeros(2)}
+    Checkpointer().load(str(tmp_path / "ckpt"), loaded)
+    assert torch.equal(loaded["c"], torch.ones(2))
