@@ -183,6 +183,13 @@ def test_detect_and_expand_round_trip_colwise_tp_fsdp():
     assert sorted(zip(e_names, e_ls, e_go)) == sorted(zip(names, ls, go))
 
 
+def test_no_rule_for_a_piece_in_two_files():
+    """Two files holding the same half and none the other: no rule (each cell once)."""
+    names = ["rank_0.safetensors", "rank_1.safetensors"]
+    assert detect_rule((8,), names, [((0, 4),), ((0, 4),)], None, None) is None
+    assert detect_rule((8,), names, [((0, 4),), ((4, 8),)], None, None) is not None
+
+
 def test_no_rule_whose_file_bound_passes_the_files():
     """Files 0, 2, 3 follow terms whose bound (0 + 2 + 3) passes the last file: a reader
     checking rules against the world size would refuse it, so the list is kept."""
