@@ -1,0 +1,58 @@
+"""storage/local.py's writers (and the exclusive create of the save lock) where a crash follows
+or a system call does less than asked: a commit has fsynced the file before renaming it into
+place and fsynced the directory after (else the rename itself may be lost in a crash, though
+the save reported the file written); a short ``writev`` is continued where it stopped; an
+``O_DIRECT`` write that writes nothing is an error naming the file, not a loop. The real
+system calls run; they are only recorded, in order, or cut short."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from checkpointer.storage import direct
+from checkpointer.storage.local import LocalStorage, LocalWriter
+
+
+@pytest.fixture
+def root(tmp_path) -> str:
+    return os.path.realpath(tmp_path)  # as /proc/self/fd names it
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[tuple[str, ...]]:
+    """``fsync`` (with the path its descriptor names), ``rename`` and ``link``, as they happen."""
+    seen: list[tuple[str, ...]] = []
+    fsync, rename, link = os.fsync, os.rename, os.link
+
+    def recording_fsync(fd):
+        seen.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def recording_rename(src, dst):
+        seen.append(("rename", os.fspath(src), os.fspath(dst)))
+        return rename(src, dst)
+
+    def recording_link(src, dst):
+        seen.append(("link", os.fspath(src), os.fspath(dst)))
+        return link(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "rename", recording_rename)
+    monkeypatch.setattr(os, "link", recording_link)
+    return seen
+
+
+@pytest.mark.parametrize("direct_io", ["0", "1"])
+def test_a_commit_fsyncs_the_file_then_renames_it_then_fsyncs_the_directory(root, calls, monkeypatch, direct_io):
+    monkeypatch.setenv("CHECKPOINTER_DIRECT_IO", direct_io)
+    data = os.urandom((1 << 20) + 3)
+    with LocalStorage(root).open_writer("rank_0.safetensors") as writer:
+        writer.write([memoryview(data)])
+        tmp = writer.tmp
+        writer.commit()
+    path = os.path.join(root, "rank_0.safetensors")
+    assert calls == [("fsync", tmp), ("rename", tmp, path), ("fsync", root)]
+    assert open(path, "rb").read() == data and os.listdir(root) == ["rank_0.safetensors"]
