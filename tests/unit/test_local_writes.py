@@ -56,3 +56,12 @@ def test_a_commit_fsyncs_the_file_then_renames_it_then_fsyncs_the_directory(root
     path = os.path.join(root, "rank_0.safetensors")
     assert calls == [("fsync", tmp), ("rename", tmp, path), ("fsync", root)]
     assert open(path, "rb").read() == data and os.listdir(root) == ["rank_0.safetensors"]
+
+
+def test_an_exclusive_create_fsyncs_the_file_then_links_it_then_fsyncs_the_directory(root, calls):
+    LocalStorage(root).create_exclusive(".lock", b'{"token": "x"}')
+    path = os.path.join(root, ".lock")
+    assert [call[0] for call in calls] == ["fsync", "link", "fsync"]
+    (_, tmp), link, last = calls
+    assert link == ("link", tmp, path) and last == ("fsync", root)
+    assert open(path, "rb").read() == b'{"token": "x"}' and os.listdir(root) == [".lock"]
