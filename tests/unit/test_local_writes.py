@@ -65,3 +65,30 @@ def test_an_exclusive_create_fsyncs_the_file_then_links_it_then_fsyncs_the_direc
     (_, tmp), link, last = calls
     assert link == ("link", tmp, path) and last == ("fsync", root)
     assert open(path, "rb").read() == b'{"token": "x"}' and os.listdir(root) == [".lock"]
+
+
+@pytest.mark.parametrize("cap", [1, 1000, 4096])
+@pytest.mark.timeout(60)
+def test_a_short_buffered_write_goes_on_where_it_stopped(root, monkeypatch, cap):
+    """``writev`` may write fewer bytes than asked (a signal, a file system near full): the rest
+    of the buffer it stopped in, and the buffers after it, are written next, each byte once."""
+    real, counts = os.writev, []
+
+    def short(fd, buffers):
+        out, room = [], cap
+        for buf in buffers:
+            if room == 0:
+                break
+            out.append(memoryview(buf)[:room])
+            room -= len(out[-1])
+        counts.append(real(fd, out))
+        return counts[-1]
+
+    monkeypatch.setattr(os, "writev", short)
+    parts = [os.urandom(n) for n in (3000, 1, 0, 5000, 4096)]
+    path = os.path.join(root, "f")
+    with LocalWriter(path, direct=False) as writer:
+        writer.write([memoryview(p) for p in parts])
+        writer.commit()
+    assert open(path, "rb").read() == b"".join(parts) and os.listdir(root) == ["f"]
+    assert max(counts) <= cap and sum(counts) == len(b"".join(parts))
