@@ -92,3 +92,17 @@ def test_a_short_buffered_write_goes_on_where_it_stopped(root, monkeypatch, cap)
         writer.commit()
     assert open(path, "rb").read() == b"".join(parts) and os.listdir(root) == ["f"]
     assert max(counts) <= cap and sum(counts) == len(b"".join(parts))
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+@pytest.mark.timeout(60)
+def test_a_direct_write_that_writes_nothing_is_an_error_naming_the_file(root, monkeypatch):
+    """A ``pwrite`` returning 0 would return 0 again at the same offset: EIO, not a loop."""
+    monkeypatch.setattr(direct.os, "pwrite", lambda fd, data, offset: 0)
+    path = os.path.join(root, "f")
+    with pytest.raises(OSError, match="wrote nothing") as caught:
+        with LocalWriter(path, direct=True) as writer:
+            writer.write([memoryview(os.urandom(direct.BLOCK_BYTES + 5))])
+            writer.commit()
+    assert caught.value.errno == errno.EIO and caught.value.filename == path
+    assert os.listdir(root) == []
