@@ -82,6 +82,25 @@ def test_a_file_opened_again_must_be_the_first_one(root, tmp_path):
     assert view.read("a", len(INSIDE)) == b"more"
 
 
+def test_a_file_rewritten_in_place_while_closed_is_refused_when_opened_again(root):
+    """The same inode is not enough: a file whose size or modification time changed while the
+    view had it closed is another file's bytes under the old name, and is refused."""
+    for name in ("a", "b"):
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(INSIDE)
+    view = LocalStorage(root).pinned()
+    view._files = OpenFiles(limit=1)
+    assert view.read("a", 0, 6) == b"inside"
+    assert view.read("b", 0, 6) == b"inside"  # closes a
+    inode = os.stat(os.path.join(root, "a")).st_ino
+    with open(os.path.join(root, "a"), "r+b") as f:
+        f.write(OUTSIDE)  # the same inode and size, other bytes, a later modification time
+    os.utime(os.path.join(root, "a"), ns=(time.time_ns() + 10**9,) * 2)
+    assert os.stat(os.path.join(root, "a")).st_ino == inode
+    with pytest.raises(FileChangedError, match="not the file first opened under this name"):
+        view.read("a", 0, 7)
+
+
 def test_a_file_cut_short_under_a_reader_is_a_file_changed_error(root):
     path = os.path.join(root, "f")
     with open(path, "wb") as f:
