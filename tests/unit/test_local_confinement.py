@@ -289,3 +289,24 @@ def test_a_part_reads_nothing_outside_its_checkpoint(tmp_path):
     # The directory itself, given as the root, is the user's choice: read wherever it is.
     assert storage.child("model").read("metadata.json") == b"{}"
     assert LocalStorage(str(top / "model")).read("metadata.json") == b"{}"
+
+# ---------------------------------------------------------------------------------------------
+# Only regular files are read
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [os.mkfifo, os.mkdir], ids=["fifo", "directory"])
+def test_a_fifo_or_a_directory_is_refused_naming_it_by_every_call(root, make):
+    """Where a rank file should be: an error naming it, from ``size`` as from the reads, not a
+    size of 0 (a FIFO) or of the directory's blocks, nor a read's bare ESPIPE or EISDIR."""
+    make(os.path.join(root, "blobs", "odd"))
+    storage = LocalStorage(root)
+    calls = [
+        lambda view: view.size("blobs/odd"),
+        lambda view: view.read("blobs/odd"),
+        lambda view: view.read_into("blobs/odd", [(0, memoryview(bytearray(1)))]),
+    ]
+    for view in (storage, storage.pinned()):
+        for call in calls:
+            with pytest.raises(OSError, match=f"{root}/blobs/odd is not a regular file"):
+                call(view)
