@@ -290,6 +290,7 @@ def test_a_part_reads_nothing_outside_its_checkpoint(tmp_path):
     assert storage.child("model").read("metadata.json") == b"{}"
     assert LocalStorage(str(top / "model")).read("metadata.json") == b"{}"
 
+
 # ---------------------------------------------------------------------------------------------
 # Only regular files are read
 # ---------------------------------------------------------------------------------------------
@@ -310,3 +311,19 @@ def test_a_fifo_or_a_directory_is_refused_naming_it_by_every_call(root, make):
         for call in calls:
             with pytest.raises(OSError, match=f"{root}/blobs/odd is not a regular file"):
                 call(view)
+
+
+def test_a_sibling_whose_name_extends_the_root_is_outside_it(tmp_path):
+    """``/x/ckpt-old`` is not inside ``/x/ckpt``: a link there is refused like any outside one."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    sibling = tmp_path / "ckpt-old"
+    sibling.mkdir()
+    (sibling / "r0").write_bytes(OUTSIDE)
+    os.symlink(sibling / "r0", root / "r0")
+    os.symlink(sibling, root / "model")
+    storage = LocalStorage(str(root))
+    for call in (lambda: storage.read("r0"), lambda: storage.size("r0"), lambda: storage.part("model").read("r0")):
+        with pytest.raises(PermissionError, match=f"outside {root}"):
+            call()
+    assert not storage.exists("r0") and storage.part("model").list() == []
