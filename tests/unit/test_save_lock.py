@@ -1,0 +1,27 @@
+"""storage/save_lock.py on local files, in one process: whose lock a file is (its token and its
+length: a file that grew is no one's), and a takeover of a stale lock refused when the lock's
+heartbeat file changed between the takeover's marker and its write (the holder lives). The
+whole protocol, across processes and stores, is in ``reliability/test_stale_locks.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from checkpointer.format.layout import LOCK_FILENAME, LOCK_TAKEOVER_PREFIX
+from checkpointer.storage import save_lock
+from checkpointer.storage.local import LocalStorage
+
+
+def test_a_lock_file_that_grew_is_not_ours(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    lock = save_lock.acquire(storage, save_overwrite=False)
+    save_lock.check_lock_is_ours(storage, lock)  # as written: ours
+    storage.write(LOCK_FILENAME, lock + b"\n")  # the same JSON, the same token, one byte longer
+    with pytest.raises(FileExistsError, match="took over its lock"):
+        save_lock.check_lock_is_ours(storage, lock)
+    save_lock.release_lock(storage, lock)
+    assert storage.read(LOCK_FILENAME) == lock + b"\n"  # not ours: left where it is
