@@ -25,3 +25,24 @@ def test_a_lock_file_that_grew_is_not_ours(tmp_path):
         save_lock.check_lock_is_ours(storage, lock)
     save_lock.release_lock(storage, lock)
     assert storage.read(LOCK_FILENAME) == lock + b"\n"  # not ours: left where it is
+
+
+class BeatDuringTakeover(LocalStorage):
+    """Local files; the holder of the stale lock beats again right after the takeover's marker is made."""
+
+    def create_exclusive(self, name: str, data: bytes) -> None:
+        super().create_exclusive(name, data)
+        if name.startswith(LOCK_TAKEOVER_PREFIX):
+            super().write(save_lock.beat_name(STALE), json.dumps({"beat_ms": int(time.time() * 1000)}).encode())
+
+
+STALE = json.dumps({"host": "elsewhere", "pid": 1, "token": "a" * 32, "beat_ms": 1000}).encode()
+
+
+def test_a_takeover_is_refused_when_the_stale_locks_heartbeat_moves_meanwhile(tmp_path):
+    storage = BeatDuringTakeover(str(tmp_path))
+    storage.write(LOCK_FILENAME, STALE)  # its last beat in 1970: stale
+    with pytest.raises(FileExistsError, match="changed while this save took it over"):
+        save_lock.acquire(storage, save_overwrite=False)
+    assert storage.read(LOCK_FILENAME) == STALE  # still the holder's
+    assert sorted(os.listdir(tmp_path))[0] == LOCK_FILENAME
