@@ -46,3 +46,17 @@ def test_a_takeover_is_refused_when_the_stale_locks_heartbeat_moves_meanwhile(tm
         save_lock.acquire(storage, save_overwrite=False)
     assert storage.read(LOCK_FILENAME) == STALE  # still the holder's
     assert sorted(os.listdir(tmp_path))[0] == LOCK_FILENAME
+
+
+def test_of_two_saves_taking_over_one_stale_lock_the_second_to_make_its_marker_is_refused(tmp_path):
+    """The marker of step a is created exclusively: a save that finds it made (another save is at
+    step b or c with the same stale lock) is refused, and the lock is not written."""
+    import hashlib
+
+    storage = LocalStorage(str(tmp_path))
+    storage.write(LOCK_FILENAME, STALE)
+    marker = f"{LOCK_TAKEOVER_PREFIX}{hashlib.sha256(STALE).hexdigest()[:32]}"
+    storage.write(marker, b"the other save's lock")
+    with pytest.raises(FileExistsError, match="another save is taking over the stale lock"):
+        save_lock.acquire(storage, save_overwrite=False)
+    assert storage.read(LOCK_FILENAME) == STALE and storage.read(marker) == b"the other save's lock"
