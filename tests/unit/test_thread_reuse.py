@@ -379,3 +379,24 @@ def test_periodic_goes_on_after_a_failed_beat_and_a_failed_period():
     wait_for(beats.count("good") + 3)
     ticker.release("bad")
     ticker.release("good")
+
+
+def test_run_parallel_starts_no_new_item_after_a_failure():
+    """Two at a time; the first item fails while the second runs: the second finishes, the
+    failure is raised, and of the items waiting for a thread at most one starts (the failed
+    item's thread may take the next before the failure is seen)."""
+    started, second_runs = [], threading.Event()
+
+    def work(i):
+        started.append(i)
+        if i == 0:
+            second_runs.wait(10)
+            raise ValueError("item 0")
+        if i == 1:
+            second_runs.set()
+        time.sleep(0.2)  # item 1 runs when item 0 fails; a later item takes as long
+
+    with pytest.raises(ValueError, match="item 0"):
+        run_parallel(work, range(8), 2)
+    time.sleep(0.3)  # what a cancelled item would have needed to start
+    assert {0, 1} <= set(started) <= {0, 1, 2}, started
