@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -45,3 +46,16 @@ def test_good_sizes_still_work_for_one_file(ckpt, tmp_path):
     for size in ("1KB", 10, "2GiB"):
         out = str(tmp_path / f"one-{size}.safetensors")
         assert export_safetensors(ckpt, out, max_shard_size=size) == [out]
+
+
+def test_a_shard_may_hold_exactly_max_shard_size_bytes(ckpt, tmp_path):
+    # b (12 bytes) and w (24 bytes), in metadata order, fill 36 bytes exactly: one shard; a byte less splits them.
+    for size, shards in ((36, [["b", "w"]]), (35, [["b"], ["w"]])):
+        out = str(tmp_path / f"hf-{size}")
+        export_safetensors(ckpt, out, max_shard_size=size)
+        index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
+        n = len(shards)
+        names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        assert sorted(os.listdir(out)) == names + ["model.safetensors.index.json"]
+        assert [sorted(k for k, v in index["weight_map"].items() if v == name) for name in names] == shards
+        assert index["metadata"]["total_size"] == 36
