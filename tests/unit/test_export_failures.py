@@ -57,3 +57,10 @@ def test_numbered_shards_without_an_index_must_all_be_there(tmp_path):
         dict(checkpointer.lazy_load(str(tmp_path)))
     save_file({"t2": torch.ones(2)}, str(tmp_path / "model-00002-of-00003.safetensors"))
     assert sorted(dict(checkpointer.lazy_load(str(tmp_path)))) == ["t1", "t2", "t3"]
+
+
+def test_numbered_shards_without_an_index_must_include_the_last(tmp_path):
+    for i in (1, 2):
+        save_file({f"t{i}": torch.ones(2)}, str(tmp_path / f"model-{i:05d}-of-00003.safetensors"))
+    with pytest.raises(IncompleteCheckpointError, match=r"model-00003-of-00003\.safetensors is missing \(1 of the 3"):
+        dict(checkpointer.lazy_load(str(tmp_path)))
