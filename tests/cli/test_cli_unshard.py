@@ -281,3 +281,19 @@ def test_one_file_export_longer_than_the_timeout_under_a_process_group(tmp_path,
     per_rank = run_distributed(export_one_file_slowly, 2, src, out, "2", 2.5, timeout=120)
     assert per_rank == [[out], []]
     assert_same_tensors(load_file(out), {"a": torch.arange(6.0), "b": torch.ones(2, 3)})
+
+
+def test_export_data_starts_on_a_64_byte_boundary(ckpts, tmp_path):
+    one = str(tmp_path / "one.safetensors")
+    export_safetensors(ckpts.ws1, one)
+    shards = str(tmp_path / "shards")
+    export_safetensors(ckpts.ws1, shards, max_shard_size="300B")
+    files = [one] + [os.path.join(shards, n) for n in sorted(os.listdir(shards)) if n.endswith(".safetensors")]
+    assert len(files) > 3
+    for path in files:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        assert (8 + n) % 64 == 0, path
+        ends = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+        assert ends[0][0] == 0 and os.path.getsize(path) == 8 + n + ends[-1][1], path
