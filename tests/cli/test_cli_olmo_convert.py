@@ -13,6 +13,7 @@ import pytest
 import torch
 from cli_helpers import assert_same_tensors, cli
 from cli_workers import olmo_or_skip, build, full_state, olmo_load_ws3, patch_olmo_for_torch
+from safetensors import safe_open
 
 from checkpointer import (
     load_model_and_optim_state,
@@ -20,7 +21,7 @@ from checkpointer import (
     unshard_model_state,
     unshard_optim_state,
 )
-from checkpointer.format.layout import CHECKSUMS_KEY
+from checkpointer.format.layout import CHECKSUMS_KEY, FILE_ID_KEY
 
 olmo = olmo_or_skip()
 
@@ -195,3 +196,19 @@ def test_convert_to_olmo_of_tied_checkpoints_loads_in_olmo(ckpts, tmp_path, caps
         load_model_and_optim_state(dst, model, optim)
         assert_same_tensors(full_state(model), want)
         assert cli(capsys, "verify", dst, "-q") == (0, "", "")
+
+
+def test_convert_to_olmo_gives_each_tied_file_the_id_of_the_file_beside_it(ckpts, tmp_path, capsys):
+    """A ``.tied`` file is listed in ``file_ids``, and its header carries, the id of the rank file it
+    sits beside: a ``.tied`` file of another save then reads as one."""
+    dst = str(tmp_path / "olmo")
+    assert cli(capsys, "convert", ckpts.ws3, dst, "--to", "olmo", "-q") == (0, "", "")
+    part = os.path.join(dst, "model")
+    ids = _metadata(part)["file_ids"]
+    tied = sorted(n for n in os.listdir(part) if n.endswith(".tied.safetensors"))
+    assert tied and sorted(ids) == sorted(n for n in os.listdir(part) if n.endswith(".safetensors"))
+    for name in tied:
+        beside = name.replace(".tied.safetensors", ".safetensors")
+        assert ids[name] == ids[beside], name
+        with safe_open(os.path.join(part, name), "pt") as f:
+            assert f.metadata()[FILE_ID_KEY] == ids[beside], name
