@@ -189,6 +189,22 @@ def test_param_groups_regrouped_take_the_hyperparameters_of_the_group_that_held_
         assert all(torch.equal(v, saved_state[name][k]) for k, v in st.items()), name
 
 
+def test_a_parameter_the_checkpoint_lacks_keeps_the_state_it_has(tmp_path):
+    """Non-strict, into an optimizer that has stepped: the new head's own state stays as it was."""
+    ckpt, model, optim = saved(tmp_path)
+    saved_optim = optim_by_name(model, optim)
+    tuned = Net(head_name="classifier", classes=5, seed=7)
+    tuned_optim = torch.optim.AdamW(tuned.parameters(), lr=1e-2)
+    step(tuned, tuned_optim, 5)
+    before = optim_by_name(tuned, tuned_optim)
+    checkpointer.load_model_and_optim_state(ckpt, tuned, tuned_optim, strict=False)
+    got = optim_by_name(tuned, tuned_optim)
+    assert sorted(got) == sorted(before)
+    for name, st in got.items():
+        want = before[name] if name.startswith("classifier.") else saved_optim[name]
+        assert st.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in st.items()), name
+
+
 def test_a_shape_mismatch_is_an_error_in_both_modes(tmp_path):
     ckpt, _, _ = saved(tmp_path)
     for strict in (True, False):
