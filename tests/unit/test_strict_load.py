@@ -381,3 +381,22 @@ def test_unshard_optim_state_has_param_names(tmp_path):
     checkpointer.save_model_and_optim_state(again, fresh, plain)
     group = checkpointer.unshard_optim_state(again, no_dist=True)["param_groups"][0]
     assert group["param_names"] == names and "_param_names" not in group
+
+
+def test_unshard_optim_state_numbers_the_params_of_every_group_apart(tmp_path):
+    """With two param groups the second group's ids follow the first's: the state of each
+    parameter comes back under its own id, and loads into a fresh optimizer as saved."""
+    model = Net()
+    optim = torch.optim.AdamW([{"params": model.body.parameters(), "lr": 0.1}, {"params": model.head.parameters(), "lr": 0.2}])
+    step(model, optim)
+    ckpt = str(tmp_path / "ckpt")
+    checkpointer.save_model_and_optim_state(ckpt, model, optim)
+    got = checkpointer.unshard_optim_state(ckpt, no_dist=True)
+    assert [g["params"] for g in got["param_groups"]] == [list(range(6)), [6, 7]]
+    names = [n for g in got["param_groups"] for n in g["param_names"]]
+    assert names == [n for n, _ in model.named_parameters()]
+    saved_state = optim_by_name(model, optim)
+    assert sorted(got["state"]) == list(range(8))
+    for pid, st in got["state"].items():
+        assert st.keys() == saved_state[names[pid]].keys()
+        assert all(torch.equal(v, saved_state[names[pid]][k]) for k, v in st.items()), names[pid]
