@@ -400,3 +400,28 @@ def test_unshard_optim_state_numbers_the_params_of_every_group_apart(tmp_path):
     for pid, st in got["state"].items():
         assert st.keys() == saved_state[names[pid]].keys()
         assert all(torch.equal(v, saved_state[names[pid]][k]) for k, v in st.items()), names[pid]
+
+
+def test_a_compiled_model_saves_and_loads_under_the_plain_models_names(tmp_path):
+    """``torch.compile`` wraps the model (``_orig_mod.`` before every name): the checkpoint has the
+    plain names, so the plain model and the compiled one load each other's saves, optimizer too."""
+    model = Net()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, optim)
+    compiled = torch.compile(model)
+    ckpt = str(tmp_path / "ckpt")
+    checkpointer.save_model_and_optim_state(ckpt, compiled, optim)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(checkpointer.unshard_model_state(ckpt, no_dist=True)) == sorted(names)
+    assert [g["param_names"] for g in checkpointer.unshard_optim_state(ckpt, no_dist=True)["param_groups"]] == [names]
+    plain = Net(seed=1)
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=0.5)
+    assert checkpointer.load_model_and_optim_state(ckpt, plain, plain_optim) == LoadResult()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
+    saved_optim, got = optim_by_name(model, optim), optim_by_name(plain, plain_optim)
+    assert sorted(got) == sorted(saved_optim)
+    for name, st in got.items():
+        assert all(torch.equal(v, saved_optim[name][k]) for k, v in st.items()), name
+    again = torch.compile(Net(seed=2))
+    assert checkpointer.load_model_and_optim_state(ckpt, again) == LoadResult()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in again._orig_mod.state_dict().items())
