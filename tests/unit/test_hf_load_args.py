@@ -88,3 +88,20 @@ def test_a_directory_of_torch_pickles_is_named_as_such(tmp_path):
     torch.save({"weight": torch.ones(2, 2)}, str(tmp_path / "pytorch_model.bin"))
     with pytest.raises(IncompleteCheckpointError, match=r"holds pytorch_model\.bin, a Hugging Face checkpoint as torch pickles"):
         load_model_and_optim_state(str(tmp_path), torch.nn.Linear(2, 2, bias=False))
+
+
+def test_unexpected_keys_are_the_checkpoints_names_not_the_mapped_ones(tmp_path):
+    """A key that ``key_map`` renames to a name the model lacks is reported (and refused) by the
+    name the checkpoint has, which the user can look up, not by what the map made of it."""
+    torch.manual_seed(0)
+    state = {"embed.weight": torch.randn(10, 4), "norm.weight": torch.randn(4), "norm.bias": torch.randn(4)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    key_map = {"norm.weight": "ln.weight", "norm.bias": "ln.bias"}
+    model = Tied()
+    norm = {k: v.clone() for k, v in model.norm.state_dict().items()}
+    result = load_model_and_optim_state(str(tmp_path), model, key_map=key_map, strict=False)
+    assert (result.missing_keys, result.unexpected_keys) == (["norm.weight", "norm.bias"], ["norm.bias", "norm.weight"])
+    assert torch.equal(model.embed.weight, state["embed.weight"])
+    assert all(torch.equal(v, norm[k]) for k, v in model.norm.state_dict().items())
+    with pytest.raises(CheckpointMismatchError, match=r"2 checkpoint model keys the model lacks: \['norm.bias', 'norm.weight'\]"):
+        load_model_and_optim_state(str(tmp_path), Tied(), key_map=key_map)
