@@ -105,3 +105,16 @@ def test_unexpected_keys_are_the_checkpoints_names_not_the_mapped_ones(tmp_path)
     assert all(torch.equal(v, norm[k]) for k, v in model.norm.state_dict().items())
     with pytest.raises(CheckpointMismatchError, match=r"2 checkpoint model keys the model lacks: \['norm.bias', 'norm.weight'\]"):
         load_model_and_optim_state(str(tmp_path), Tied(), key_map=key_map)
+
+
+def test_a_key_map_that_maps_two_checkpoint_keys_to_one_model_key_is_refused(tmp_path):
+    torch.manual_seed(0)
+    state = {"embed.weight": torch.randn(10, 4), "norm.weight": torch.randn(4), "norm.bias": torch.randn(4),
+             "ln.weight": torch.randn(4)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = Tied()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(CheckpointMismatchError, match=r"key_map maps both 'ln.weight' and 'norm.weight' .* to the model's 'norm.weight'"):
+            load_model_and_optim_state(str(tmp_path), model, key_map={"ln.weight": "norm.weight"}, strict=strict)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
