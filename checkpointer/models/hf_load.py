@@ -224,10 +224,10 @@ def _cast_batches(to_cast: list[tuple[int, str, Any, str]], shapes: Mapping[str,
     over the world size, so that every rank cuts the same batches)."""
     world = max(1, dist.get_world_size())
     batches: list[list[tuple[int, str, Any, str]]] = []
-    held = budget
+    held = 0
     for item in to_cast:
         size = math.prod(shapes[item[1]]) * itemsize(item[3]) // world
-        if held + size > budget and (not batches or batches[-1]):
+        if not batches or held + size > budget:
             batches.append([])
             held = 0
         batches[-1].append(item)

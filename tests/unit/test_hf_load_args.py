@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import checkpointer
 from checkpointer import CheckpointMismatchError, IncompleteCheckpointError, load_model_and_optim_state
-from checkpointer.models.hf_load import is_hf_checkpoint, map_name
+from checkpointer.models.hf_load import _cast_batches, is_hf_checkpoint, load_hf, map_name
 from checkpointer.tools.hub import parse_hf_url
 
 
@@ -118,3 +118,24 @@ def test_a_key_map_that_maps_two_checkpoint_keys_to_one_model_key_is_refused(tmp
         with pytest.raises(CheckpointMismatchError, match=r"key_map maps both 'ln.weight' and 'norm.weight' .* to the model's 'norm.weight'"):
             load_model_and_optim_state(str(tmp_path), model, key_map={"ln.weight": "norm.weight"}, strict=strict)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_casting_an_empty_tensor_first_loads_the_rest(tmp_path):
+    """A tensor to cast that counts no bytes per rank (empty, or a few bytes over many ranks) may
+    come first: it opens the first batch like any other."""
+    torch.manual_seed(0)
+    state = {"a.weight": torch.ones(0, 4, dtype=torch.bfloat16), "b.weight": torch.randn(2, 4).to(torch.bfloat16)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(4, 0, bias=False))
+    model.add_module("b", nn.Linear(4, 2, bias=False))
+    assert load_model_and_optim_state(str(tmp_path), model, dtype=torch.float32) == checkpointer.LoadResult()
+    assert model.a.weight.shape == (0, 4) and torch.equal(model.b.weight, state["b.weight"].float())
+    for budget in (1, 100):
+        with torch.no_grad():
+            model.b.weight.zero_()
+        load_hf(str(tmp_path), model, dtype=torch.float32, cast_batch_bytes=budget)
+        assert torch.equal(model.b.weight, state["b.weight"].float())
+    sizes = {"empty": (0, 4), "x": (3,), "y": (5,)}
+    assert _cast_batches([(0, k, None, "BF16") for k in sizes], sizes, 6) == [
+        [(0, "empty", None, "BF16"), (0, "x", None, "BF16")], [(0, "y", None, "BF16")]]
