@@ -14,7 +14,9 @@ lock, without ``save_overwrite``:
 
 a. creates ``.checkpointer-save.lock.taken-<digest of the stale lock's bytes>`` exclusively
    (a local ``O_EXCL`` create, S3's ``If-None-Match: *``, GCS's ``ifGenerationMatch=0``): of
-   saves that found the same stale lock, exactly one creates it; the others are refused;
+   saves that found the same stale lock, exactly one creates it; the others are refused, unless
+   the marker's own save died before step c (the marker holds its lock, judged stale as a lock
+   is): then its marker is claimed the same way, by a marker of the marker's bytes;
 b. reads the lock and its beat again: if either changed (its holder was alive after all), the
    save is refused;
 c. writes its own lock over the stale one.
@@ -192,19 +194,35 @@ def _take_over_stale(storage: Storage, lock: bytes) -> None:
             "(remove it, or pass save_overwrite=True)"
         )
     assert held is not None
-    marker = f"{LOCK_TAKEOVER_PREFIX}{hashlib.sha256(held).hexdigest()[:32]}"
-    try:
-        storage.create_exclusive(marker, lock)
-    except FileExistsError:
-        raise FileExistsError(
-            f"another save is taking over the stale lock {storage.join(LOCK_FILENAME)} ({reason}): "
-            "this one is not saved (pass save_overwrite=True to save regardless)"
-        ) from None
+    _claim(storage, held, reason, lock)
     again, beat_again = _read_lock_and_beat(storage)
     if (again is not None and again != held) or beat_again != beat:
         raise FileExistsError(f"{storage.join(LOCK_FILENAME)} changed while this save took it over: its holder lives")
     storage.write(LOCK_FILENAME, lock)
     log.warning("took over the lock of a crashed save into %s: %s", storage.url, reason)
+
+
+def _claim(storage: Storage, held: bytes, reason: str, lock: bytes) -> None:
+    """Step a: create the marker of the stale lock ``held`` exclusively, or, where a save that
+    made it has died since (its marker, holding its lock, is stale), the marker of that marker."""
+    claimed, seen = held, set()
+    while True:
+        marker = f"{LOCK_TAKEOVER_PREFIX}{hashlib.sha256(claimed).hexdigest()[:32]}"
+        try:
+            return storage.create_exclusive(marker, lock)
+        except FileExistsError:
+            pass
+        try:
+            taker = storage.read(marker, 0, _LOCK_READ)
+        except FileNotFoundError:
+            taker = None  # a commit removed it: the lock is no longer the stale one
+        if taker is None or marker in seen or stale_reason(taker, beat=_read_beat(storage, taker)) is None:
+            raise FileExistsError(
+                f"another save is taking over the stale lock {storage.join(LOCK_FILENAME)} ({reason}): "
+                "this one is not saved (pass save_overwrite=True to save regardless)"
+            )
+        seen.add(marker)
+        claimed = taker
 
 
 def _read_lock_and_beat(storage: Storage) -> tuple[bytes | None, bytes | None]:

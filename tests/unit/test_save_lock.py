@@ -5,6 +5,7 @@ whole protocol, across processes and stores, is in ``reliability/test_stale_lock
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -51,8 +52,6 @@ def test_a_takeover_is_refused_when_the_stale_locks_heartbeat_moves_meanwhile(tm
 def test_of_two_saves_taking_over_one_stale_lock_the_second_to_make_its_marker_is_refused(tmp_path):
     """The marker of step a is created exclusively: a save that finds it made (another save is at
     step b or c with the same stale lock) is refused, and the lock is not written."""
-    import hashlib
-
     storage = LocalStorage(str(tmp_path))
     storage.write(LOCK_FILENAME, STALE)
     marker = f"{LOCK_TAKEOVER_PREFIX}{hashlib.sha256(STALE).hexdigest()[:32]}"
@@ -60,3 +59,38 @@ def test_of_two_saves_taking_over_one_stale_lock_the_second_to_make_its_marker_i
     with pytest.raises(FileExistsError, match="another save is taking over the stale lock"):
         save_lock.acquire(storage, save_overwrite=False)
     assert storage.read(LOCK_FILENAME) == STALE and storage.read(marker) == b"the other save's lock"
+
+
+def _marker_of(data: bytes) -> str:
+    return f"{LOCK_TAKEOVER_PREFIX}{hashlib.sha256(data).hexdigest()[:32]}"
+
+
+def _lock_of(token: str, beat_ms: int) -> bytes:
+    return json.dumps({"host": "elsewhere", "pid": 1, "token": token * 32, "beat_ms": beat_ms}).encode()
+
+
+def test_a_marker_whose_save_died_before_writing_its_lock_is_claimed_in_turn(tmp_path):
+    """A save that made its marker and died before its lock (two in a row here) would otherwise
+    leave the directory refusing every save: a stale marker is claimed by a marker of its bytes."""
+    storage = LocalStorage(str(tmp_path))
+    storage.write(LOCK_FILENAME, STALE)
+    dead, dead_again = _lock_of("b", 2000), _lock_of("c", 3000)
+    storage.write(_marker_of(STALE), dead)
+    storage.write(_marker_of(dead), dead_again)
+    lock = save_lock.acquire(storage, save_overwrite=False)
+    try:
+        assert storage.read(LOCK_FILENAME) == lock != STALE
+        assert storage.read(_marker_of(dead_again)) == lock
+    finally:
+        save_lock.release_lock(storage, lock)
+
+
+def test_a_marker_whose_save_lives_still_refuses(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    storage.write(LOCK_FILENAME, STALE)
+    live = _lock_of("d", 1000)
+    storage.write(_marker_of(STALE), live)
+    storage.write(save_lock.beat_name(live), json.dumps({"beat_ms": int(time.time() * 1000)}).encode())
+    with pytest.raises(FileExistsError, match="another save is taking over the stale lock"):
+        save_lock.acquire(storage, save_overwrite=False)
+    assert storage.read(LOCK_FILENAME) == STALE and not storage.exists(_marker_of(live))
