@@ -370,63 +370,6 @@ def test_gcs_parallel_upload_setting(gcs_env, monkeypatch) -> None:
     assert type(GCSStorage(url, parallel_upload=True).open_writer("f")) is GCSComposeWriter
 
 
-def _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch):
-    """An S3 or GCS store whose requests pass a proxy that makes conditional creates atomic."""
-    request.getfixturevalue("loopback_env")
-    upstream = request.getfixturevalue("moto_endpoint" if kind_ == "s3" else "gcs_endpoint")
-    proxy = fault_proxy(upstream, conditional=True)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if kind_ == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
-    url = f"s3://{S3_BUCKET}/{unique()}" if kind_ == "s3" else f"gs://{GCS_BUCKET}/{unique()}"
-    return (S3Storage if kind_ == "s3" else GCSStorage)(url, retry=FAST), proxy
-
-
-@pytest.mark.parametrize("kind_", ["s3", "gcs"])
-def test_conditional_create_has_one_winner_when_all_start_at_once(kind_, request, fault_proxy, monkeypatch) -> None:
-    """Every caller passes the check before the request (as when they start in the same
-    instant); the store's condition alone then decides: one file, one winner. The proxy makes
-    the condition atomic as the real stores do (see ``FaultProxy``)."""
-    import threading
-
-    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
-    monkeypatch.setattr(type(store), "exists", lambda self, name: False)
-    n = 6
-    gate = threading.Barrier(n)
-    results: list[object] = [None] * n
-
-    def contend(i: int) -> None:
-        gate.wait(10)
-        try:
-            store.create_exclusive("lock", f"caller {i}".encode())
-            results[i] = "won"
-        except FileExistsError as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=contend, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    winners = [i for i, r in enumerate(results) if r == "won"]
-    assert len(winners) == 1 and all(isinstance(r, FileExistsError) for r in results if r != "won"), results
-    assert store.read("lock") == f"caller {winners[0]}".encode()
-    sent = [e for e in proxy.seen if e.method in ("PUT", "POST")]
-    if kind_ == "s3":
-        assert all(e.headers.get("If-None-Match") == "*" for e in sent)
-    else:
-        assert all("ifGenerationMatch=0" in e.path for e in sent)
-
-
-@pytest.mark.parametrize("kind_", ["s3", "gcs"])
-def test_conditional_create_retried_after_a_lost_answer_knows_its_own_file(kind_, request, fault_proxy,
-                                                                            monkeypatch) -> None:
-    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
-    lost = proxy.fail(1, "lost", method="PUT" if kind_ == "s3" else "POST", path="lock")
-    store.create_exclusive("lock", b"mine")  # created, answer lost; the retry's 412 finds our bytes
-    assert lost.fired == 1 and store.read("lock") == b"mine"
-    with pytest.raises(FileExistsError):
-        store.create_exclusive("lock", b"someone else")
-
-
 @pytest.mark.parametrize("kind_", ["s3", "gcs"])
 def test_a_refused_certificate_is_not_retried(kind_, tmp_path, file_server, monkeypatch, loopback_env) -> None:
     """An https endpoint whose certificate nobody trusts (a missing CA bundle for a private
