@@ -67,3 +67,15 @@ def test_conditional_create_retried_after_a_lost_answer_knows_its_own_file(kind_
     with pytest.raises(FileExistsError):
         store.create_exclusive("lock", b"someone else")
 
+
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_conditional_create_of_the_same_bytes_loses_to_the_first(kind_, request, fault_proxy, monkeypatch) -> None:
+    """Two callers create the lock with the same bytes, both past the check before the request:
+    the second's refusal (412) at its first attempt is someone else's file, not its own
+    earlier attempt, even though the bytes match."""
+    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
+    monkeypatch.setattr(type(store), "exists", lambda self, name: False)
+    store.create_exclusive("lock", b"same bytes")
+    with pytest.raises(FileExistsError, match="lock"):
+        store.create_exclusive("lock", b"same bytes")
+
