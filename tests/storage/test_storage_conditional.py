@@ -79,3 +79,16 @@ def test_conditional_create_of_the_same_bytes_loses_to_the_first(kind_, request,
     with pytest.raises(FileExistsError, match="lock"):
         store.create_exclusive("lock", b"same bytes")
 
+
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_conditional_create_after_a_lost_answer_does_not_take_someone_elses_file(kind_, request, fault_proxy,
+                                                                                monkeypatch) -> None:
+    """The first attempt is refused (the lock is someone else's) and that answer is lost: the
+    retry's 412 finds other bytes in the file, so the caller does not hold the lock."""
+    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
+    store.write("lock", b"theirs")
+    monkeypatch.setattr(type(store), "exists", lambda self, name: False)
+    lost = proxy.fail(1, "lost", method="PUT" if kind_ == "s3" else "POST", path="lock")
+    with pytest.raises(FileExistsError, match="lock"):
+        store.create_exclusive("lock", b"mine")
+    assert lost.fired == 1 and store.read("lock") == b"theirs"
