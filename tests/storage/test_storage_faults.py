@@ -258,6 +258,24 @@ def test_gcs_session_uri_never_appears_in_errors(request, fault_proxy, monkeypat
     assert "upload_id" not in text
 
 
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_a_failed_commit_leaves_no_upload_behind_without_an_abort(kind_, request, fault_proxy, monkeypatch,
+                                                                 s3_client) -> None:
+    """The last request of a commit (S3's CompleteMultipartUpload, GCS's compose) fails past
+    the budget: commit itself discards the upload and its parts, the caller need not abort."""
+    store, proxy = make_remote(kind_, request, fault_proxy, monkeypatch,
+                               retry=RetryPolicy(retries=1, base_delay=0.005, max_delay=0.01))
+    proxy.fail(10_000, "503", method="POST", path="uploadId=" if kind_ == "s3" else "/compose")
+    writer = store.open_writer("f")
+    writer.write([memoryview(os.urandom(2 * store.part_size + 5))])
+    with pytest.raises(OSError, match="failed after 2 attempts"):
+        writer.commit()
+    proxy.clear()
+    assert store.list() == []
+    if kind_ == "s3":
+        assert s3_client.list_multipart_uploads(Bucket=S3_BUCKET, Prefix=store.prefix).get("Uploads", []) == []
+
+
 def test_s3_multipart_and_abort_as_seen_by_the_server(s3_env, s3_client) -> None:
     store = S3Storage(f"s3://{S3_BUCKET}/{unique()}", part_size=MIN_PART, retry=FAST)
     data = os.urandom(2 * MIN_PART + 10)
