@@ -418,6 +418,24 @@ def test_a_refused_certificate_is_not_retried(kind_, tmp_path, file_server, monk
     assert 0 < server._server.connections <= 2 * len(calls)
 
 
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_a_refused_request_is_not_retried_and_names_url_and_operation(kind_, tmp_path, file_server, monkeypatch,
+                                                                      loopback_env) -> None:
+    """An endpoint that answers 403 to everything (a key without the permission): no retries,
+    an ``OSError`` (not a missing file) that names the operation and the file's URL."""
+    server = file_server(str(tmp_path), missing_status=403)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if kind_ == "s3" else "STORAGE_EMULATOR_HOST", server.url)
+    store = (S3Storage(f"s3://{S3_BUCKET}/{unique()}", retry=FAST) if kind_ == "s3"
+             else GCSStorage(f"gs://{GCS_BUCKET}/{unique()}", retry=FAST))
+    for call, op in [(lambda: store.read("f", 2, 9), "GET bytes 2-8"), (lambda: store.size("f"), "HEAD")]:
+        seen = len(server.authorization_seen)
+        with pytest.raises(OSError) as err:
+            call()
+        assert not isinstance(err.value, FileNotFoundError)
+        assert len(server.authorization_seen) - seen <= 2  # google's client may resend once on its own
+        assert str(err.value).startswith(f"{op} {store.join('f')}: "), str(err.value)
+
+
 def test_gcs_session_uri_never_appears_in_debug_logs(gcs_env, caplog) -> None:
     """urllib3 logs each request's path and query at DEBUG: a resumable upload's chunk PUTs
     carry the session's id, a bearer credential."""
