@@ -149,6 +149,21 @@ def test_http_403_is_a_missing_file_to_exists_and_access_denied_to_reads(served,
         wrong.exists("metadata.json")
 
 
+def test_http_410_is_a_missing_file_and_other_refusals_name_op_and_file(served, file_server) -> None:
+    """A server that answers 410 Gone for a missing file: missing to ``exists`` and to reads.
+    A refusal that says nothing of the file (401) is an ``OSError`` naming the operation and it."""
+    root, _ = served
+    server = file_server(root, missing_status=410, token="t0k")
+    store = HTTPStorage(f"{server.url}/ckpt?token=t0k", retry=FAST)
+    assert store.exists("metadata.json") and not store.exists("nope")
+    with pytest.raises(FileNotFoundError, match="nope"):
+        store.read("nope")
+    wrong = HTTPStorage(f"{server.url}/ckpt?token=wrong", retry=FAST)
+    with pytest.raises(OSError) as err:
+        wrong.read("metadata.json", 0, 4)
+    assert str(err.value).startswith(f"GET bytes 0-3 {wrong.join('metadata.json')}: HTTP 401"), str(err.value)
+
+
 def test_http_follows_redirects_without_forwarding_credentials(served, file_server) -> None:
     root, data = served
     target = file_server(root)
