@@ -273,6 +273,10 @@ def test_part_writer_grows_parts_and_bounds_their_count() -> None:
     with pytest.raises(OSError, match="more than 3 parts: raise part_size"):
         capped.write([memoryview(data)])
     capped.abort()
+    exactly = Recording(max_parts=3)  # the limit itself is allowed (S3 takes part 10,000)
+    exactly.write([memoryview(data[:12])])
+    exactly.commit()
+    assert [exactly.sizes[n] for n in sorted(exactly.sizes)] == [4, 4, 4]
 
 
 def test_backoff_jitter_leaves_the_global_random_alone():
