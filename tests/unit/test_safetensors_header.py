@@ -214,6 +214,7 @@ BAD_HEADERS = {
     "unknown dtype": header_json({"a": entry("F128", (1,), (0, 16))}),
     "dtype not a string": header_json({"a": entry(["F32"], (2,), (0, 8))}),
     "negative shape": header_json({"a": entry("F32", (-2,), (0, 8))}),
+    "negative dims, positive product": header_json({"a": entry("F32", (-1, -2), (0, 8))}),
     "bool in shape": header_json({"a": {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}),
     "float in shape": header_json({"a": {"dtype": "U8", "shape": [1.0], "data_offsets": [0, 1]}}),
     "float offsets": header_json({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0.0, 1.0]}}),
