@@ -210,6 +210,7 @@ BAD_HEADERS = {
     "reversed range": header_json({"a": entry("F32", (0,), (8, 0))}),
     "negative start": header_json({"a": entry("F32", (2,), (-8, 0))}),
     "overlap": header_json({"a": entry("F32", (2,), (0, 8)), "b": entry("F32", (1,), (4, 8))}),
+    "overlap by one byte": header_json({"a": entry("U8", (2,), (0, 2)), "b": entry("U8", (2,), (1, 3))}),
     "contained": header_json({"a": entry("F32", (4,), (0, 16)), "b": entry("F32", (1,), (4, 8)), "c": entry("F32", (1,), (8, 12))}),
     "unknown dtype": header_json({"a": entry("F128", (1,), (0, 16))}),
     "dtype not a string": header_json({"a": entry(["F32"], (2,), (0, 8))}),
