@@ -1,0 +1,32 @@
+"""format/metadata_parse.py and the pydantic models of format/metadata.py: values of the wrong
+kind or sign are refused, even where a looser check would let them through (booleans are JSON
+booleans, not integers; dimensions are never negative, whatever their product)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkpointer.errors import CorruptCheckpointError
+from checkpointer.format.metadata_parse import parse_metadata
+
+WHERE = "ckpt/model/metadata.json"
+
+
+def entry(shape: list[int]) -> dict:
+    return {"shape": shape, "is_sharded": False, "dtype": "F32", "shard_spec_per_file": {}}
+
+
+def parse(doc: dict):
+    return parse_metadata(json.dumps(doc).encode(), where=WHERE)
+
+
+@pytest.mark.parametrize("field", ["format_version", "world_size", "checksum_chunk_bytes"])
+def test_a_boolean_is_not_an_integer_field(field):
+    """``true`` is 1 to Python's ``isinstance(_, int)``: a format version, world size or chunk
+    size of ``true`` is refused, as ``1`` is not (a mutant that took booleans passed every test)."""
+    good = {"tensors": {"a": entry([2])}, "format_version": 1, "world_size": 1}
+    assert getattr(parse({**good, field: 1}), field) == 1
+    with pytest.raises(CorruptCheckpointError, match=f"^{WHERE}: invalid checkpoint metadata: {field} must be an integer or null$"):
+        parse({**good, field: True})
