@@ -30,3 +30,10 @@ def test_a_boolean_is_not_an_integer_field(field):
     assert getattr(parse({**good, field: 1}), field) == 1
     with pytest.raises(CorruptCheckpointError, match=f"^{WHERE}: invalid checkpoint metadata: {field} must be an integer or null$"):
         parse({**good, field: True})
+
+
+def test_negative_dimensions_are_refused_whatever_their_product():
+    """``[-2, -3]`` has a product of 6 that fits every size check; its dimensions are still
+    negative (a mutant that dropped the sign check of shapes passed every test)."""
+    with pytest.raises(CorruptCheckpointError, match=r"^ckpt/model/metadata\.json: invalid checkpoint metadata: tensors\['a'\]: bad shape \[-2, -3\]$"):
+        parse({"tensors": {"a": entry([-2, -3])}})
