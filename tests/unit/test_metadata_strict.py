@@ -9,6 +9,7 @@ import json
 import pytest
 
 from checkpointer.errors import CorruptCheckpointError
+from checkpointer.format.metadata import StorageMetadata, TensorStorageMetadata
 from checkpointer.format.metadata_parse import parse_metadata
 
 WHERE = "ckpt/model/metadata.json"
@@ -37,3 +38,11 @@ def test_negative_dimensions_are_refused_whatever_their_product():
     negative (a mutant that dropped the sign check of shapes passed every test)."""
     with pytest.raises(CorruptCheckpointError, match=r"^ckpt/model/metadata\.json: invalid checkpoint metadata: tensors\['a'\]: bad shape \[-2, -3\]$"):
         parse({"tensors": {"a": entry([-2, -3])}})
+
+
+def test_the_model_refuses_negative_dimensions_whatever_their_product():
+    """The pydantic model checks what parse_metadata checks (a mutant that dropped its sign
+    check of shapes passed every test)."""
+    TensorStorageMetadata(shape=(2, 3), is_sharded=False, dtype="F32", shard_spec_per_file={})
+    with pytest.raises(ValueError, match=r"bad shape \(-2, -3\)"):
+        TensorStorageMetadata(shape=(-2, -3), is_sharded=False, dtype="F32", shard_spec_per_file={})
