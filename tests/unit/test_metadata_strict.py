@@ -46,3 +46,11 @@ def test_the_model_refuses_negative_dimensions_whatever_their_product():
     TensorStorageMetadata(shape=(2, 3), is_sharded=False, dtype="F32", shard_spec_per_file={})
     with pytest.raises(ValueError, match=r"bad shape \(-2, -3\)"):
         TensorStorageMetadata(shape=(-2, -3), is_sharded=False, dtype="F32", shard_spec_per_file={})
+
+
+def test_the_model_refuses_a_checksum_chunk_size_of_zero():
+    """A chunk size of 0 would make every piece a division by zero (a mutant of the model that
+    took 0 passed every test)."""
+    assert StorageMetadata(tensors={}, checksum_chunk_bytes=1).checksum_chunk_bytes == 1
+    with pytest.raises(ValueError, match="checksum_chunk_bytes must be positive"):
+        StorageMetadata(tensors={}, checksum_chunk_bytes=0)
