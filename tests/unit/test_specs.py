@@ -254,3 +254,25 @@ def test_mixed_forms_and_unknown_fields_take_the_one_by_one_path():
     assert md.tensors["w"].shard_spec_per_file["rank_3.safetensors"].model_extra == {"sha256": "00ff"}
     plan = build_load_plan("w", md.tensors["w"], [(0, 48)])
     assert plan.numel == 48
+
+
+@pytest.mark.parametrize(
+    "last, error",
+    [([5, 11], "flattened offsets past the tensor's 10 elements"), ([7, 5], r"bad flattened range \[7, 5\)")],
+    ids=["one-past-the-end", "reversed"],
+)
+def test_bulk_ranges_past_the_end_or_reversed_are_refused(last, error):
+    """Specs of three fields each take the bulk path: a range ending one element past the tensor,
+    or ending before it starts, is refused there and named by the one-by-one check (mutants of
+    the bulk check that let either through passed every test: the other tests' bad ranges took
+    the one-by-one path)."""
+    def doc(pair):
+        specs = {
+            rank_filename(0): {"flattened_offsets": [[0, 5]], "local_shape": None, "global_offset": None},
+            rank_filename(1): {"flattened_offsets": [pair], "local_shape": None, "global_offset": None},
+        }
+        return {"tensors": {"f": {"shape": [10], "is_sharded": True, "dtype": "F32", "shard_spec_per_file": specs}}}
+
+    assert parse(doc([5, 10])) == StorageMetadata.model_validate(doc([5, 10]))
+    with pytest.raises(CorruptCheckpointError, match=rf"shard_spec_per_file\['rank_1.safetensors'\]: {error}$"):
+        parse(doc(last))
