@@ -199,3 +199,25 @@ def test_depth_limit_unchanged(levels):
     else:
         with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
             decode_builtins(pickle.dumps(value), where=WHERE)
+
+
+def test_hashing_one_key_many_times_is_refused():
+    """A key of 2**15 - 1 tuples (under the budget of 2**16 values) set three times in a dict:
+    each SETITEM hashes it again, 98,301 values hashed in all, past the budget of this 119-byte
+    pickle (the work grows with each 4-byte SETITEM; a mutant that dropped the sum over keys
+    passed every test)."""
+    out = b"\x80\x04)\x940"  # EMPTY_TUPLE MEMOIZE POP
+    for i in range(1, 15):
+        out += b"h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"\x86\x940"  # (t, t) MEMOIZE POP
+    one = out + b"}h\x0eNs."  # {t: None}
+    assert decode_builtins(one, where=WHERE) == {_shared_tuples(14): None}
+    three = out + b"}" + b"h\x0eNs" * 3 + b"0N."  # {t: None, t: None, t: None} POP; None STOP
+    with pytest.raises(CorruptCheckpointError, match=f"^{WHERE}: refused a {len(three)}-byte pickle that makes the unpickler hash more than 65536 values$"):
+        decode_builtins(three, where=WHERE)
+
+
+def _shared_tuples(levels: int) -> tuple:
+    value: tuple = ()
+    for _ in range(levels):
+        value = (value, value)
+    return value
