@@ -221,3 +221,12 @@ def _shared_tuples(levels: int) -> tuple:
     for _ in range(levels):
         value = (value, value)
     return value
+
+
+def test_persistent_ids_are_refused():
+    """A persistent id (BINPERSID) asks the unpickler for an object outside the pickle: refused,
+    never handed back as the value (a mutant that returned the id passed every test)."""
+    payload = b"\x80\x04\x8c\x01a\x94Q."  # SHORT_BINUNICODE 'a' MEMOIZE BINPERSID STOP
+    pickletools.dis(payload, out=io.StringIO())  # a well-formed pickle
+    with pytest.raises(CorruptCheckpointError, match=f"^{WHERE}: refused a pickle with persistent ids"):
+        decode_builtins(payload, where=WHERE)
