@@ -342,3 +342,24 @@ def test_a_box_the_file_holds_is_still_checked_for_coverage(tmp_path):
         "tensor 'w': elements [3, 4) of 6 are in no file",
         "tensor 'w': elements [5, 6) of 6 are in no file",
     ]
+
+
+def test_a_flipped_byte_in_the_last_of_several_chunks(tmp_path):
+    """Checksums per 16 bytes: a 40-byte piece has three chunks, the last one 8 bytes; a byte
+    flipped in it is found (a mutant that skipped each piece's last chunk passed every test)."""
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 10)})
+    path = os.path.join(dir, "metadata.json")
+    meta = json.loads(open(path).read())
+    meta["checksum_chunk_bytes"] = 16
+    data = torch.arange(10, dtype=torch.float32).numpy().tobytes()
+    meta["tensors"]["w"]["shard_spec_per_file"]["rank_0.safetensors"]["checksums"] = chunk_crcs(memoryview(data), 16)
+    open(path, "w").write(json.dumps(meta))
+    assert verify_checkpoint(dir) == []
+    rank0 = os.path.join(dir, "rank_0.safetensors")
+    start = byte_offset(dir, "rank_0.safetensors", "w")
+    with open(rank0, "r+b") as f:
+        f.seek(start + 37)
+        f.write(bytes([data[37] ^ 0x01]))
+    assert verify_checkpoint(dir) == [
+        f"{rank0}: checksum mismatch in tensor 'w', chunk 2 (file bytes [{start + 32}, {start + 40}))"
+    ]
