@@ -363,3 +363,13 @@ def test_a_flipped_byte_in_the_last_of_several_chunks(tmp_path):
     assert verify_checkpoint(dir) == [
         f"{rank0}: checksum mismatch in tensor 'w', chunk 2 (file bytes [{start + 32}, {start + 40}))"
     ]
+
+
+def test_one_trailing_byte_makes_an_invalid_safetensors_file(tmp_path):
+    """A single byte after the last tensor is named (a mutant that let one byte through passed every test)."""
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 10)})
+    path = os.path.join(dir, "rank_0.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "ab") as f:
+        f.write(b"\x00")
+    assert verify_checkpoint(dir) == [f"{path}: bytes [{size}, {size + 1}) after the last tensor belong to no tensor"]
