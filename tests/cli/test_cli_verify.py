@@ -373,3 +373,15 @@ def test_one_trailing_byte_makes_an_invalid_safetensors_file(tmp_path):
     with open(path, "ab") as f:
         f.write(b"\x00")
     assert verify_checkpoint(dir) == [f"{path}: bytes [{size}, {size + 1}) after the last tensor belong to no tensor"]
+
+
+def test_one_stray_byte_before_a_tensor(tmp_path):
+    """A file whose only tensor starts one byte into its data area (safetensors allows such a
+    header): that byte is named (a mutant that let a one-byte gap through passed every test)."""
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 10)})
+    path = os.path.join(dir, "rank_0.safetensors")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [10], "data_offsets": [1, 41]}}).encode()
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + b"\x00" + torch.arange(10, dtype=torch.float32).numpy().tobytes())
+    data_start = 8 + len(header)
+    assert verify_checkpoint(dir) == [f"{path}: bytes [{data_start}, {data_start + 1}) before tensor 'w' belong to no tensor"]
