@@ -385,3 +385,12 @@ def test_one_stray_byte_before_a_tensor(tmp_path):
         f.write(len(header).to_bytes(8, "little") + header + b"\x00" + torch.arange(10, dtype=torch.float32).numpy().tobytes())
     data_start = 8 + len(header)
     assert verify_checkpoint(dir) == [f"{path}: bytes [{data_start}, {data_start + 1}) before tensor 'w' belong to no tensor"]
+
+
+def test_a_piece_stored_with_a_shape_not_flat(tmp_path):
+    """Pieces are stored flat: the same 10 elements stored as [2, 5] are named (a mutant that
+    dropped the check passed every test)."""
+    dir = handmade(tmp_path, {"rank_0.safetensors": (0, 10)})
+    path = os.path.join(dir, "rank_0.safetensors")
+    save_file({"w": torch.arange(10, dtype=torch.float32).reshape(2, 5)}, path)
+    assert verify_checkpoint(dir) == [f"{path}: tensor 'w' is stored with shape [2, 5], not flat [10]"]
