@@ -166,3 +166,20 @@ def test_error_line_escapes_non_printable_characters(tmp_path, capsys):
     code, out, err = cli(capsys, "inspect", where)
     assert (code, out) == (1, "")
     assert err == f"checkpointer: error: {tmp_path}/x\\x1b[2Jy does not exist or is empty: no checkpoint there\n"
+
+
+def test_inspect_counts_bytes_by_item_size(tmp_path, capsys):
+    """Tensors of 1, 2 and 8 bytes an element (the other tests' were all 4: a mutant that counted
+    4 bytes an element passed every test)."""
+    from checkpointer import Checkpointer
+
+    path = str(tmp_path / "ckpt")
+    state = {"h": torch.ones(3, dtype=torch.bfloat16), "d": torch.ones(5, dtype=torch.float64), "m": torch.ones(7, dtype=torch.bool)}
+    Checkpointer().save(path, state)
+    code, out, err = cli(capsys, "inspect", path, "--json")
+    assert (code, err) == (0, "")
+    info = json.loads(out)
+    assert {t["key"]: (t["dtype"], t["numel"], t["bytes"]) for t in info["tensors"]} == {
+        "h": ("BF16", 3, 6), "d": ("F64", 5, 40), "m": ("BOOL", 7, 7)
+    }
+    assert info["total_bytes"] == 53
