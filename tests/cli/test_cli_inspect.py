@@ -183,3 +183,27 @@ def test_inspect_counts_bytes_by_item_size(tmp_path, capsys):
         "h": ("BF16", 3, 6), "d": ("F64", 5, 40), "m": ("BOOL", 7, 7)
     }
     assert info["total_bytes"] == 53
+
+
+def test_inspect_a_tensor_checksummed_in_some_files_only(tmp_path, capsys):
+    """A format-1 tensor is checksummed only when every piece lists its checksums (a mutant
+    that took any piece's passed every test)."""
+    from checkpointer.checksums import CHUNK_BYTES, chunk_crcs
+    from checkpointer.format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
+    from safetensors.torch import save_file
+
+    full = torch.arange(10, dtype=torch.float32)
+    specs = {}
+    for name, (s, e), crcs in (("rank_0.safetensors", (0, 6), True), ("rank_1.safetensors", (6, 10), False)):
+        save_file({"w": full[s:e].clone(), "v": full[s:e].clone()}, str(tmp_path / name))
+        specs[name] = TensorShardSpec(flattened_offsets=((s, e),), checksums=tuple(chunk_crcs(memoryview(full[s:e].numpy().tobytes()))))
+    partly = {**specs, "rank_1.safetensors": specs["rank_1.safetensors"].model_copy(update={"checksums": None})}
+    tensors = {
+        "v": TensorStorageMetadata(shape=(10,), is_sharded=True, dtype="F32", shard_spec_per_file=specs),
+        "w": TensorStorageMetadata(shape=(10,), is_sharded=True, dtype="F32", shard_spec_per_file=partly),
+    }
+    meta = StorageMetadata(tensors=tensors, format_version=1, world_size=2, checksum_algorithm="crc32c", checksum_chunk_bytes=CHUNK_BYTES)
+    (tmp_path / "metadata.json").write_bytes(meta.to_json_bytes())
+    code, out, err = cli(capsys, "inspect", str(tmp_path), "--json")
+    assert (code, err) == (0, "")
+    assert {t["key"]: t["checksummed"] for t in json.loads(out)["tensors"]} == {"v": True, "w": False}
