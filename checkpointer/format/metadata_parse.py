@@ -151,8 +151,9 @@ def _validate(
         if value is not None and type(value) is not int:
             raise ValueError(f"{name} must be an integer or null")
         fields[name] = value
-    if fields["checksum_chunk_bytes"] is not None and fields["checksum_chunk_bytes"] <= 0:
-        raise ValueError("checksum_chunk_bytes must be positive")
+    for name in ("world_size", "checksum_chunk_bytes"):
+        if fields[name] is not None and fields[name] <= 0:
+            raise ValueError(f"{name} must be positive")
     version = fields["format_version"]
     if version is not None and not 1 <= version <= FORMAT_VERSION:
         raise ValueError(f"format_version {version}: this version of checkpointer reads 1 to {FORMAT_VERSION}"

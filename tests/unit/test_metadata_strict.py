@@ -54,3 +54,11 @@ def test_the_model_refuses_a_checksum_chunk_size_of_zero():
     assert StorageMetadata(tensors={}, checksum_chunk_bytes=1).checksum_chunk_bytes == 1
     with pytest.raises(ValueError, match="checksum_chunk_bytes must be positive"):
         StorageMetadata(tensors={}, checksum_chunk_bytes=0)
+
+
+@pytest.mark.parametrize("field", ["world_size", "checksum_chunk_bytes"])
+def test_a_world_size_or_chunk_size_below_one_is_refused(field):
+    good = {"tensors": {"a": entry([2])}, "format_version": 1, "world_size": 1}
+    for bad in (0, -3):
+        with pytest.raises(CorruptCheckpointError, match=f"^{WHERE}: invalid checkpoint metadata: {field} must be positive$"):
+            parse({**good, field: bad})
