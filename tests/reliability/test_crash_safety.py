@@ -374,6 +374,16 @@ def test_latest_checkpoint_goes_by_the_step_number(ckpt):
     assert checkpointer.latest_checkpoint(run) == os.path.join(run, "step950-rank8")
 
 
+def test_latest_checkpoint_without_step_in_the_names_goes_by_the_last_number(ckpt):
+    """Names without ``step`` are ranked by their last number, not their first (a mutant that
+    took the first one, picking run2-200 here, passed every test)."""
+    run = ckpt.run_dir
+    for name in ("run1-300", "run2-200"):
+        shutil.copytree(ckpt.top, os.path.join(run, name))
+    shutil.rmtree(ckpt.top)
+    assert checkpointer.latest_checkpoint(run) == os.path.join(run, "run1-300")
+
+
 def test_a_refused_top_level_save_writes_neither_part(ckpt):
     """model/ without its metadata (and no lock) beside a complete optim/: a save without
     save_overwrite is refused before model/ is written, so no new model lands beside the old
