@@ -201,3 +201,22 @@ def test_verify_with_the_metadata_save_returned(tmp_path, strategy):
         Checkpointer().load(path, target, metadata=metadata, strategy=strategy, verify=True)
     Checkpointer().load(path, target, metadata=metadata, strategy=strategy, verify=False)
     assert (target["w"] != state["w"]).sum() == 1
+
+
+def _load_strided_verify(rank, world_size, path, strategy):
+    from dist_helpers import catch
+
+    return catch(Checkpointer().load, path, {"w": torch.zeros(32, 64).t()}, strategy=strategy, verify=True)
+
+
+@pytest.mark.parametrize("strategy", ["default", "two_stage"])
+def test_verify_checks_destinations_filled_through_host_memory(run_distributed, tmp_path, strategy):
+    """A destination that cannot be read into (strided here, on a GPU in a job) is filled through
+    a host buffer; verify=True checks those bytes too, on every rank (a mutant of two_stage that
+    skipped the check for them passed every test)."""
+    path = str(tmp_path / "ckpt")
+    Checkpointer().save(path, {"w": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)})
+    flip(os.path.join(path, "rank_0.safetensors"), "w", 5)
+    for rank, r in enumerate(run_distributed(_load_strided_verify, 2, path, strategy, timeout=120)):
+        assert r is not None, f"rank {rank} loaded a corrupt checkpoint with verify=True"
+        assert r["type"] == "CorruptCheckpointError" and "checksum mismatch in tensor 'w'" in r["msg"], (rank, r["msg"])
