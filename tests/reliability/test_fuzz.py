@@ -20,7 +20,7 @@ metadata.json says of the checksums). Besides the rule, a rule that describes ot
 the original (by a brute-force expansion in the test) is refused by every loader that reads the
 data, and a checksums tensor whose bytes or extent changed by a verifying load.
 
-``CHECKPOINTER_FUZZ_EXAMPLES`` (default 300) is the number of examples over the first two fuzzers
+``CHECKPOINTER_FUZZ_EXAMPLES`` (default 150) is the number of examples over the first two fuzzers
 (and as many again over the two of format 2)
 (and as many again for the pickle decoder, which takes milliseconds each);
 ``make fuzz`` runs 20000. Hits of bugs already known (each has its own strict-xfail test)
@@ -42,7 +42,7 @@ from hostile import split_rank_file, write_rank_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-EXAMPLES = int(os.environ.get("CHECKPOINTER_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("CHECKPOINTER_FUZZ_EXAMPLES", "150"))
 FUZZ_HANG_S = 20.0
 
 # Loaders per example: all of rel_helpers.part_loaders but latest_checkpoint and unshard_model_state
