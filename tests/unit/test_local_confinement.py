@@ -61,9 +61,8 @@ def test_a_pinned_view_keeps_reading_the_file_it_opened(root, tmp_path):
     assert plain.pinned().read("f", 0, 7) == b"OUTSIDE"  # a new view: a new reader
 
 
-def test_a_file_opened_again_must_be_the_first_one(root, tmp_path):
-    """Past its limit a view closes the least recently used file; one opened again under the
-    same name that is not the same file is refused, never read."""
+def _view_that_closed_a(root: str):
+    """A pinned view of files ``a`` and ``b`` that keeps one open: it read ``a``, then ``b``, which closed ``a``."""
     for name in ("a", "b"):
         with open(os.path.join(root, name), "wb") as f:
             f.write(INSIDE)
@@ -71,6 +70,13 @@ def test_a_file_opened_again_must_be_the_first_one(root, tmp_path):
     view._files = OpenFiles(limit=1)
     assert view.read("a", 0, 6) == b"inside"
     assert view.read("b", 0, 6) == b"inside"  # closes a
+    return view
+
+
+def test_a_file_opened_again_must_be_the_first_one(root, tmp_path):
+    """Past its limit a view closes the least recently used file; one opened again under the
+    same name that is not the same file is refused, never read."""
+    view = _view_that_closed_a(root)
     assert view.read("a", 0, 6) == b"inside"  # the same file: fine (closes b)
     other = tmp_path / "other"
     other.write_bytes(INSIDE)  # the same bytes, another file
@@ -85,13 +91,7 @@ def test_a_file_opened_again_must_be_the_first_one(root, tmp_path):
 def test_a_file_rewritten_in_place_while_closed_is_refused_when_opened_again(root):
     """The same inode is not enough: a file whose size or modification time changed while the
     view had it closed is another file's bytes under the old name, and is refused."""
-    for name in ("a", "b"):
-        with open(os.path.join(root, name), "wb") as f:
-            f.write(INSIDE)
-    view = LocalStorage(root).pinned()
-    view._files = OpenFiles(limit=1)
-    assert view.read("a", 0, 6) == b"inside"
-    assert view.read("b", 0, 6) == b"inside"  # closes a
+    view = _view_that_closed_a(root)
     inode = os.stat(os.path.join(root, "a")).st_ino
     with open(os.path.join(root, "a"), "r+b") as f:
         f.write(OUTSIDE)  # the same inode and size, other bytes, a later modification time
