@@ -115,3 +115,23 @@ def test_a_hugging_face_directory_as_the_initial_load_path_loads_as_it_is(tmp_pa
     fresh = Job("checkpointer", str(tmp_path / "b"), seed=1, initial_load_path=str(tmp_path))
     fresh.ckpt.load()
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), source.model.parameters()))
+
+
+def test_an_adapter_that_changes_values_is_refused_for_hugging_face_loads(tmp_path):
+    """llama3's own adapter permutes wq/wk on the way to Hugging Face names: a key map would load
+    them wrong, so the manager refuses it when torchtitan builds it, naming the tensors."""
+    from checkpointer.integrations.torchtitan import CheckpointerManager
+    from titan_job import ensure_process_group
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    ensure_process_group()
+    spec = llama3_debugmodel().model_spec
+    with torch.device("meta"):
+        model = spec.model.build()
+    adapter = spec.state_dict_adapter(spec.model, None)
+    optimizers = type("Optimizers", (), {"optimizers": [object()]})()
+    config = CheckpointerManager.Config(enable=True, initial_load_path=str(tmp_path), initial_load_in_hf=True)
+    with pytest.raises(ValueError, match="changes the values of") as refused:
+        CheckpointerManager(config, dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=None,
+                            states={}, sd_adapter=adapter, base_folder=str(tmp_path))
+    assert "model.layers.0.self_attn.q_proj.weight" in str(refused.value)
