@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import binascii
 import datetime
+import errno
 import functools
 import hashlib
 import logging
@@ -62,9 +63,8 @@ def _boto():
 
 def _error_code(exc: BaseException) -> tuple[str, int]:
     response = getattr(exc, "response", None) or {}
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return str(response.get("Error", {}).get("Code", "")), int(status or 0)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -171,6 +171,9 @@ class S3Storage(Storage):
             return call_with_retry(fn, op=op, url=url, transient=_transient, policy=self.retry)
         except botocore.exceptions.ClientError as e:
             code, status = _error_code(e)
+            if code == "NoSuchUpload":  # a 404 too: the upload is gone, not the file
+                raise FileNotFoundError(errno.ENOENT, f"{op}: the multipart upload was aborted while this save wrote it "
+                                        "(NoSuchUpload), by another process or a bucket lifecycle rule", url) from e
             if code in _NOT_FOUND or status == 404:
                 raise FileNotFoundError(url) from e
             raise OSError(f"{op} {url}: {redact(str(e))}") from e
@@ -322,12 +325,9 @@ class S3Storage(Storage):
 
 class S3Writer(PartWriter):
     """Streams a file into a multipart upload, ``max_concurrency`` parts in flight at most.
-
-    Memory stays bounded: buffers given to :meth:`write_stable` (a save's tensors) are sent
-    from the caller's memory, never copied; a buffer of a part or more is too. Other small
-    buffers are copied into part buffers (at most ``max_concurrency + 1`` parts' worth). A
-    file smaller than one part is a single PUT at commit.
-    """
+    Buffers given to :meth:`write_stable` (a save's tensors), or of a part or more, are sent from
+    the caller's memory; other small ones are copied into part buffers (``max_concurrency + 1``
+    parts' worth at most). A file smaller than one part is a single PUT at commit."""
 
     def __init__(self, storage: S3Storage, name: str):
         super().__init__(storage.join(name), storage.part_size, workers=storage.max_concurrency,

@@ -94,7 +94,7 @@ def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
 class Fault:
     """The next ``count`` requests matching ``method``/``path`` fail as ``mode``, after ``skip`` matches pass.
 
-    Modes: ``503`` (answer 503 Slow Down), ``drop`` (close without answering; the request
+    Modes: ``503`` (answer 503 Slow Down), ``error`` (answer ``status`` with the S3 error ``code``), ``drop`` (close without answering; the request
     never reaches the server), ``reset`` (the same, with a TCP reset), ``lost`` (forward, then close without answering: the server
     acted but the client never hears), ``truncate`` (forward, send the headers and half the
     body, close), ``stall`` (wait ``stall_s`` seconds, then close), ``hold`` (wait until the
@@ -107,6 +107,8 @@ class Fault:
     path: str | None = None
     skip: int = 0
     stall_s: float = 2.0
+    status: int = 503
+    code: str = "SlowDown"
     fired: int = 0
     released: threading.Event = field(default_factory=threading.Event)
 
@@ -206,9 +208,9 @@ class FaultProxy:
         with self._lock:
             self.seen.append(Seen(h.command, h.path, dict(h.headers), fault.mode if fault else None))
         mode = fault.mode if fault else None
-        if mode == "503":
-            payload = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-            h.send_response(503)
+        if mode in ("503", "error"):
+            payload = f"<Error><Code>{fault.code}</Code><Message>injected</Message></Error>".encode()
+            h.send_response(fault.status)
             h.send_header("Content-Type", "application/xml")
             h.send_header("Content-Length", str(len(payload)))
             h.end_headers()
