@@ -76,9 +76,10 @@ def _wait(work: dist.Work | None, what: str, arrival: _Arrival | None = None, pe
         who, detail = _who_stopped(arrival, peer)
         if arrival is not None:
             _watcher.remove(arrival)
-        raise RankFailedError(
-            f"{what}: {who} stopped answering (died, or exceeded {TIMEOUT_ENV}={timeout_seconds():g}s){detail}: {ex}"
-        ) from ex
+        limit = f"{TIMEOUT_ENV}={timeout_seconds():g}s"
+        if not who:  # every rank is waiting, in collectives that do not match
+            raise RankFailedError(f"{what}: no rank answered within {limit}: {detail}: {ex}") from ex
+        raise RankFailedError(f"{what}: {who} stopped answering (died, or exceeded {limit}){detail}: {ex}") from ex
     if arrival is not None:
         arrival.settle()
 
@@ -114,7 +115,7 @@ def _unslot(slot: torch.Tensor) -> bytes:
 def all_gather_bytes(payload: bytes, group: Any = None) -> list[bytes]:
     if not is_distributed():
         return [payload]
-    arrival = _Arrival(group)
+    arrival = _Arrival(group, "all-gather")
     width = _slot_width(len(payload), arrival, group)
     out = [torch.empty(width, dtype=torch.uint8, device=_device(group)) for _ in range(dist.get_world_size(group))]
     _wait(dist.all_gather(out, _slot(payload, width, group), group=group, async_op=True), "all-gather", arrival)
@@ -134,7 +135,7 @@ def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
     if not is_distributed():
         assert payload is not None
         return payload
-    arrival = _Arrival()
+    arrival = _Arrival(kind="broadcast")
     payload = payload if get_rank() == src and payload is not None else b""
     head = _to_tensor(len(payload).to_bytes(8, "little") + payload[:_FIRST_BYTES], 8 + _FIRST_BYTES)
     _wait(dist.broadcast(head, src, async_op=True), "broadcast", arrival)
@@ -152,7 +153,7 @@ def gather_bytes(payload: bytes, dst: int = 0, group: Any = None) -> list[bytes]
     """Every rank's payload on ``dst`` (None elsewhere)."""
     if not is_distributed():
         return [payload]
-    arrival = _Arrival(group)
+    arrival = _Arrival(group, "gather")
     width = _slot_width(len(payload), arrival, group)
     mine = _slot(payload, width, group)
     out = None
@@ -179,7 +180,7 @@ def all_equal_each_and_least(values: Sequence[int], pick: int, group: Any = None
     """:func:`all_equal_and_least` of each of ``values``, in the same one all-reduce."""
     if not is_distributed():
         return [True] * len(values), pick
-    arrival = _Arrival(group)
+    arrival = _Arrival(group, "all-reduce")
     t = torch.tensor([x for v in values for x in (v, -v)] + [pick], dtype=torch.int64, device=_device(group))
     _wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True), "all-reduce", arrival)
     got = t.tolist()

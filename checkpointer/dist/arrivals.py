@@ -1,9 +1,11 @@
 """Naming the rank that stopped answering, when a collective of :mod:`checkpointer.dist` fails.
 
 A rank numbers the byte collectives of :mod:`checkpointer.dist` as it enters them, and one still
-inside a collective after :func:`_late_s` records that number in the rendezvous store (from a
+inside a collective after :func:`_late_s` records that number and the kind in the rendezvous store (from a
 watching thread, so a store that stopped answering never holds up the collective); a survivor
-compares its number with the others' and names the ranks that never arrived. A collective that
+compares its number with the others' and names the ranks that never arrived; where ranks wait in
+collectives of one number but of different kinds (a broadcast, an all-reduce), it says that the
+calls differ between ranks (``train_state`` passed on some ranks only, say). A collective that
 ends sooner touches neither the store nor another thread: at thousands of ranks, a store write
 per rank and collective would load the one store server. Every store access on the failure path
 is bounded in time: when the store itself is gone (under ``env://`` or ``tcp://`` rank 0 hosts
@@ -39,14 +41,15 @@ def _late_s() -> float:
 
 
 class _Arrival:
-    """This rank entering one byte collective of ``group`` (numbered per group in this process).
-    While :func:`_wait` waits for one of its collectives, :class:`_Watcher` may record the
-    number in the rendezvous store."""
+    """This rank entering one byte collective of ``group`` (numbered per group in this process)
+    of ``kind`` (``"broadcast"``, say). While :func:`_wait` waits for one of its collectives,
+    :class:`_Watcher` may record the number and the kind in the rendezvous store."""
 
     _entered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> collectives entered
 
-    def __init__(self, group: Any = None):
+    def __init__(self, group: Any = None, kind: str = ""):
         self.group = group or dist.group.WORLD
+        self.kind = kind
         self.me = dist.get_rank()
         self.number = _Arrival._entered[self.group] = _Arrival._entered.get(self.group, 0) + 1
         self.since = 0.0
@@ -60,10 +63,10 @@ class _Arrival:
         _watcher.add(self)
 
     def record(self) -> Future:
-        """Start writing this rank's number to the store (once); the caller holds the watcher's lock."""
+        """Start writing this rank's number and kind to the store (once); the caller holds the watcher's lock."""
         if self.recorded is None:
-            key, number = self._key(self.me), str(self.number)
-            self.recorded = _in_thread(lambda: _store().set(key, number))
+            key, entry = self._key(self.me), f"{self.number} {self.kind}"
+            self.recorded = _in_thread(lambda: _store().set(key, entry))
         return self.recorded
 
     def settle(self) -> None:
@@ -79,23 +82,30 @@ class _Arrival:
         except FutureTimeout:
             pass
 
-    def missing(self) -> list[int]:
-        """The ranks that have not entered this collective (after waiting a little for stragglers)."""
+    def missing(self) -> tuple[list[int], dict[int, str]]:
+        """The ranks that have not entered this collective (after waiting a little for
+        stragglers), and those whose collective of this number is of another kind."""
         _watcher.record_now(self).result()  # raises what the store raised
         mine = self.number
         deadline = time.monotonic() + _straggler_s()
-        behind = [r for r in dist.get_process_group_ranks(self.group) if r != self.me]
-        behind = [r for r, n in zip(behind, self._counts(behind)) if n < mine]
+        others = [r for r in dist.get_process_group_ranks(self.group) if r != self.me]
+        entries = dict(zip(others, self._entries(others)))
+        behind = [r for r in others if entries[r][0] < mine]
         while behind and time.monotonic() < deadline:
             time.sleep(0.2)
-            behind = [r for r, n in zip(behind, self._counts(behind)) if n < mine]
-        return behind
+            entries.update(zip(behind, self._entries(behind)))
+            behind = [r for r in behind if entries[r][0] < mine]
+        return behind, {r: kind for r, (n, kind) in entries.items() if n == mine and kind != self.kind}
 
-    def _counts(self, ranks: list[int]) -> list[int]:
+    def _entries(self, ranks: list[int]) -> list[tuple[int, str]]:
+        """Each rank's last recorded (number, kind); (0, "") for a rank that never recorded."""
         store, keys = _store(), [self._key(r) for r in ranks]
         if store.check(keys):  # one request for all (a rank that never recorded has no key)
-            return [int(v) for v in store.multi_get(keys)]
-        return [int(store.add(k, 0)) for k in keys]
+            values = store.multi_get(keys)
+        else:
+            values = [store.get(k) if store.check([k]) else b"0 " for k in keys]
+        entries = [bytes(v).decode().partition(" ") for v in values]
+        return [(int(number), kind) for number, _, kind in entries]
 
 
 class _Watcher:
@@ -170,14 +180,22 @@ def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
         return "another rank", ""
     store = "rank 0 or the rendezvous store (rank 0 hosts it under env:// and tcp://)"
     try:
-        missing = _in_thread(arrival.missing).result(timeout=_STORE_S + _STRAGGLER_S)
+        missing, elsewhere = _in_thread(arrival.missing).result(timeout=_STORE_S + _STRAGGLER_S)
     except FutureTimeout:
         return store, f"; the store did not answer within {_STORE_S:g}s"
     except Exception as ex:  # noqa: BLE001 - the store's own failure is the diagnosis
         return store, f"; the store is unreachable ({type(ex).__name__}: {ex})"
+    if elsewhere:
+        ranks = "; ".join(f"rank {r} in {_a(kind)}" for r, kind in sorted(elsewhere.items()))
+        return "", (
+            f"the ranks are in different collectives (this rank, {arrival.me}, in {_a(arrival.kind)}; {ranks}): they "
+            "made different calls, or one call with arguments that differ between ranks (train_state=, optim=, "
+            "strategy=, or models of other keys). Every rank must make the same calls with the same arguments")
     if not missing:
         return "another rank", "; every rank had entered this collective, so one stopped inside it"
     many = len(missing) > 1
     return f"rank{'s' if many else ''} {', '.join(map(str, missing))}", f"; {'they' if many else 'it'} never entered this collective: did {'they' if many else 'it'} call this function? Every rank must call it together (a save or load under `if rank == 0:` waits for the others; pass no_dist=True where offered to work alone)"
 
 
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"

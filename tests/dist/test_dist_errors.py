@@ -513,8 +513,8 @@ def _collectives_with_a_slow_store(rank, world_size, marker):
 
     seen = []
 
-    def init(self, group=None):
-        real_init(self, group)
+    def init(self, group=None, kind=""):
+        real_init(self, group, kind)
         seen.append(self)
 
     arrivals._store, arrivals._LATE_S = (lambda: SlowStore(real())), 0.2

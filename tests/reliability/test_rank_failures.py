@@ -310,6 +310,33 @@ def test_a_save_called_by_rank_0_only_says_every_rank_must_call_it(tmp_path):
     assert "Every rank must call it together" in first and "no_dist=True" in first, first
 
 
+def _save_with_train_state_on_rank_0_only(rank, world_size, top):
+    import time
+
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    try:
+        checkpointer.save_model_and_optim_state(top, model, optim, train_state={"step": 1} if rank == 0 else None)
+    except checkpointer.CheckpointError as ex:
+        return f"{type(ex).__name__}: {ex}", time.monotonic() - start
+    return "saved", time.monotonic() - start
+
+
+def test_train_state_on_rank_0_only_says_the_calls_differ(tmp_path):
+    """Both ranks call the save, one with ``train_state``: their collectives differ, and both wait
+    in one. Both say so, within the timeout (it said a rank had stopped inside a collective)."""
+    results = rel_helpers.run_group(
+        _save_with_train_state_on_rank_0_only, 2, str(tmp_path / "step1"), checkpointer_timeout_s=3.0
+    )
+    for rank, (message, seconds) in enumerate(rel_helpers.values(results)):
+        assert seconds < 3.0 + 1.5, f"rank {rank}: the error came {seconds:.1f}s after the call, CHECKPOINTER_TIMEOUT_S=3"
+        assert message.startswith("RankFailedError") and "the ranks are in different collectives" in message, message
+        assert f"this rank, {rank}, in an all-reduce" in message or f"this rank, {rank}, in a broadcast" in message, message
+        assert "train_state=" in message and "same arguments" in message, message
+    assert not os.path.exists(tmp_path / "step1" / "optim" / "metadata.json")
+
+
 def _prune_on_rank_0_only(rank, world_size, run, flag):
     if rank != 0:
         return _wait_for(flag)
