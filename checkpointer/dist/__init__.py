@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .. import settings
 from ..buffers import memoryview_of
 from ..errors import RankError, RankFailedError, remote_error
-from .arrivals import _Arrival, _straggler_s, _watcher, _who_stopped
+from .arrivals import DIFFERENT_CALLS, _Arrival, _straggler_s, _watcher, _who_stopped
 
 __all__ = [
     "is_distributed", "get_rank", "get_world_size", "timeout_seconds", "all_gather_bytes", "broadcast_bytes", "gather_bytes",
@@ -103,12 +103,16 @@ def _slot_width(n: int, arrival: _Arrival, group: Any = None) -> int:
 
 
 def _slot(payload: bytes, width: int, group: Any = None) -> torch.Tensor:
+    if _LENGTH + len(payload) > width:  # the all-reduce of the widths met another rank's other collective
+        raise RankFailedError(f"exchange: the collectives of the ranks do not match: {DIFFERENT_CALLS}")
     return _to_tensor(len(payload).to_bytes(_LENGTH, "little") + payload, width, group)
 
 
 def _unslot(slot: torch.Tensor) -> bytes:
     """The payload of a slot, without the padding after it."""
     n = int.from_bytes(_bytes(slot[:_LENGTH]), "little")
+    if _LENGTH + n > slot.numel():
+        raise RankFailedError(f"exchange: the collectives of the ranks do not match: {DIFFERENT_CALLS}")
     return _bytes(slot[_LENGTH : _LENGTH + n])
 
 

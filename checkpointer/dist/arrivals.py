@@ -30,6 +30,10 @@ _ARRIVALS = "checkpointer/arrivals"
 _STRAGGLER_S = 5.0  # how long a survivor waits for ranks that have not arrived yet, at most
 _STORE_S = 10.0  # the most the store may take to answer on the failure path
 _LATE_S = 1.0  # a rank still inside a collective this long records its arrival, at most
+DIFFERENT_CALLS = (
+    "they made different calls, or one call with arguments that differ between ranks (train_state=, optim=, "
+    "strategy=, or models of other keys). Every rank must make the same calls with the same arguments"
+)
 
 
 def _straggler_s() -> float:
@@ -187,10 +191,7 @@ def _who_stopped(arrival: _Arrival | None, peer: int | None) -> tuple[str, str]:
         return store, f"; the store is unreachable ({type(ex).__name__}: {ex})"
     if elsewhere:
         ranks = "; ".join(f"rank {r} in {_a(kind)}" for r, kind in sorted(elsewhere.items()))
-        return "", (
-            f"the ranks are in different collectives (this rank, {arrival.me}, in {_a(arrival.kind)}; {ranks}): they "
-            "made different calls, or one call with arguments that differ between ranks (train_state=, optim=, "
-            "strategy=, or models of other keys). Every rank must make the same calls with the same arguments")
+        return "", f"the ranks are in different collectives (this rank, {arrival.me}, in {_a(arrival.kind)}; {ranks}): {DIFFERENT_CALLS}"
     if not missing:
         return "another rank", "; every rank had entered this collective, so one stopped inside it"
     many = len(missing) > 1

@@ -337,6 +337,29 @@ def test_train_state_on_rank_0_only_says_the_calls_differ(tmp_path):
     assert not os.path.exists(tmp_path / "step1" / "optim" / "metadata.json")
 
 
+def _load_with_two_strategies(rank, world_size, top):
+    import time
+
+    state = {"w": torch.arange(64.0).reshape(8, 8)}
+    Checkpointer().save(top, state)
+    start = time.monotonic()
+    try:
+        Checkpointer().load(top, {"w": torch.zeros(8, 8)}, strategy="two_stage" if rank == 1 else "default")
+    except checkpointer.CheckpointError as ex:
+        return f"{type(ex).__name__}: {ex}", time.monotonic() - start
+    return "loaded", time.monotonic() - start
+
+
+def test_a_load_with_another_strategy_on_one_rank_says_the_calls_differ(tmp_path):
+    """Rank 1 loads two-stage, rank 0 by default: their collectives differ (one rank read a
+    reduction of another kind as a width, and raised a bare torch RuntimeError)."""
+    results = rel_helpers.values(rel_helpers.run_group(
+        _load_with_two_strategies, 2, str(tmp_path / "ckpt"), checkpointer_timeout_s=3.0))
+    assert all(message.startswith("RankFailedError") and seconds < 3.0 + 1.5 for message, seconds in results), results
+    said = [m for m, _ in results if "do not match" in m or "different collectives" in m]
+    assert said and all("strategy=" in m and "same arguments" in m for m in said), results
+
+
 def _prune_on_rank_0_only(rank, world_size, run, flag):
     if rank != 0:
         return _wait_for(flag)
