@@ -6,7 +6,9 @@ is a :class:`~checkpointer.CheckpointMismatchError` that names the difference on
 :data:`SHOWN` keys of each side); with ``strict=False`` the keys both have load and the rest are
 reported in :class:`~checkpointer.LoadResult`. Tied parameters (keys sharing memory in the
 model) and aliases (keys saved once under another name) count once: a key is not missing when a
-key tied to it loads, and not unexpected when a key of its alias group loads.
+key tied to it loads, and not unexpected when a key of its alias group loads. A tied group is read
+once, under the model's first name the checkpoint has; a checkpoint holding several of its names as
+separate tensors gets a warning naming them.
 
 An optimizer of another kind than the one saved is refused in both modes: by the class name a
 save records (:data:`OPTIM_CLASS_KEY`), or, for checkpoints without it (OLMo-core's, older
@@ -16,6 +18,7 @@ ones), by the state keys (:func:`check_optim_kind`).
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -86,10 +89,20 @@ def keys_to_load(
     groups: dict[str, list[str]] = {}
     for key in model_state:
         groups.setdefault(tied.get(key, key), []).append(key)
-    loaded_groups = {root for root, keys in groups.items() if any(k in in_checkpoint for k in keys)}
-    to_load = {k: v for k, v in model_state.items() if k in in_checkpoint}
+    present = {root: [k for k in keys if k in in_checkpoint] for root, keys in groups.items()}
+    loaded_groups = {root for root, keys in present.items() if keys}
+    # One key of a tied group is read, the model's first that the checkpoint has: the others fill the same memory.
+    read = {keys[0] for keys in present.values() if keys}
+    to_load = {k: v for k, v in model_state.items() if k in read}
+    for keys in present.values():
+        if len({aliases.get(k, k) for k in keys}) > 1:
+            warnings.warn(
+                f"the checkpoint holds {', '.join(map(repr, keys))} as separate tensors, which this model ties: "
+                f"{keys[0]!r} is loaded and the others are not read (their values are not in the model)",
+                stacklevel=4,
+            )
     missing = [k for k in model_state if tied.get(k, k) not in loaded_groups]
-    loaded_saved = {aliases.get(k, k) for k in to_load}
+    loaded_saved = {aliases.get(k, k) for k in model_state if k in in_checkpoint}
     unexpected = sorted(k for k in in_checkpoint if k not in model_state and aliases.get(k, k) not in loaded_saved)
     return to_load, missing, unexpected
 

@@ -11,6 +11,7 @@ and ``remote/test_remote_hf_*.py``.
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -139,3 +140,43 @@ def test_casting_an_empty_tensor_first_loads_the_rest(tmp_path):
     sizes = {"empty": (0, 4), "x": (3,), "y": (5,)}
     assert _cast_batches([(0, k, None, "BF16") for k in sizes], sizes, 6) == [
         [(0, "empty", None, "BF16"), (0, "x", None, "BF16")], [(0, "y", None, "BF16")]]
+
+
+class Untied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 10, bias=False)
+        self.norm = nn.LayerNorm(4)
+
+
+def test_two_tensors_that_the_model_ties_load_the_first_and_say_so(tmp_path):
+    """A checkpoint holding ``embed.weight`` and ``out.weight`` as two tensors, into a model that
+    ties them: the model's first name is loaded and the other is not read, with a warning naming
+    both (the last one read used to win, silently). Both ours and Hugging Face files; a checkpoint
+    of the tied model itself (one tensor, an alias) loads without a warning."""
+    torch.manual_seed(0)
+    untied = Untied()
+    state = {k: v.detach().clone() for k, v in untied.state_dict().items()}
+    assert not torch.equal(state["embed.weight"], state["out.weight"].reshape(10, 4))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(state, str(hf / "model.safetensors"))
+    ours = str(tmp_path / "ours")
+    checkpointer.save_model_and_optim_state(ours, untied, torch.optim.SGD(untied.parameters(), lr=0.1))
+    for source in (str(hf), ours):
+        model = Tied()
+        with pytest.warns(UserWarning, match=r"holds 'embed.weight', 'out.weight' as separate tensors.*'embed.weight' is loaded"):
+            result = load_model_and_optim_state(source, model)
+        assert (result.missing_keys, result.unexpected_keys) == ([], [])
+        assert torch.equal(model.embed.weight, state["embed.weight"]) and model.out.weight is model.embed.weight
+        assert torch.equal(model.norm.weight, state["norm.weight"])
+
+    tied_ckpt = str(tmp_path / "tied")
+    saved = Tied()
+    checkpointer.save_model_and_optim_state(tied_ckpt, saved, torch.optim.SGD(saved.parameters(), lr=0.1))
+    model = Tied()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model_and_optim_state(tied_ckpt, model)
+    assert torch.equal(model.embed.weight, saved.embed.weight)
