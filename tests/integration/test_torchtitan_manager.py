@@ -1,14 +1,19 @@
 """``CheckpointerManager`` against torchtitan's own DCP ``CheckpointManager``, one process, no
 trainer launch (``tests/support/titan_job.py``): what each backend does with the same settings.
-Each case was found by a review where the two differed. Skipped without torchtitan."""
+Each case was found by a review where the two differed; the later ones, each a setting of
+``CheckpointerManager`` alone, by mutation testing of the module (each failed with a mutant that
+passed every other test here). Skipped without torchtitan."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
 torch = pytest.importorskip("torch")
 
+import checkpointer  # noqa: E402
 from titan_job import Job  # noqa: E402  (tests/support; after the skip: it needs torchtitan)
 
 BACKENDS = ["dcp", "checkpointer"]
@@ -135,3 +140,14 @@ def test_an_adapter_that_changes_values_is_refused_for_hugging_face_loads(tmp_pa
         CheckpointerManager(config, dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=None,
                             states={}, sd_adapter=adapter, base_folder=str(tmp_path))
     assert "model.layers.0.self_attn.q_proj.weight" in str(refused.value)
+
+
+def _steps(folder) -> list[str]:
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def test_load_only_saves_nothing(tmp_path):
+    job = Job("checkpointer", str(tmp_path), interval=1, load_only=True, last_save_model_only=False)
+    job.train(2)
+    job.ckpt.save(3, last_step=True)
+    assert _steps(tmp_path / "checkpoint") == []
