@@ -151,3 +151,10 @@ def test_load_only_saves_nothing(tmp_path):
     job.train(2)
     job.ckpt.save(3, last_step=True)
     assert _steps(tmp_path / "checkpoint") == []
+
+
+def test_enable_first_step_checkpoint_saves_step_1(tmp_path):
+    job = Job("checkpointer", str(tmp_path), interval=10, enable_first_step_checkpoint=True,
+              last_save_model_only=False)
+    job.train(3)
+    assert _steps(tmp_path / "checkpoint") == ["step-1"]
