@@ -158,3 +158,12 @@ def test_enable_first_step_checkpoint_saves_step_1(tmp_path):
               last_save_model_only=False)
     job.train(3)
     assert _steps(tmp_path / "checkpoint") == ["step-1"]
+
+
+def test_without_last_save_model_only_the_last_step_is_a_resume_point(tmp_path):
+    job = Job("checkpointer", str(tmp_path), interval=10, last_save_model_only=False)
+    job.train(1, save=False)
+    job.ckpt.save(1, last_step=True)
+    folder = tmp_path / "checkpoint"
+    assert checkpointer.latest_checkpoint(str(folder)) == str(folder / "step-1")
+    assert sorted(os.listdir(folder / "step-1")) == ["model", "optim", "train"]
