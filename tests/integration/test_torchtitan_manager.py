@@ -167,3 +167,12 @@ def test_without_last_save_model_only_the_last_step_is_a_resume_point(tmp_path):
     folder = tmp_path / "checkpoint"
     assert checkpointer.latest_checkpoint(str(folder)) == str(folder / "step-1")
     assert sorted(os.listdir(folder / "step-1")) == ["model", "optim", "train"]
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_keep_latest_k_keeps_the_newest_k_steps(async_mode, tmp_path):
+    job = Job("checkpointer", str(tmp_path), interval=1, keep_latest_k=2, async_mode=async_mode,
+              last_save_model_only=False)
+    job.train(4)
+    job.ckpt.maybe_wait_for_saving()
+    assert _steps(tmp_path / "checkpoint") == ["step-3", "step-4"]
