@@ -7,6 +7,7 @@ passed every other test here). Skipped without torchtitan."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 
 import pytest
 
@@ -176,3 +177,34 @@ def test_keep_latest_k_keeps_the_newest_k_steps(async_mode, tmp_path):
     job.train(4)
     job.ckpt.maybe_wait_for_saving()
     assert _steps(tmp_path / "checkpoint") == ["step-3", "step-4"]
+
+
+def _stub_async_save(monkeypatch, error: Exception | None = None) -> tuple[list[dict], list[str]]:
+    """``async_save_model_and_optim_state`` writes nothing and hands back a done future (failed
+    with ``error``, if given) whose ``staged`` notes each wait; returns (each call's keyword
+    arguments, the waits)."""
+    calls: list[dict] = []
+    waits: list[str] = []
+
+    class Staged:
+        def result(self, timeout=None):
+            waits.append("staged")
+
+    def async_save(step_dir, model, optim, **kwargs):
+        calls.append(kwargs)
+        future: Future = Future()
+        future.staged = Staged()
+        future.set_exception(error) if error is not None else future.set_result(None)
+        return future
+
+    monkeypatch.setattr(checkpointer, "async_save_model_and_optim_state", async_save)
+    return calls, waits
+
+
+def test_a_failed_async_save_is_raised_at_the_next_save(tmp_path, monkeypatch):
+    _stub_async_save(monkeypatch, OSError("disk full"))
+    job = Job("checkpointer", str(tmp_path), interval=1, async_mode="async", last_save_model_only=False)
+    job.train(1)
+    with pytest.raises(OSError, match="disk full"):
+        job.train(1)
+    assert job.ckpt.save_future is None
