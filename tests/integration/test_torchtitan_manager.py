@@ -208,3 +208,12 @@ def test_a_failed_async_save_is_raised_at_the_next_save(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         job.train(1)
     assert job.ckpt.save_future is None
+
+
+def test_maybe_wait_for_staging_waits_for_the_save_in_flight(tmp_path, monkeypatch):
+    _, waits = _stub_async_save(monkeypatch)
+    job = Job("checkpointer", str(tmp_path), interval=1, async_mode="async", last_save_model_only=False)
+    job.train(1)
+    assert waits == []
+    job.ckpt.maybe_wait_for_staging()
+    assert waits == ["staged"]
