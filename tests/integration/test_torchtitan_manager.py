@@ -217,3 +217,12 @@ def test_maybe_wait_for_staging_waits_for_the_save_in_flight(tmp_path, monkeypat
     assert waits == []
     job.ckpt.maybe_wait_for_staging()
     assert waits == ["staged"]
+
+
+@pytest.mark.parametrize("in_background", [True, False])
+def test_stage_in_background_is_passed_to_the_async_save(in_background, tmp_path, monkeypatch):
+    calls, _ = _stub_async_save(monkeypatch)
+    job = Job("checkpointer", str(tmp_path), interval=1, async_mode="async", stage_in_background=in_background,
+              last_save_model_only=False)
+    job.train(1)
+    assert [c["stage_in_background"] for c in calls] == [in_background]
