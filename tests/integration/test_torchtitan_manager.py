@@ -226,3 +226,19 @@ def test_stage_in_background_is_passed_to_the_async_save(in_background, tmp_path
               last_save_model_only=False)
     job.train(1)
     assert [c["stage_in_background"] for c in calls] == [in_background]
+
+
+def _whole_run(folder: str, steps: int, **config) -> Job:
+    """A finished run that saved every step whole."""
+    job = Job("checkpointer", folder, interval=1, last_save_model_only=False, **config)
+    job.train(steps)
+    job.finish()
+    return job
+
+
+def test_load_step_loads_that_step(tmp_path):
+    _whole_run(str(tmp_path), 4)
+    job = Job("checkpointer", str(tmp_path), seed=1, load_step=2)
+    job.ckpt.load(step=2)
+    where = job.where()
+    assert (where["step"], where["last_epoch"], where["next_batch"]) == (2, 2, 4)
