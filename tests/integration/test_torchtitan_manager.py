@@ -242,3 +242,10 @@ def test_load_step_loads_that_step(tmp_path):
     job.ckpt.load(step=2)
     where = job.where()
     assert (where["step"], where["last_epoch"], where["next_batch"]) == (2, 2, 4)
+
+
+def test_load_step_of_a_missing_step_is_an_error(tmp_path):
+    _whole_run(str(tmp_path), 2)
+    job = Job("checkpointer", str(tmp_path), seed=1, load_step=7)
+    with pytest.raises(FileNotFoundError, match="load_step=7: no complete checkpoint at .*step-7"):
+        job.ckpt.load(step=7)
