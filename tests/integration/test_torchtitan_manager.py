@@ -249,3 +249,22 @@ def test_load_step_of_a_missing_step_is_an_error(tmp_path):
     job = Job("checkpointer", str(tmp_path), seed=1, load_step=7)
     with pytest.raises(FileNotFoundError, match="load_step=7: no complete checkpoint at .*step-7"):
         job.ckpt.load(step=7)
+
+
+def test_a_seed_checkpoint_loads_at_load_step_0_and_yields_to_later_steps(tmp_path):
+    """``step-0`` (the model alone): the start of a job on the folder, and what ``load_step=0``
+    loads once later steps exist; a plain load then takes the newest step."""
+    seed = Job("checkpointer", str(tmp_path), seed=5)
+    seed.ckpt.save(0, last_step=True)
+    run = Job("checkpointer", str(tmp_path), seed=1, interval=1, last_save_model_only=False)
+    run.ckpt.load()
+    assert all(torch.equal(a, b) for a, b in zip(run.where()["weights"], seed.where()["weights"]))
+    run.train(2)
+    run.finish()
+    latest = Job("checkpointer", str(tmp_path), seed=2)
+    latest.ckpt.load()
+    assert latest.where()["step"] == 2
+    again = Job("checkpointer", str(tmp_path), seed=2, load_step=0)
+    again.ckpt.load(step=0)
+    assert again.where()["step"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(again.where()["weights"], seed.where()["weights"]))
