@@ -268,3 +268,16 @@ def test_a_seed_checkpoint_loads_at_load_step_0_and_yields_to_later_steps(tmp_pa
     again.ckpt.load(step=0)
     assert again.where()["step"] == 0
     assert all(torch.equal(a, b) for a, b in zip(again.where()["weights"], seed.where()["weights"]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exclude_from_loading_leaves_those_states_as_they_are(backend, tmp_path):
+    first = Job(backend, str(tmp_path), interval=2, last_save_model_only=False)
+    first.train(2)
+    first.finish()
+    job = Job(backend, str(tmp_path), seed=1,
+              exclude_from_loading=["optimizer", "lr_scheduler", "dataloader", "train_state"])
+    job.ckpt.load()
+    where = job.where()
+    assert (where["step"], where["last_epoch"], where["next_batch"], where["optimizer_states"]) == (0, 0, 0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(where["weights"], first.where()["weights"]))
