@@ -281,3 +281,16 @@ def test_exclude_from_loading_leaves_those_states_as_they_are(backend, tmp_path)
     where = job.where()
     assert (where["step"], where["last_epoch"], where["next_batch"], where["optimizer_states"]) == (0, 0, 0, 0)
     assert all(torch.equal(a, b) for a, b in zip(where["weights"], first.where()["weights"]))
+
+
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [((1, 2), (0, 1)), ((1, 2), (0, 2))])
+def test_a_loader_position_of_another_data_parallel_rank_is_not_restored(saved_at, loaded_at, tmp_path):
+    first = Job("checkpointer", str(tmp_path), interval=2, last_save_model_only=False)
+    first.loader.dp_rank, first.loader.dp_world_size = saved_at
+    first.train(2)
+    job = Job("checkpointer", str(tmp_path), seed=1)
+    job.loader.dp_rank, job.loader.dp_world_size = loaded_at
+    with pytest.warns(UserWarning, match=f"saved at data-parallel size {saved_at[1]}, this job has {loaded_at[1]} "
+                                         f"\\(data-parallel rank {saved_at[0]} saved, this is {loaded_at[0]}\\)"):
+        job.ckpt.load()
+    assert (job.where()["step"], job.where()["next_batch"]) == (2, 0)
