@@ -294,3 +294,17 @@ def test_a_loader_position_of_another_data_parallel_rank_is_not_restored(saved_a
                                          f"\\(data-parallel rank {saved_at[0]} saved, this is {loaded_at[0]}\\)"):
         job.ckpt.load()
     assert (job.where()["step"], job.where()["next_batch"]) == (2, 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_folders_own_checkpoint_wins_over_initial_load_path(backend, tmp_path):
+    other = Job(backend, str(tmp_path / "other"), interval=2, last_save_model_only=False)
+    other.train(2)
+    other.finish()
+    own = Job(backend, str(tmp_path / "own"), seed=1, interval=3, last_save_model_only=False)
+    own.train(3)
+    own.finish()
+    job = Job(backend, str(tmp_path / "own"), seed=2, initial_load_model_only=False,
+              initial_load_path=str(tmp_path / "other" / "checkpoint" / "step-2"))
+    job.ckpt.load()
+    assert job.where()["step"] == 3
