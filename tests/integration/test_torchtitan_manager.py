@@ -308,3 +308,20 @@ def test_the_folders_own_checkpoint_wins_over_initial_load_path(backend, tmp_pat
               initial_load_path=str(tmp_path / "other" / "checkpoint" / "step-2"))
     job.ckpt.load()
     assert job.where()["step"] == 3
+
+
+def test_a_rolled_back_run_saves_its_model_only_last_step_over_a_whole_one(tmp_path):
+    """Steps 1-3 saved whole; a run rolled back to step 1 saves step 3 as its last, the model
+    alone: the earlier optimizer and training state go, so step 3 is no resume point."""
+    _whole_run(str(tmp_path), 3)
+    again = Job("checkpointer", str(tmp_path), seed=1, interval=1, load_step=1, last_save_model_only=True)
+    again.ckpt.load(step=1)
+    again.train(1)
+    again.train(1, save=False)
+    again.ckpt.save(3, last_step=True)
+    folder = tmp_path / "checkpoint"
+    assert sorted(os.listdir(folder / "step-3")) == ["model"]
+    assert checkpointer.latest_checkpoint(str(folder)) == str(folder / "step-2")
+    saved = {k: torch.empty_like(v) for k, v in again.model.state_dict().items()}
+    checkpointer.Checkpointer().load(str(folder / "step-3" / "model"), saved)
+    assert all(torch.equal(saved[k], v) for k, v in again.model.state_dict().items())
