@@ -325,3 +325,8 @@ def test_a_rolled_back_run_saves_its_model_only_last_step_over_a_whole_one(tmp_p
     saved = {k: torch.empty_like(v) for k, v in again.model.state_dict().items()}
     checkpointer.Checkpointer().load(str(folder / "step-3" / "model"), saved)
     assert all(torch.equal(saved[k], v) for k, v in again.model.state_dict().items())
+
+
+def test_hugging_face_names_without_an_adapter_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="need the model's state_dict_adapter; this model has none"):
+        Job("checkpointer", str(tmp_path), last_save_in_hf=True)
