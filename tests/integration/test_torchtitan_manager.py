@@ -330,3 +330,11 @@ def test_a_rolled_back_run_saves_its_model_only_last_step_over_a_whole_one(tmp_p
 def test_hugging_face_names_without_an_adapter_are_refused(tmp_path):
     with pytest.raises(ValueError, match="need the model's state_dict_adapter; this model has none"):
         Job("checkpointer", str(tmp_path), last_save_in_hf=True)
+
+
+def test_pipeline_parallel_model_parts_are_refused(tmp_path):
+    job = Job("checkpointer", str(tmp_path))
+    config = job.ckpt.config
+    with pytest.raises(ValueError, match="this job has 2 model parts"):
+        type(job.ckpt)(config, dataloader=job.loader, model_parts=[job.model, job.model], optimizers=job.optimizers,
+                       lr_schedulers=job.schedulers, states={}, base_folder=str(tmp_path))
