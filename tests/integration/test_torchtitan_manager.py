@@ -338,3 +338,12 @@ def test_pipeline_parallel_model_parts_are_refused(tmp_path):
     with pytest.raises(ValueError, match="this job has 2 model parts"):
         type(job.ckpt)(config, dataloader=job.loader, model_parts=[job.model, job.model], optimizers=job.optimizers,
                        lr_schedulers=job.schedulers, states={}, base_folder=str(tmp_path))
+
+
+def test_config_lowers_async_mode_and_refuses_quantized_hugging_face_loads(tmp_path):
+    from checkpointer.integrations.torchtitan import CheckpointerManager
+
+    assert CheckpointerManager.Config(async_mode="Async").async_mode == "async"
+    with pytest.raises(ValueError, match="quantized"):
+        CheckpointerManager.Config(enable=True, initial_load_path=str(tmp_path), initial_load_in_hf=True,
+                                   initial_load_in_hf_quantized=True)
