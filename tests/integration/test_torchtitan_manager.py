@@ -347,3 +347,28 @@ def test_config_lowers_async_mode_and_refuses_quantized_hugging_face_loads(tmp_p
     with pytest.raises(ValueError, match="quantized"):
         CheckpointerManager.Config(enable=True, initial_load_path=str(tmp_path), initial_load_in_hf=True,
                                    initial_load_in_hf_quantized=True)
+
+
+class _RenamingAdapter:
+    """A ``state_dict_adapter`` that only renames (``0.weight`` <-> ``hf.0.weight``)."""
+
+    def __init__(self, hf_assets_path: str | None = None):
+        self.hf_assets_path = hf_assets_path
+
+    def to_hf(self, state: dict) -> dict:
+        return {f"hf.{k}": v for k, v in state.items()}
+
+
+def test_a_job_starts_from_the_adapters_hugging_face_checkpoint_in_bfloat16(tmp_path):
+    """``initial_load_in_hf`` with no ``initial_load_path``: the adapter's ``hf_assets_path``,
+    its bfloat16 shards cast into the fp32 model as they load."""
+    from safetensors.torch import save_file
+
+    source = Job("checkpointer", str(tmp_path / "a"), seed=3)
+    hf = {f"hf.{k}": v.to(torch.bfloat16).contiguous() for k, v in source.model.state_dict().items()}
+    save_file(hf, str(tmp_path / "model.safetensors"))
+    job = Job("checkpointer", str(tmp_path / "b"), seed=1, sd_adapter=_RenamingAdapter(str(tmp_path)),
+              initial_load_in_hf=True)
+    assert job.ckpt.load()
+    for k, v in job.model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, hf[f"hf.{k}"].float()), k

@@ -63,9 +63,9 @@ class _TrainState:
 
 class Job:
     """``backend``: ``"dcp"`` (torchtitan's) or ``"checkpointer"``; ``config``: the manager's
-    ``--checkpoint.*`` settings."""
+    ``--checkpoint.*`` settings; ``sd_adapter``: the model's ``state_dict_adapter``, if any."""
 
-    def __init__(self, backend: str, folder: str, seed: int = 0, **config):
+    def __init__(self, backend: str, folder: str, seed: int = 0, sd_adapter=None, **config):
         ensure_process_group()
         torch.manual_seed(seed)
         self.model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
@@ -77,7 +77,7 @@ class Job:
         manager = CheckpointManager if backend == "dcp" else CheckpointerManager
         self.ckpt = manager(manager.Config(enable=True, **config), dataloader=self.loader, model_parts=[self.model],
                             optimizers=self.optimizers, lr_schedulers=self.schedulers,
-                            states={"train_state": self.train_state}, sd_adapter=None, base_folder=folder)
+                            states={"train_state": self.train_state}, sd_adapter=sd_adapter, base_folder=folder)
 
     def step(self) -> None:
         self.train_state.step += 1
