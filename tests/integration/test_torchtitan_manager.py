@@ -372,3 +372,20 @@ def test_a_job_starts_from_the_adapters_hugging_face_checkpoint_in_bfloat16(tmp_
     assert job.ckpt.load()
     for k, v in job.model.state_dict().items():
         assert v.dtype == torch.float32 and torch.equal(v, hf[f"hf.{k}"].float()), k
+
+
+def test_last_save_in_hf_writes_the_last_step_as_hugging_face_shards(tmp_path):
+    from safetensors.torch import load_file
+
+    job = Job("checkpointer", str(tmp_path), sd_adapter=_RenamingAdapter(), interval=10, last_save_in_hf=True,
+              export_dtype="bfloat16")
+    job.train(1, save=False)
+    job.ckpt.save(1, last_step=True)
+    step = tmp_path / "checkpoint" / "step-1"
+    assert "model" not in os.listdir(step)
+    shards = {}
+    for name in os.listdir(step):
+        if name.endswith(".safetensors"):
+            shards.update(load_file(str(step / name)))
+    expected = {f"hf.{k}": v.to(torch.bfloat16) for k, v in job.model.state_dict().items()}
+    assert set(shards) == set(expected) and all(torch.equal(shards[k], v) for k, v in expected.items())
