@@ -389,3 +389,13 @@ def test_last_save_in_hf_writes_the_last_step_as_hugging_face_shards(tmp_path):
             shards.update(load_file(str(step / name)))
     expected = {f"hf.{k}": v.to(torch.bfloat16) for k, v in job.model.state_dict().items()}
     assert set(shards) == set(expected) and all(torch.equal(shards[k], v) for k, v in expected.items())
+
+
+def test_the_loader_position_is_saved_per_rank_and_the_rest_as_job_values(tmp_path):
+    import json
+
+    job = Job("checkpointer", str(tmp_path), interval=2, last_save_model_only=False)
+    job.train(2)
+    train = dict(checkpointer.lazy_load(str(tmp_path / "checkpoint" / "step-2" / "train")))
+    manifest = json.loads(bytes(train["manifest"].tolist()))
+    assert (manifest["job"], manifest["per_rank"]) == (["lr_scheduler", "train_state"], ["dataloader"])
