@@ -328,7 +328,6 @@ def _install_hooks() -> None:
 
             self.checkpointer.load = load_then_dump
         original_train(self)
-        self.checkpointer.maybe_wait_for_saving()
         if dump_end:
             _dump(self, dump_end)
         torch.distributed.barrier()
