@@ -1,15 +1,15 @@
 """Naming the rank that stopped answering, when a collective of :mod:`checkpointer.dist` fails.
 
 A rank numbers the byte collectives of :mod:`checkpointer.dist` as it enters them, and one still
-inside a collective after :func:`_late_s` records that number and the kind in the rendezvous store (from a
-watching thread, so a store that stopped answering never holds up the collective); a survivor
-compares its number with the others' and names the ranks that never arrived; where ranks wait in
-collectives of one number but of different kinds (a broadcast, an all-reduce), it says that the
-calls differ between ranks (``train_state`` passed on some ranks only, say). A collective that
-ends sooner touches neither the store nor another thread: at thousands of ranks, a store write
-per rank and collective would load the one store server. Every store access on the failure path
-is bounded in time: when the store itself is gone (under ``env://`` or ``tcp://`` rank 0 hosts
-it), the error says so.
+inside a collective after :func:`_late_s` records that number and the kind in the rendezvous
+store (from a watching thread, so a store that stopped answering never holds up the collective);
+a survivor compares its number with the others' and names the ranks that never arrived; where
+ranks wait in collectives of one number but of different kinds (a broadcast, an all-reduce), it
+says that the calls differ between ranks (``train_state`` passed on some ranks only, say). A
+collective that ends sooner touches neither the store nor another thread: at thousands of ranks,
+a store write per rank and collective would load the one store server. Every store access on the
+failure path is bounded in time: when the store itself is gone (under ``env://`` or ``tcp://``
+rank 0 hosts it), the error says so.
 """
 
 from __future__ import annotations

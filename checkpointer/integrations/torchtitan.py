@@ -21,8 +21,9 @@ One save is one :func:`checkpointer.save_model_and_optim_state` (or its async fo
 hands the manager) as job values, and the data loader's position as ``PerRank`` (each rank's own;
 ranks that share a data-parallel rank under TP hold equal copies). All of it commits as one, so a
 save killed at any point leaves no step that looks complete. ``keep_latest_k`` is
-:func:`checkpointer.prune`, which never deletes the newest complete step nor one being written; a
-run whose last save is async ends with one step more: that save ends in ``close``, which does not prune.
+:func:`checkpointer.prune`, which never deletes the newest complete step nor one being written;
+a run whose last save is async ends with one step more (that save ends in ``close``, which does
+not prune).
 
 As with torchtitan's DCP backend: a run rolled back with ``load_step`` saves over the later
 steps it reaches again; ``initial_load_path`` with ``initial_load_model_only=False`` restores the
