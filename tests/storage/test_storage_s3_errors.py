@@ -20,22 +20,14 @@ def s3(request, fault_proxy, monkeypatch, loopback_env):
     return S3Storage(f"s3://{S3_BUCKET}/{unique()}", retry=FAST, part_size=MIN_PART, max_concurrency=2), proxy
 
 
-def test_a_request_timeout_answered_as_400_is_retried(s3) -> None:
+@pytest.mark.parametrize(("operation", "status", "code"), [("write", 400, "RequestTimeout"),
+                                                        ("create_exclusive", 409, "ConditionalRequestConflict")])
+def test_a_code_that_means_retry_is_retried_under_any_status(s3, operation, status, code) -> None:
     store, proxy = s3
-    fault = proxy.fail(2, "error", method="PUT", status=400, code="RequestTimeout")
-    store.write("small", b"hello")
+    fault = proxy.fail(2, "error", method="PUT", status=status, code=code)
+    getattr(store, operation)("file", b"hello")
     assert fault.fired == 2
-    assert store.read("small") == b"hello"
-
-
-def test_a_conditional_request_conflict_answered_as_409_is_retried(s3) -> None:
-    store, proxy = s3
-    fault = proxy.fail(1, "error", method="PUT", status=409, code="ConditionalRequestConflict")
-    store.create_exclusive("lock", b"ours")
-    assert fault.fired == 1
-    assert store.read("lock") == b"ours"
-    with pytest.raises(FileExistsError):
-        store.create_exclusive("lock", b"theirs")
+    assert store.read("file") == b"hello"
 
 
 def test_an_upload_aborted_under_a_save_names_the_upload_not_a_missing_file(s3) -> None:
