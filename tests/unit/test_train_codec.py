@@ -118,3 +118,11 @@ def test_floats_json_cannot_spell_come_back():
     """``-inf`` too: the random values above seldom hold one (a decoder refusing it passed them)."""
     back = round_trip([math.nan, math.inf, -math.inf, {"x": -math.inf}])
     assert math.isnan(back[0]) and back[1:] == [math.inf, -math.inf, {"x": -math.inf}]
+
+
+def test_numpy_values_come_back_as_python_values_and_tensors():
+    np = pytest.importorskip("numpy")
+    back = round_trip({"i": np.int64(5), "f": np.float32(0.5), "b": np.bool_(True), "a": np.arange(3), "l": [np.uint8(7)]})
+    assert [(type(back[k]), back[k]) for k in ("i", "f", "b")] == [(int, 5), (float, 0.5), (bool, True)]
+    assert back["l"] == [7] and type(back["l"][0]) is int
+    assert back["a"].dtype == torch.int64 and torch.equal(back["a"], torch.arange(3))
