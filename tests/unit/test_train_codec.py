@@ -126,3 +126,22 @@ def test_numpy_values_come_back_as_python_values_and_tensors():
     assert [(type(back[k]), back[k]) for k in ("i", "f", "b")] == [(int, 5), (float, 0.5), (bool, True)]
     assert back["l"] == [7] and type(back["l"][0]) is int
     assert back["a"].dtype == torch.int64 and torch.equal(back["a"], torch.arange(3))
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_the_deepest_value_a_save_takes_loads_and_one_deeper_is_refused_both_ways():
+    """``MAX_DEPTH + 1`` nested lists (depths 0 to ``MAX_DEPTH``) are stored and read back; one
+    more level is refused on save, and as JSON on load."""
+    deepest = _nested(train_codec.MAX_DEPTH + 1)
+    assert round_trip(deepest) == deepest
+    with pytest.raises(train_codec.UnstorableValueError, match="nested"):
+        train_codec.encode([deepest], "v", lambda t: "x")
+    text = b"[" * (train_codec.MAX_DEPTH + 2) + b"]" * (train_codec.MAX_DEPTH + 2)
+    with pytest.raises(CorruptCheckpointError, match="nested"):
+        train_codec.decode(train_codec.loads(text, "v"), "v", {})
