@@ -145,3 +145,10 @@ def test_the_deepest_value_a_save_takes_loads_and_one_deeper_is_refused_both_way
     text = b"[" * (train_codec.MAX_DEPTH + 2) + b"]" * (train_codec.MAX_DEPTH + 2)
     with pytest.raises(CorruptCheckpointError, match="nested"):
         train_codec.decode(train_codec.loads(text, "v"), "v", {})
+
+
+@pytest.mark.parametrize("text", [b'{"a":' * 100 + b"1" + b"}" * 100, b'{"$items":[[1,' * 100 + b"1" + b"]]}" * 100],
+                         ids=["deep objects", "deep $items"])
+def test_deep_dicts_are_refused_like_deep_lists(text):
+    with pytest.raises(CorruptCheckpointError, match="nested"):
+        train_codec.decode(train_codec.loads(text, "v"), "v", {})
