@@ -60,3 +60,30 @@ def test_rng_state_restores_python_numpy_and_torch(tmp_path, model_and_optim):
     result = checkpointer.load_model_and_optim_state(top, model, optim, train_state={"rng": RNGState()})
     assert _draws() == expected
     assert result.missing_keys == [] and "rng" in result.train_state
+
+
+def _saved_by_two_ranks(top: str, model, optim, rank_values: dict[int, dict]) -> None:
+    """A train/ as two ranks save it, with ``rank_values[r]`` the per-rank values rank ``r`` holds."""
+    checkpointer.save_model_and_optim_state(top, model, optim)
+    manifest = {"format": 1, "world_size": 2, "job": ["step"], "per_rank": ["mine", "box"]}
+    flat = {"manifest": _text(manifest), "job.step": _text(3)}
+    for r, values in rank_values.items():
+        flat.update((f"rank{r}.{k}", _text(v)) for k, v in values.items())
+    Checkpointer().save(os.path.join(top, "train"), flat)
+
+
+def test_a_rank_without_a_saved_per_rank_value_is_told_and_left_untouched(tmp_path, model_and_optim):
+    """Rank 0 loading what only rank 1 holds (as rank 2 of 3 loading a save of 2 ranks)."""
+    model, optim = model_and_optim
+    top = str(tmp_path / "step1")
+    _saved_by_two_ranks(top, model, optim, {1: {"mine": {"r": 1}, "box": {"n": 1}}})
+    box = Box(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = checkpointer.load_model_and_optim_state(top, model, optim, train_state={"box": box, "mine": None})
+    assert result.train_state == {"step": 3}
+    assert result.missing_keys == ["train_state.mine", "train_state.box"]
+    assert box.n == 7 and box.loaded == []
+    said = [str(w.message) for w in caught]
+    assert any("saved by 2 ranks; rank 0 has no saved value of the per-rank train_state keys ['mine', 'box']" in s
+               for s in said), said
