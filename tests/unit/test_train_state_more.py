@@ -87,3 +87,17 @@ def test_a_rank_without_a_saved_per_rank_value_is_told_and_left_untouched(tmp_pa
     said = [str(w.message) for w in caught]
     assert any("saved by 2 ranks; rank 0 has no saved value of the per-rank train_state keys ['mine', 'box']" in s
                for s in said), said
+
+
+def test_each_rank_reads_its_own_per_rank_value(tmp_path, model_and_optim, monkeypatch):
+    model, optim = model_and_optim
+    top = str(tmp_path / "step1")
+    _saved_by_two_ranks(top, model, optim, {r: {"mine": {"r": r}, "box": {"n": 10 + r}} for r in (0, 1)})
+    for rank in (0, 1):
+        monkeypatch.setattr(cdist, "get_rank", lambda rank=rank: rank)
+        box = Box()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            result = checkpointer.load_model_and_optim_state(top, model, optim, train_state={"box": box})
+        assert result.train_state == {"step": 3, "mine": {"r": rank}, "box": {"n": 10 + rank}}
+        assert result.missing_keys == [] and box.loaded == [{"n": 10 + rank}]
