@@ -101,3 +101,12 @@ def test_each_rank_reads_its_own_per_rank_value(tmp_path, model_and_optim, monke
             result = checkpointer.load_model_and_optim_state(top, model, optim, train_state={"box": box})
         assert result.train_state == {"step": 3, "mine": {"r": rank}, "box": {"n": 10 + rank}}
         assert result.missing_keys == [] and box.loaded == [{"n": 10 + rank}]
+
+
+@pytest.mark.parametrize("key", ["a/b", ""])
+def test_keys_that_cannot_name_a_value_are_refused_before_anything_is_written(tmp_path, model_and_optim, key):
+    model, optim = model_and_optim
+    top = tmp_path / "step1"
+    with pytest.raises(ValueError, match=f"train_state key {key!r}: keys are non-empty strings without '/'"):
+        checkpointer.save_model_and_optim_state(str(top), model, optim, train_state={key: 1, "step": 2})
+    assert not (top / "model" / "metadata.json").exists() and not (top / "train" / "metadata.json").exists()
