@@ -110,3 +110,14 @@ def test_keys_that_cannot_name_a_value_are_refused_before_anything_is_written(tm
     with pytest.raises(ValueError, match=f"train_state key {key!r}: keys are non-empty strings without '/'"):
         checkpointer.save_model_and_optim_state(str(top), model, optim, train_state={key: 1, "step": 2})
     assert not (top / "model" / "metadata.json").exists() and not (top / "train" / "metadata.json").exists()
+
+
+def test_asking_a_checkpoint_without_training_state_for_keys_is_a_mismatch(tmp_path, model_and_optim):
+    model, optim = model_and_optim
+    top = str(tmp_path / "step1")
+    checkpointer.save_model_and_optim_state(top, model, optim)
+    box = Box(4)
+    with pytest.raises(CheckpointMismatchError, match=r"holds no training state, asked for \['box', 'step'\]"):
+        checkpointer.load_model_and_optim_state(top, model, optim, train_state={"step": None, "box": box})
+    assert box.loaded == []
+    assert checkpointer.load_model_and_optim_state(top, model, optim).train_state == {}
