@@ -102,9 +102,14 @@ def _slot_width(n: int, arrival: _Arrival, group: Any = None) -> int:
     return _LENGTH + int(longest.item())
 
 
+def _out_of_step() -> RankFailedError:
+    """A slot's width or length that only another rank's other collective can have given."""
+    return RankFailedError(f"exchange: the collectives of the ranks do not match: {DIFFERENT_CALLS}")
+
+
 def _slot(payload: bytes, width: int, group: Any = None) -> torch.Tensor:
     if _LENGTH + len(payload) > width:  # the all-reduce of the widths met another rank's other collective
-        raise RankFailedError(f"exchange: the collectives of the ranks do not match: {DIFFERENT_CALLS}")
+        raise _out_of_step()
     return _to_tensor(len(payload).to_bytes(_LENGTH, "little") + payload, width, group)
 
 
@@ -112,7 +117,7 @@ def _unslot(slot: torch.Tensor) -> bytes:
     """The payload of a slot, without the padding after it."""
     n = int.from_bytes(_bytes(slot[:_LENGTH]), "little")
     if _LENGTH + n > slot.numel():
-        raise RankFailedError(f"exchange: the collectives of the ranks do not match: {DIFFERENT_CALLS}")
+        raise _out_of_step()
     return _bytes(slot[_LENGTH : _LENGTH + n])
 
 
