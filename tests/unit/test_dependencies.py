@@ -6,6 +6,7 @@ next release. The standard library is ``sys.stdlib_module_names``."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -46,8 +47,10 @@ def extra_of(where: str) -> str | None:
     return match.group(1) if match and match.group(1) != "__init__" else None
 
 
+@functools.cache
 def third_party_imports() -> dict[str, list[str]]:
-    """Absolute imports of modules outside the standard library and the package: module -> where."""
+    """Absolute imports of modules outside the standard library and the package: module -> where
+    (scanned once per session; callers do not change it)."""
     found: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -76,11 +79,16 @@ def _submodule_or_self(module: str, name: str) -> str:
         return module
 
 
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
 def distribution_of(module: str) -> str | None:
     """The installed distribution whose files hold ``module`` (namespace packages such as
     ``google`` are shared by several: the module's own file decides)."""
     top = module.split(".")[0]
-    candidates = importlib.metadata.packages_distributions().get(top, [])
+    candidates = _packages_distributions().get(top, [])
     if len(set(candidates)) == 1:
         return _canonical(candidates[0])
     spec = importlib.util.find_spec(module)
