@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_helpers import REPO, assert_same_tensors, cli_process, without
+from cli_helpers import REPO, assert_same_tensors, at_once, cli, cli_process, without
 from safetensors.torch import load_file
 
 from checkpointer.progress import Progress, format_bytes, format_duration
@@ -76,25 +76,27 @@ def _run_on_pty(argv: list[str]) -> tuple[int, str, str]:
 
 
 def test_progress_bar_on_a_terminal_and_quiet(ckpts):
-    code, out, shown = _run_on_pty([sys.executable, "-m", "checkpointer", "verify", ckpts.ws3])
-    assert code == 0 and out.startswith("ok: ")
-    assert "\rverify model [" in shown and "\rverify optim [" in shown and "100%" in shown and "chunks" in shown
     script = shutil.which("checkpointer", path=os.path.dirname(sys.executable))
     argv = [script] if script else [sys.executable, "-m", "checkpointer"]
-    code, out, shown = _run_on_pty(argv + ["verify", ckpts.ws3, "--quiet"])
-    assert (code, out, shown) == (0, "", "")
+    shown_bar, quiet = at_once(_run_on_pty, ([sys.executable, "-m", "checkpointer", "verify", ckpts.ws3],),
+                               (argv + ["verify", ckpts.ws3, "--quiet"],))
+    code, out, shown = shown_bar
+    assert code == 0 and out.startswith("ok: ")
+    assert "\rverify model [" in shown and "\rverify optim [" in shown and "100%" in shown and "chunks" in shown
+    assert quiet == (0, "", "")
 
 
 def test_not_a_terminal_no_bar_and_one_line_errors(ckpts, tmp_path):
-    done = cli_process("unshard", ckpts.ws3, str(tmp_path / "m.safetensors"))
+    broken = tmp_path / "broken"
+    shutil.copytree(os.path.join(ckpts.ws3, "model"), broken)
+    os.remove(broken / "metadata.json")
+    done, failed = at_once(cli_process, ("unshard", ckpts.ws3, str(tmp_path / "m.safetensors")),
+                           ("unshard", str(broken), str(tmp_path / "x.safetensors")))
     assert (done.returncode, done.stderr) == (0, "")  # no progress bar in a pipe
     assert done.stdout.startswith("wrote 1 file (")
     assert_same_tensors(load_file(str(tmp_path / "m.safetensors")), without(ckpts.ws3_full, ["head.weight"]))
 
-    broken = tmp_path / "broken"
-    shutil.copytree(os.path.join(ckpts.ws3, "model"), broken)
-    os.remove(broken / "metadata.json")
-    done = cli_process("unshard", str(broken), str(tmp_path / "x.safetensors"))
+    done = failed
     assert (done.returncode, done.stdout) == (1, "")
     assert done.stderr == (
         f"checkpointer: error: {broken}/metadata.json is missing: {broken} is not a complete checkpoint "
@@ -103,11 +105,12 @@ def test_not_a_terminal_no_bar_and_one_line_errors(ckpts, tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
-def test_module_entry_point_lists_every_command():
-    result = cli_process("--help")
-    assert result.returncode == 0, result.stderr
-    for command in ("inspect", "verify", "unshard", "convert"):
-        assert command in result.stdout
+def test_help_lists_every_command(capsys):
+    """(``python -m checkpointer`` itself runs in the tests above.)"""
+    code, out, err = cli(capsys, "--help")
+    assert (code, err) == (0, "")
+    for command in ("inspect", "verify", "unshard", "convert", "prune"):
+        assert command in out
 
 
 def test_usage_errors_exit_2(capsys):
@@ -152,12 +155,15 @@ def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):
 
     dir = str(tmp_path / "many")
     Checkpointer().save(dir, {f"layers.{i}.weight": torch.zeros(2) for i in range(3000)})
-    for extra in ([], ["--json"]):
-        proc = subprocess.Popen(
+    procs = {
+        tuple(extra): subprocess.Popen(
             [sys.executable, "-m", "checkpointer", "inspect", dir, *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
             cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
         )  # fmt: skip
+        for extra in ([], ["--json"])
+    }
+    for extra, proc in procs.items():
         assert proc.stdout is not None and proc.stderr is not None
         assert proc.stdout.readline()
         proc.stdout.close()

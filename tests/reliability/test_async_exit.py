@@ -1,14 +1,19 @@
 """An async save in flight when the process ends is finished, or its failure is printed naming
 the checkpoint with exit status 1; ``destroy_process_group`` waits for it. Real processes:
-each job is a Python script run as a subprocess (world size 1, and 2 over gloo)."""
+each job is a Python script run as a subprocess (world size 1, and 2 over gloo), all started
+together before the first test."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Iterator
 
+import pytest
 import torch
+from launches import Launches
 
 import checkpointer
 
@@ -46,6 +51,10 @@ if world > 1:
 """
 
 
+JOBS = [("plain", 1, "plain"), ("two_ranks", 2, "plain"), ("exists", 1, "exists"), ("slow", 1, "slow")]
+"""(name, world size, mode) of each job running JOB."""
+
+
 def _expected_model(side: int = 256) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Linear(side, side)
@@ -55,19 +64,29 @@ def _expected_model(side: int = 256) -> torch.nn.Module:
     return model
 
 
-def _run(tmp_path, out: str, world: int, mode: str = "plain") -> list[subprocess.CompletedProcess]:
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Iterator[tuple[Path, Launches]]:
+    """Every test's job, started together before the first test (each takes seconds to start):
+    the job of test ``name`` saves under ``root / name``."""
+    root = tmp_path_factory.mktemp("jobs")
+    launches = Launches(root)
     env = dict(os.environ, PYTHONPATH=REPO, CHECKPOINTER_TIMEOUT_S="60")
-    rendezvous = str(tmp_path / "rendezvous")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", JOB, out, str(world), str(rank), mode, rendezvous],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in range(world)
-    ]
-    done = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return done
+    for name, world, mode in JOBS:
+        out = str(root / name / "run" / "step1")
+        for rank in range(world):
+            argv = [sys.executable, "-c", JOB, out, str(world), str(rank), mode, str(root / f"{name}.rendezvous")]
+            launches.start(f"{name}.{rank}", argv, env)
+    launches.start("no_new_threads", [sys.executable, "-c", NO_NEW_THREADS, str(root / "no_new_threads")],
+                   dict(env, CHECKPOINTER_LOCK_LEASE_S="0.4"))
+    yield root, launches
+    launches.close()
+
+
+def _run(jobs: tuple[Path, Launches], name: str) -> tuple[str, list[subprocess.CompletedProcess]]:
+    """Job ``name``'s checkpoint path and its ranks' finished processes."""
+    root, launches = jobs
+    world = next(world for job, world, _ in JOBS if job == name)
+    return str(root / name / "run" / "step1"), [launches.result(f"{name}.{rank}") for rank in range(world)]
 
 
 def _check_saved(out: str, side: int = 256) -> None:
@@ -77,37 +96,34 @@ def _check_saved(out: str, side: int = 256) -> None:
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
 
 
-def test_returning_from_main_finishes_the_async_save(tmp_path):
-    out = str(tmp_path / "run" / "step1")
-    (done,) = _run(tmp_path, out, 1)
+def test_returning_from_main_finishes_the_async_save(jobs):
+    out, (done,) = _run(jobs, "plain")
     assert (done.returncode, done.stderr) == (0, ""), done.stderr
-    assert checkpointer.latest_checkpoint(str(tmp_path / "run")) == out
+    assert checkpointer.latest_checkpoint(os.path.dirname(out)) == out
     _check_saved(out)
 
 
-def test_destroy_process_group_waits_for_the_async_save(tmp_path):
-    out = str(tmp_path / "run" / "step1")
-    for rank, done in enumerate(_run(tmp_path, out, 2)):
+def test_destroy_process_group_waits_for_the_async_save(jobs):
+    out, ranks = _run(jobs, "two_ranks")
+    for rank, done in enumerate(ranks):
         assert done.returncode == 0, f"rank {rank}: {done.stderr}"
         assert "error" not in done.stderr, f"rank {rank}: {done.stderr}"
-    assert checkpointer.latest_checkpoint(str(tmp_path / "run")) == out
+    assert checkpointer.latest_checkpoint(os.path.dirname(out)) == out
     _check_saved(out)
 
 
-def test_a_failed_async_save_no_one_read_is_printed_and_fails_the_exit(tmp_path):
-    out = str(tmp_path / "run" / "step1")
-    (done,) = _run(tmp_path, out, 1, "exists")
+def test_a_failed_async_save_no_one_read_is_printed_and_fails_the_exit(jobs):
+    out, (done,) = _run(jobs, "exists")
     assert done.returncode == 1, done
     assert f"the async save of {out} failed" in done.stderr and "FileExistsError" in done.stderr, done.stderr
 
 
-def test_an_async_save_still_writing_in_parallel_at_exit_is_finished(tmp_path):
+def test_an_async_save_still_writing_in_parallel_at_exit_is_finished(jobs):
     """The exit starts while the save's writer threads still have blocks to write: new work for
     them must be taken (concurrent.futures refuses it once the interpreter exits)."""
-    out = str(tmp_path / "run" / "step1")
-    (done,) = _run(tmp_path, out, 1, "slow")
+    out, (done,) = _run(jobs, "slow")
     assert (done.returncode, done.stderr) == (0, ""), done.stderr
-    assert checkpointer.latest_checkpoint(str(tmp_path / "run")) == out
+    assert checkpointer.latest_checkpoint(os.path.dirname(out)) == out
     _check_saved(out, 1024)
     assert checkpointer.load_model_and_optim_state(out, torch.nn.Linear(1024, 1024), train_state={}).train_state["step"] == 7
 
@@ -133,16 +149,16 @@ print(sorted(os.listdir(f"{out}/step2/model")), sorted(os.listdir(f"{out}/step2/
 """
 
 
-def test_an_async_save_where_no_thread_can_start_runs_on_the_kept_ones(tmp_path):
+def test_an_async_save_where_no_thread_can_start_runs_on_the_kept_ones(jobs):
     """Python 3.12.0-3.12.2 start no thread at exit: a save with a cached plan (claimed and
     locked on the writer thread) then runs on threads earlier saves left idle, its lock's
     heartbeat too, and commits with no lock left behind."""
-    env = dict(os.environ, PYTHONPATH=REPO, CHECKPOINTER_LOCK_LEASE_S="0.4")
-    done = subprocess.run([sys.executable, "-c", NO_NEW_THREADS, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    root, launches = jobs
+    done = launches.result("no_new_threads")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "['metadata.json', 'rank_0.safetensors'] ['metadata.json', 'rank_0.safetensors']", done.stdout
     torch.manual_seed(3)
     saved = torch.nn.Linear(64, 64)
     loaded = torch.nn.Linear(64, 64)
-    checkpointer.load_model_and_optim_state(str(tmp_path / "step2"), loaded)
+    checkpointer.load_model_and_optim_state(str(root / "no_new_threads" / "step2"), loaded)
     assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias)

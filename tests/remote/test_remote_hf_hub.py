@@ -5,7 +5,8 @@ Each load runs in a fresh process (``huggingface_hub`` reads the settings when i
 first downloads the index and only the shards holding keys the model takes (``HF_TOKEN`` sent); a second load,
 ``lazy_load`` and the command line download nothing more (the server sees ``HEAD`` requests only,
 and no ``GET`` of a file already cached); the result is the transformers model's tensors bit for bit, alone and at
-2 ranks under FSDP2. A missing repository is a ``FileNotFoundError`` naming the URL.
+2 ranks under FSDP2. A missing repository is a ``FileNotFoundError`` naming the URL. The tests of
+one launch start theirs together with the module's first, whose launches follow one another.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 from hf_helpers import hf_gpt2, hf_gpt2_names, save_hf
 from hub_server import HubServer
+from launches import Launches
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 
@@ -27,13 +31,36 @@ SUPPORT = os.path.join(ROOT, "tests", "support")
 REPO = "tiny-org/tiny-gpt2"
 
 
-@pytest.fixture
-def hub(tmp_path):
+def _hub(tmp_path: Path) -> tuple[HubServer, torch.nn.Module, str]:
     model = hf_gpt2(seed=8)
     folder = save_hf(model, str(tmp_path / "repo"), sharded=True)
-    server = HubServer({REPO: folder})
+    return HubServer({REPO: folder}), model, folder
+
+
+@pytest.fixture
+def hub(tmp_path):
+    server, model, folder = _hub(tmp_path)
     yield server, model, folder
     server.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_launch_tests(tmp_path_factory) -> Iterator[dict[str, tuple[HubServer, torch.nn.Module, Path, Launches]]]:
+    """The tests of one launch each, started before the module's first test, each with a hub of its
+    own: they run beside the first test's launches, which must follow one another."""
+    started: dict[str, tuple[HubServer, torch.nn.Module, Path, Launches]] = {}
+    for name, url, extra in (("offline", f"hf://{REPO}", {"HF_HUB_OFFLINE": "1"}),
+                             ("revision", f"hf://{REPO}@v1.0", {"HF_TOKEN": "hf_test_token"})):
+        work = tmp_path_factory.mktemp(name)
+        server, model, _ = _hub(work)
+        launches = Launches(work)
+        mode = "error" if name == "offline" else "load_then_missing"
+        launches.start(name, _argv(mode, url, str(work / "out.pt")), _env(server, str(work / "hf_home"), **extra))
+        started[name] = (server, model, work, launches)
+    yield started
+    for server, _, _, launches in started.values():
+        launches.close()
+        server.close()
 
 
 def _env(server: HubServer, home: str, **extra: str) -> dict[str, str]:
@@ -46,11 +73,22 @@ def _env(server: HubServer, home: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def _argv(mode: str, url: str, out: str, world: int = 1) -> list[str]:
+    return [sys.executable, os.path.join(SUPPORT, "hub_workers.py"), mode, url, out, str(world)]
+
+
 def _run(server: HubServer, home: str, mode: str, url: str, out: str, world: int = 1, **env: str) -> dict:
-    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "hub_workers.py"), mode, url, out, str(world)],
-                          env=_env(server, home, **env), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(_argv(mode, url, out, world), env=_env(server, home, **env), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
+
+
+def _result(started: tuple[HubServer, torch.nn.Module, Path, Launches], name: str) -> dict:
+    *_, work, launches = started
+    proc = launches.result(name, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(work / "out.pt")
 
 
 def _shards_with(folder: str, wanted) -> set[str]:
@@ -101,21 +139,19 @@ def test_hf_url_fetches_what_the_model_needs_once(hub, tmp_path):
     assert all(torch.equal(back[k], v) for k, v in expected.items())
 
 
-def test_offline_without_the_files_cached_says_the_hub_cannot_be_reached(hub, tmp_path):
+def test_offline_without_the_files_cached_says_the_hub_cannot_be_reached(one_launch_tests):
     """Offline, a repository that exists was reported as "no Hugging Face checkpoint there
     (neither ... nor ... not found)" (found by a review)."""
-    server, _, _ = hub
-    got = _run(server, str(tmp_path / "hf_home"), "error", f"hf://{REPO}", str(tmp_path / "err.pt"), HF_HUB_OFFLINE="1")
+    server = one_launch_tests["offline"][0]
+    got = _result(one_launch_tests["offline"], "offline")
     assert got["type"] == "OSError" and got["message"].startswith(f"hf://{REPO}: "), got
     assert "not in the local cache, and the Hugging Face hub cannot be reached" in got["message"], got
     assert server.gets() == []
 
 
-def test_hf_url_at_a_revision_and_missing_repositories(hub, tmp_path):
-    server, model, _ = hub
-    home = str(tmp_path / "hf_home")
-    got = _run(server, home, "load_then_missing", f"hf://{REPO}@v1.0", str(tmp_path / "rev.pt"),
-               HF_TOKEN="hf_test_token")
+def test_hf_url_at_a_revision_and_missing_repositories(one_launch_tests):
+    server, model, _, _ = one_launch_tests["revision"]
+    got = _result(one_launch_tests["revision"], "revision")
     assert all(p.startswith(f"/{REPO}/resolve/v1.0/") for p in server.gets())
     assert server.tokens and set(server.tokens) == {"Bearer hf_test_token"}  # the token setting is sent
     state = model.state_dict()

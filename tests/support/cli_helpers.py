@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -37,6 +38,13 @@ def cli_process(*argv: str, env: dict[str, str] | None = None, timeout: float = 
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+def at_once(run: Callable[..., Any], *calls: Sequence[Any]) -> list[Any]:
+    """``run(*args)`` for each ``args`` of ``calls``, all at once (each in a thread), in order:
+    commands that each spend seconds of one core starting up overlap on several cores."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda args: run(*args), calls))
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
