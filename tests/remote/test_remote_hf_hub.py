@@ -45,21 +45,20 @@ def hub(tmp_path):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_launch_tests(tmp_path_factory) -> Iterator[dict[str, tuple[HubServer, torch.nn.Module, Path, Launches]]]:
+def one_launch_tests(tmp_path_factory) -> Iterator[tuple[Launches, dict[str, tuple[HubServer, torch.nn.Module, Path]]]]:
     """The tests of one launch each, started before the module's first test, each with a hub of its
     own: they run beside the first test's launches, which must follow one another."""
-    started: dict[str, tuple[HubServer, torch.nn.Module, Path, Launches]] = {}
-    for name, url, extra in (("offline", f"hf://{REPO}", {"HF_HUB_OFFLINE": "1"}),
-                             ("revision", f"hf://{REPO}@v1.0", {"HF_TOKEN": "hf_test_token"})):
+    launches = Launches(tmp_path_factory.mktemp("launches"))
+    hubs: dict[str, tuple[HubServer, torch.nn.Module, Path]] = {}
+    for name, mode, url, extra in (("offline", "error", f"hf://{REPO}", {"HF_HUB_OFFLINE": "1"}),
+                                   ("revision", "load_then_missing", f"hf://{REPO}@v1.0", {"HF_TOKEN": "hf_test_token"})):
         work = tmp_path_factory.mktemp(name)
         server, model, _ = _hub(work)
-        launches = Launches(work)
-        mode = "error" if name == "offline" else "load_then_missing"
+        hubs[name] = (server, model, work)
         launches.start(name, _argv(mode, url, str(work / "out.pt")), _env(server, str(work / "hf_home"), **extra))
-        started[name] = (server, model, work, launches)
-    yield started
-    for server, _, _, launches in started.values():
-        launches.close()
+    yield launches, hubs
+    launches.close()
+    for server, _, _ in hubs.values():
         server.close()
 
 
@@ -84,11 +83,13 @@ def _run(server: HubServer, home: str, mode: str, url: str, out: str, world: int
     return torch.load(out)
 
 
-def _result(started: tuple[HubServer, torch.nn.Module, Path, Launches], name: str) -> dict:
-    *_, work, launches = started
+def _result(one_launch_tests: tuple[Launches, dict], name: str) -> tuple[HubServer, torch.nn.Module, dict]:
+    """Test ``name``'s hub, model, and what its launch wrote."""
+    launches, hubs = one_launch_tests
+    server, model, work = hubs[name]
     proc = launches.result(name, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(work / "out.pt")
+    return server, model, torch.load(work / "out.pt")
 
 
 def _shards_with(folder: str, wanted) -> set[str]:
@@ -142,16 +143,14 @@ def test_hf_url_fetches_what_the_model_needs_once(hub, tmp_path):
 def test_offline_without_the_files_cached_says_the_hub_cannot_be_reached(one_launch_tests):
     """Offline, a repository that exists was reported as "no Hugging Face checkpoint there
     (neither ... nor ... not found)" (found by a review)."""
-    server = one_launch_tests["offline"][0]
-    got = _result(one_launch_tests["offline"], "offline")
+    server, _, got = _result(one_launch_tests, "offline")
     assert got["type"] == "OSError" and got["message"].startswith(f"hf://{REPO}: "), got
     assert "not in the local cache, and the Hugging Face hub cannot be reached" in got["message"], got
     assert server.gets() == []
 
 
 def test_hf_url_at_a_revision_and_missing_repositories(one_launch_tests):
-    server, model, _, _ = one_launch_tests["revision"]
-    got = _result(one_launch_tests["revision"], "revision")
+    server, model, got = _result(one_launch_tests, "revision")
     assert all(p.startswith(f"/{REPO}/resolve/v1.0/") for p in server.gets())
     assert server.tokens and set(server.tokens) == {"Bearer hf_test_token"}  # the token setting is sent
     state = model.state_dict()
