@@ -96,9 +96,8 @@ def test_not_a_terminal_no_bar_and_one_line_errors(ckpts, tmp_path):
     assert done.stdout.startswith("wrote 1 file (")
     assert_same_tensors(load_file(str(tmp_path / "m.safetensors")), without(ckpts.ws3_full, ["head.weight"]))
 
-    done = failed
-    assert (done.returncode, done.stdout) == (1, "")
-    assert done.stderr == (
+    assert (failed.returncode, failed.stdout) == (1, "")
+    assert failed.stderr == (
         f"checkpointer: error: {broken}/metadata.json is missing: {broken} is not a complete checkpoint "
         "(its save never finished)\n"
     )

@@ -28,6 +28,10 @@ def test_a_code_that_means_retry_is_retried_under_any_status(s3, operation, stat
     getattr(store, operation)("file", b"hello")
     assert fault.fired == 2
     assert store.read("file") == b"hello"
+    if operation == "create_exclusive":  # the retried create still holds the name: the next is refused
+        with pytest.raises(FileExistsError):
+            store.create_exclusive("file", b"theirs")
+        assert store.read("file") == b"hello"
 
 
 def test_an_upload_aborted_under_a_save_names_the_upload_not_a_missing_file(s3) -> None:

@@ -35,4 +35,3 @@ class Launches:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-

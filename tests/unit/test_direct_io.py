@@ -301,8 +301,8 @@ def aligned_source(n: int, remainder: int) -> tuple[mmap.mmap, memoryview]:
     source, and almost surely of two sources, are equal (cheaper than random bytes)."""
     buf = mmap.mmap(-1, n + remainder + 4096)
     view = memoryview(buf)[remainder : remainder + n]
-    start = int.from_bytes(os.urandom(4), "little")
-    words = np.arange(start, start + -(-n // 4), dtype=np.uint64).astype(np.uint32)
+    words = np.arange(-(-n // 4), dtype=np.uint32)
+    words += np.uint32(int.from_bytes(os.urandom(4), "little"))  # wraps around past 2**32 - 1
     view[:] = words.view(np.uint8)[:n]
     return buf, view
 
