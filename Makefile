@@ -62,4 +62,4 @@ bench-torchtitan: $(TITAN_STAMP)
 	$(TITAN_PY) benchmarks/torchtitan_compare.py
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) demo_out .pytest_cache .hypothesis .titan-install.log
+	rm -rf $(VENV) $(TITAN_VENV) demo_out .pytest_cache .hypothesis .titan-install.log .titan-test.log
