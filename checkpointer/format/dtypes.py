@@ -6,7 +6,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["DTYPE_CODES", "READABLE_CODES", "dtype_from_code", "code_from_dtype", "itemsize"]
+__all__ = ["DTYPE_CODES", "READABLE_CODES", "dtype_from_code", "code_from_dtype", "itemsize", "LARGEST_ITEMSIZE"]
 
 DTYPE_CODES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -36,6 +36,7 @@ this library's format (:data:`DTYPE_CODES`, the only ones it saves) and the othe
 ``safetensors.torch`` writes."""
 _CODE_OF: dict[torch.dtype, str] = {v: k for k, v in DTYPE_CODES.items()}
 _ITEMSIZE: dict[str, int] = {code: torch.empty((), dtype=dt).element_size() for code, dt in READABLE_CODES.items()}
+LARGEST_ITEMSIZE = max(_ITEMSIZE.values())
 
 
 def dtype_from_code(code: str) -> torch.dtype:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, model_validator
 
-from .dtypes import DTYPE_CODES, dtype_from_code
+from .dtypes import DTYPE_CODES, LARGEST_ITEMSIZE, dtype_from_code
 from .layout import FORMAT_VERSION, check_filename
 from .shard_spec import TensorShardSpec
 from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, box_run_count, gc_paused
@@ -29,6 +29,7 @@ __all__ = [
     "MAX_NDIM",
     "MAX_NUMEL",
     "dims_fit",
+    "check_chunk_bytes",
 ]
 
 MAX_NDIM = 64
@@ -153,6 +154,15 @@ class SameId(Mapping):
         return True
 
 
+def check_chunk_bytes(n: int) -> None:
+    """Refuse a ``checksum_chunk_bytes`` that is not positive, or that would end a chunk inside an
+    element of some dtype (box reads check whole chunks of whole elements)."""
+    if n <= 0:
+        raise ValueError("checksum_chunk_bytes must be positive")
+    if n % LARGEST_ITEMSIZE:
+        raise ValueError(f"checksum_chunk_bytes must be a multiple of {LARGEST_ITEMSIZE} (the largest element), not {n}")
+
+
 class StorageMetadata(BaseModel):
     """The contents of ``metadata.json``."""
 
@@ -188,8 +198,8 @@ class StorageMetadata(BaseModel):
     @field_validator("checksum_chunk_bytes")
     @classmethod
     def _chunk(cls, n: int | None) -> int | None:
-        if n is not None and n <= 0:
-            raise ValueError("checksum_chunk_bytes must be positive")
+        if n is not None:
+            check_chunk_bytes(n)
         return n
 
     @model_validator(mode="after")

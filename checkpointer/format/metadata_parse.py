@@ -15,7 +15,7 @@ from ..errors import CorruptCheckpointError
 from .dtypes import DTYPE_CODES
 from .json_members import object_members, skip_whitespace
 from .layout import FORMAT_VERSION
-from .metadata import MAX_NDIM, MAX_NUMEL, TOP_FIELDS, SameId, StorageMetadata, TensorStorageMetadata, dims_fit
+from .metadata import MAX_NDIM, MAX_NUMEL, TOP_FIELDS, SameId, check_chunk_bytes, StorageMetadata, TensorStorageMetadata, dims_fit
 from .spec_parser import SpecParser
 from .specs import gc_paused
 
@@ -151,9 +151,10 @@ def _validate(
         if value is not None and type(value) is not int:
             raise ValueError(f"{name} must be an integer or null")
         fields[name] = value
-    for name in ("world_size", "checksum_chunk_bytes"):
-        if fields[name] is not None and fields[name] <= 0:
-            raise ValueError(f"{name} must be positive")
+    if fields["world_size"] is not None and fields["world_size"] <= 0:
+        raise ValueError("world_size must be positive")
+    if fields["checksum_chunk_bytes"] is not None:
+        check_chunk_bytes(fields["checksum_chunk_bytes"])
     version = fields["format_version"]
     if version is not None and not 1 <= version <= FORMAT_VERSION:
         raise ValueError(f"format_version {version}: this version of checkpointer reads 1 to {FORMAT_VERSION}"

@@ -354,7 +354,9 @@ def test_aliases_that_do_not_resolve(ckpt, tmp_path, aliases):
         ({"checksum_chunk_bytes": 0}, True),
         ({"checksum_chunk_bytes": -1}, True),
         ({"checksum_chunk_bytes": "x"}, True),
-        ({"checksum_chunk_bytes": 1}, True),  # then every piece has too few checksums
+        ({"checksum_chunk_bytes": 1}, True),  # ends inside an element
+        ({"checksum_chunk_bytes": 1002}, True),  # ends inside a float32
+        ({"checksum_chunk_bytes": 8}, True),  # then every piece has too few checksums
         ({"checksum_chunk_bytes": 2**70}, False),
         ({"checksum_algorithm": "md5"}, True),  # refused by name, not checked with another algorithm
         ({"checksums": []}, True),
@@ -363,7 +365,7 @@ def test_aliases_that_do_not_resolve(ckpt, tmp_path, aliases):
         ({"checksums": [0]}, True),
         ({"checksums": [0, 0, 0]}, True),
     ],
-    ids=["chunk_0", "chunk_negative", "chunk_string", "chunk_1", "chunk_2^70", "algorithm", "crcs_empty", "crcs_2^80", "crcs_string", "crcs_wrong", "crcs_extra"],
+    ids=["chunk_0", "chunk_negative", "chunk_string", "chunk_1", "chunk_1002", "chunk_8", "chunk_2^70", "algorithm", "crcs_empty", "crcs_2^80", "crcs_string", "crcs_wrong", "crcs_extra"],
 )
 def test_checksum_fields_that_are_wrong(ckpt, tmp_path, fields, verify_must_raise):
     """A bad field of the file is an error for every loader; wrong checksums only for verify=True."""
@@ -376,7 +378,7 @@ def test_checksum_fields_that_are_wrong(ckpt, tmp_path, fields, verify_must_rais
 
     edit_metadata(ckpt, "model", edit)
     outcomes = check_part(ckpt, "model", tmp_path, KEY, "metadata.json", "checksum", scope="none")
-    structural = fields.get("checksums") == ["x"] or fields.get("checksum_chunk_bytes") in (0, -1, "x")
+    structural = fields.get("checksums") == ["x"] or fields.get("checksum_chunk_bytes") in (0, -1, "x", 1, 1002)
     if structural:
         failed = {n for n, o in outcomes.items() if o.ok and n != "latest_checkpoint"}
         assert not failed, f"accepted a malformed checksum field: {sorted(failed)}"

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from checkpointer.checksums import ALGORITHM, CHUNK_BYTES
+from checkpointer.checksums import ALGORITHM, CHUNK_BYTES, chunk_crcs
 from checkpointer.engine import reads
 from checkpointer.engine.rankfile import write_rank_file
 from checkpointer.engine.reads import ReadJob, execute_reads
@@ -120,16 +120,23 @@ def _tiling_layout(pieces, shape) -> bool:
     return all(c == 1 for c in counts)
 
 
-def write_checkpoint(path: str, full: torch.Tensor, pieces: list[Piece], key: str = "w") -> LocalStorage:
+def write_checkpoint(
+    path: str, full: torch.Tensor, pieces: list[Piece], key: str = "w", chunk_bytes: int = CHUNK_BYTES
+) -> LocalStorage:
+    """Rank files as a save writes them; with a small ``chunk_bytes``, the metadata's checksums
+    are of chunks that small (computed here), so verified reads cross chunk boundaries."""
     shape, code = tuple(full.shape), code_from_dtype(full.dtype)
     plan = build_save_plan([[PieceDesc(key, shape, code, True, p)] for p in pieces])
     storage = LocalStorage(path)
     crcs = {}
     for rank, keys in enumerate(plan.keys_per_rank):
         if keys:
-            lt = LocalTensor(extract(full, pieces[rank]), shape, code, True, pieces[rank])
+            local = extract(full, pieces[rank])
+            lt = LocalTensor(local, shape, code, True, pieces[rank])
             crcs[rank_filename(rank)] = write_rank_file(storage, rank_filename(rank), [(key, lt)])
-    metadata = plan.metadata.with_checksums(crcs, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
+            if chunk_bytes != CHUNK_BYTES:
+                crcs[rank_filename(rank)] = {key: chunk_crcs(memoryview(local.contiguous().view(torch.uint8).numpy()), chunk_bytes)}
+    metadata = plan.metadata.with_checksums(crcs, algorithm=ALGORITHM, chunk_bytes=chunk_bytes)
     storage.write(METADATA_FILENAME, metadata.to_json_bytes())
     return storage
 
@@ -161,7 +168,9 @@ def test_random_save_and_load_layouts_against_the_oracle(tmp_path_factory, data,
         return  # replicas that only partly agree cannot be saved
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
     full = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).reshape(shape).to(dtype)
-    storage = write_checkpoint(str(tmp_path_factory.mktemp("ckpt")), full, saved)
+    # Checksum chunks of a few elements: verified strided reads cross chunk boundaries.
+    chunk_bytes = data.draw(st.sampled_from([8, 24, 72, CHUNK_BYTES]))
+    storage = write_checkpoint(str(tmp_path_factory.mktemp("ckpt")), full, saved, chunk_bytes=chunk_bytes)
     # Small staging blocks: a block boundary falls inside rows and between a row's elements.
     monkeypatch.setattr(reads, "STRIDED_BLOCK", data.draw(st.sampled_from([8, 24, 1 << 20])))
     if data.draw(st.booleans()):  # no strided item read run by run with preadv requests

@@ -28,7 +28,8 @@ def test_a_boolean_is_not_an_integer_field(field):
     """``true`` is 1 to Python's ``isinstance(_, int)``: a format version, world size or chunk
     size of ``true`` is refused, as ``1`` is not (a mutant that took booleans passed every test)."""
     good = {"tensors": {"a": entry([2])}, "format_version": 1, "world_size": 1}
-    assert getattr(parse({**good, field: 1}), field) == 1
+    number = 8 if field == "checksum_chunk_bytes" else 1  # a chunk is a multiple of 8 bytes
+    assert getattr(parse({**good, field: number}), field) == number
     with pytest.raises(CorruptCheckpointError, match=f"^{WHERE}: invalid checkpoint metadata: {field} must be an integer or null$"):
         parse({**good, field: True})
 
@@ -51,9 +52,20 @@ def test_the_model_refuses_negative_dimensions_whatever_their_product():
 def test_the_model_refuses_a_checksum_chunk_size_of_zero():
     """A chunk size of 0 would make every piece a division by zero (a mutant of the model that
     took 0 passed every test)."""
-    assert StorageMetadata(tensors={}, checksum_chunk_bytes=1).checksum_chunk_bytes == 1
+    assert StorageMetadata(tensors={}, checksum_chunk_bytes=8).checksum_chunk_bytes == 8
     with pytest.raises(ValueError, match="checksum_chunk_bytes must be positive"):
         StorageMetadata(tensors={}, checksum_chunk_bytes=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1002])
+def test_a_checksum_chunk_that_ends_inside_an_element_is_refused(chunk):
+    """Box reads check whole chunks of whole elements: a chunk of 1,002 bytes over float32 data
+    once made a verified strided load report a mismatch on an intact checkpoint."""
+    with pytest.raises(ValueError, match=f"checksum_chunk_bytes must be a multiple of 8 .*, not {chunk}"):
+        StorageMetadata(tensors={}, checksum_chunk_bytes=chunk)
+    doc = {"tensors": {}, "format_version": 1, "checksum_algorithm": "crc32c", "checksum_chunk_bytes": chunk}
+    with pytest.raises(CorruptCheckpointError, match=f"{WHERE}: .*multiple of 8 .*, not {chunk}"):
+        parse(doc)
 
 
 @pytest.mark.parametrize("field", ["world_size", "checksum_chunk_bytes"])
