@@ -272,13 +272,15 @@ def check_lock_is_ours(storage: Storage, lock: bytes | None) -> None:
 
 
 def release_lock(storage: Storage, lock: bytes | None) -> None:
-    """Remove the lock this save wrote (``lock``), leaving one another save has taken over."""
-    if lock is not None:
-        _HEARTBEAT.release(_lock_key(storage, lock))
+    """Remove the lock this save wrote (``lock``), leaving one another save has taken over. A
+    save that wrote none (``None``: every rank but 0) leaves the directory's lock as it is."""
+    if lock is None:
+        return
+    _HEARTBEAT.release(_lock_key(storage, lock))
     try:
-        if lock is None or _is_ours(_read_lock(storage, lock), lock):
+        if _is_ours(_read_lock(storage, lock), lock):
             storage.delete(LOCK_FILENAME)
-        beat = None if lock is None else beat_name(lock)
+        beat = beat_name(lock)
         if beat is not None:
             storage.delete(beat)
     except OSError:

@@ -297,6 +297,44 @@ def test_a_save_another_rank_failed_leaves_no_lock(tmp_path, monkeypatch, where)
     assert _saved(path)
 
 
+def _overtaken_while_writing(rank, world_size, path):
+    """Rank 0: while this save writes, another job takes its lock over (``save_overwrite=True``).
+    Returns the save's error and (rank 0) whether the other job still holds the lock."""
+    from unittest import mock
+
+    from dist_helpers import catch
+
+    taken = []
+    real = save_module.write_rank_file
+
+    def write_rank_file(*args, **kwargs):
+        if rank == 0 and not taken:
+            taken.append(save_lock.acquire(open_storage(path), True))
+        return real(*args, **kwargs)
+
+    with mock.patch.object(save_module, "write_rank_file", write_rank_file):
+        error = catch(Checkpointer().save, path, {"w": torch.arange(10.0), "r": torch.ones(3)})
+    torch.distributed.barrier()  # every rank's failure handled
+    if rank != 0:
+        return error, None
+    try:
+        save_lock.check_lock_is_ours(open_storage(path), taken[0])
+        return error, True
+    except FileExistsError:
+        return error, False
+    finally:
+        save_lock.release_lock(open_storage(path), taken[0])
+
+
+def test_a_failed_save_leaves_the_lock_another_save_took_over(run_distributed, tmp_path):
+    """Every rank of the overtaken save fails, and none removes the other job's lock (rank 1, which
+    holds no lock, once removed whatever lock the directory had), so that job can still commit."""
+    results = run_distributed(_overtaken_while_writing, 2, str(tmp_path / "ckpt"), timeout=120)
+    for rank, (error, _) in enumerate(results):
+        assert error is not None and "took over its lock" in error["msg"], f"rank {rank}: {error}"
+    assert results[0][1], "the other job's lock was removed by the failed save"
+
+
 def test_a_cached_plan_retires_the_old_checkpoint_only_once_every_rank_planned(tmp_path, monkeypatch):
     """With its plan cached, a save_overwrite=True whose other rank cannot describe its values
     (no cached plan there, so the full plan reports its error) leaves the old checkpoint whole:
