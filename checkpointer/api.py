@@ -18,9 +18,8 @@ import torch.nn as nn
 from . import dist
 from .engine.checkpointer import Checkpointer, Strategy
 from .engine.async_save import WatchedFuture
-from .engine.commit import claim_parts, claim_step
+from .engine.commit import claim_step
 from .engine.locate import newest_checkpoint
-from .engine.save import describe_all
 from .errors import IncompleteCheckpointError
 from .format.layout import METADATA_FILENAME
 from .models.hf_load import KeyMap, is_hf_checkpoint, load_hf
@@ -100,15 +99,11 @@ def save_model_and_optim_state(
     dir = path_arg(dir).rstrip("/")
     targets = save_parts(dir, model, optim, train_state)
     _DEFAULT.wait()
-    if save_overwrite:  # the claim retires the old step: a value some rank cannot save refuses the save first
-        describe_all([state for _, state in targets], agree=True)
-    _claim(dir, save_overwrite, has_train=len(targets) == 3)
-    return [name for _, created in _DEFAULT.save_many(targets, save_overwrite=save_overwrite) for name in created]
-
-
-def _claim(dir: str, save_overwrite: bool, *, has_train: bool) -> None:
-    claim_parts(open_storage(f"{dir}/model"), open_storage(f"{dir}/optim"), save_overwrite,
-                train=open_storage(f"{dir}/{TRAIN_PART}"), keep_train=has_train)
+    model, optim_dir, train = (open_storage(f"{dir}/{part}") for part in ("model", "optim", TRAIN_PART))
+    # Rank 0 claims the step once every part's plan is agreed (ranks that disagree refuse the save first).
+    saved = _DEFAULT.save_many(targets, save_overwrite=save_overwrite, claim=lambda: claim_step(
+        model, optim_dir, save_overwrite, train=train, keep_train=len(targets) == 3))
+    return [name for _, created in saved for name in created]
 
 
 def async_save_model_and_optim_state(

@@ -1,15 +1,15 @@
 """Asynchronous saves: plan and stage in the foreground, write and commit in the background.
 
-The call returns once this rank's pieces are copied into host buffers (reused from one
-save to the next, pinned for CUDA tensors), so training can change its tensors at once; or,
-with ``stage_in_background``, at once, the copy made by the background thread (on side CUDA
-streams) while the caller's next forward and backward run, its future's ``staged`` done after it. The
+The call returns once this rank's pieces are copied into host buffers (reused from one save to
+the next, pinned for CUDA tensors), so training can change its tensors at once; or, with
+``stage_in_background``, at once, the copy made by the background thread (on side CUDA streams)
+while the caller's next forward and backward run, its future's ``staged`` done after it. The
 copies of pieces another rank writes (replicas) are hashed before it returns too, on a thread
-beside the copying, for the commit to compare them with the written pieces.
-A background thread writes the rank file and commits through a separate gloo group, so
-its collectives never interleave with the training loop's. A new save waits for the one
-in flight. Once the plans are cached, the call's only collective confirms them: the save
-locks, and the agreement that every rank staged its pieces, come in the background first.
+beside the copying, for the commit to compare them with the written pieces. A background thread
+writes the rank file and commits through a separate gloo group, so its collectives never
+interleave with the training loop's. A new save waits for the one in flight. Once the plans are
+cached, the call's only collective confirms them: the save locks, and the agreement that every
+rank staged its pieces (before them where an old checkpoint is retired), come in the background.
 
 No save is lost silently when the process ends: ``torch.distributed.destroy_process_group``
 waits for the saves in flight first (wrapped once an async save starts), the interpreter's exit
@@ -41,7 +41,7 @@ from ..storage.base import Storage
 from ..storage.direct import MIN_FROM_SOURCE
 from .rankfile import Copies, start_hashing
 from .commit import lock_everywhere, refuse_existing, refuse_existing_everywhere, release_locks, take_locks
-from .save import DescribedState, PlannedSave, SavePlanCache, describe_all, plan_in_full, write_and_commit
+from .save import DescribedState, PlannedSave, SavePlanCache, describe_for_save, plan_ahead, plan_in_full, write_and_commit
 
 __all__ = ["AsyncSaver", "WatchedFuture", "wait_for_writes_into", "writing_under"]
 
@@ -196,13 +196,14 @@ class AsyncSaver:
                 if not self._group_made:
                     self._group = dist.new_cpu_group()
                     self._group_made = True
-                states = describe_all([sd for _, sd in targets], agree=claim is not None and save_overwrite, what="async save")
-                described = list(zip([st for st, _ in targets], states))  # refused before a claim retires the old step
+                described = [(st, describe_for_save(sd)) for st, sd in targets]
                 reused = _reuse_cached_plans_each(described, cache)
                 locked = None in reused
                 if not locked:
                     planned = reused  # type: ignore[assignment]
                     return
+                if claim is not None and save_overwrite:  # the claim retires the old step: every plan agreed first
+                    plan_ahead([(st, d) for (st, d), p in zip(described, reused) if p is None], save_overwrite=True, cache=cache)
                 if claim is not None:  # before any target's lock: a refused save locks none
                     dist.share_from(0, lambda: claim() or b"", "async save")
                 elif not save_overwrite:
@@ -268,20 +269,15 @@ class AsyncSaver:
         return result
 
     def _write(
-        self,
-        planned: list[PlannedSave],
-        staged: list[list[tuple[str, LocalTensor]]],
-        copies: list[Copies],
-        staging_error: BaseException | None,
-        locked: bool,
-        save_overwrite: bool,
-        result: Future,
-        absent: Sequence[Storage],
-        claim: Callable[[], None] | None,
+        self, planned: list[PlannedSave], staged: list[list[tuple[str, LocalTensor]]], copies: list[Copies],
+        staging_error: BaseException | None, locked: bool, save_overwrite: bool, result: Future,
+        absent: Sequence[Storage], claim: Callable[[], None] | None,
     ) -> None:
         out: list[tuple[StorageMetadata, list[str]]] = []
         try:
             error = staging_error
+            if not locked and save_overwrite:  # every rank staged before rank 0 retires an old checkpoint
+                dist.agree(error, "async save", group=self._group)
             if error is None and not locked and dist.get_rank() == 0:
                 def refuse_then_lock() -> list[bytes | None]:
                     if claim is not None:

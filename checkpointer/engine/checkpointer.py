@@ -13,7 +13,7 @@ from ..storage.base import Storage
 from .. import dist
 from .load import load_state_dict, load_state_dicts, read_metadata, read_metadatas
 from .async_save import AsyncSaver, WatchedFuture, wait_for_writes_into
-from .save import SavePlanCache, save_state_dicts
+from .save import SavePlanCache, describe_for_save, plan_ahead, save_state_dicts
 from .two_stage import LoadStats, load_two_stage, prepare_two_stage
 from .load import unshard_state_dict
 
@@ -72,13 +72,21 @@ class Checkpointer:
 
     @torch.no_grad()
     def save_many(
-        self, targets: list[tuple[str | Storage, Mapping[str, Any]]], *, save_overwrite: bool = False
+        self, targets: list[tuple[str | Storage, Mapping[str, Any]]], *, save_overwrite: bool = False,
+        claim: Callable[[], None] | None = None,
     ) -> list[tuple[StorageMetadata, list[str]]]:
         """:meth:`save` of several ``(dir, state_dict)`` as one save: all are planned and locked
-        before any is written, then written and committed in order (the last commit is the save's)."""
+        before any is written, then written and committed in order (the last commit is the save's).
+        ``claim``: run by rank 0 before any lock (its error raised on every rank); with
+        ``save_overwrite``, only once every target's plan is agreed, as it may retire an old checkpoint."""
         if self._async is not None:
             self._async.wait()
         opened = [(open_storage(d), sd) for d, sd in targets]
+        if claim is not None:
+            if save_overwrite:
+                described = [(storage, describe_for_save(sd)) for storage, sd in opened]
+                plan_ahead(described, save_overwrite=True, cache=self._plan_cache)
+            dist.share_from(0, lambda: claim() or b"", "save")
         return save_state_dicts(opened, save_overwrite=save_overwrite, cache=self._plan_cache)
 
     def async_save(

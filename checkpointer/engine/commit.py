@@ -2,10 +2,12 @@
 
 Which rank calls what, in order (after Orbax's ``path/atomicity.py``):
 
-1. Every rank, before planning: :func:`claim_parts` (a model + optimizer save, sync or async;
-   it also takes over a step a dead save left half committed) or :func:`refuse_existing_everywhere`
-   (an async save of several directories without ``save_overwrite``): a directory that holds a
-   checkpoint refuses the save on every rank before anything is locked or written.
+1. Rank 0, before anything is locked, its error raised on every rank: :func:`claim_step` (a
+   model + optimizer save, sync or async; it also takes over a step a dead save left half
+   committed; with ``save_overwrite`` only once every part's plan is agreed, as it retires the
+   old step) or :func:`refuse_existing_everywhere` (an async save of several directories without
+   ``save_overwrite``): a directory that holds a checkpoint refuses the save on every rank
+   before anything is locked or written.
 2. Rank 0, once the plan is agreed and before any rank writes: :func:`check_directory` with
    ``retire_old`` (or :func:`take_locks` for several targets) creates ``.lock`` exclusively
    (``save_overwrite`` takes over a crashed save's) and removes an old ``metadata.json``, so
@@ -42,14 +44,6 @@ from ..format.layout import (
 from ..format.metadata import StorageMetadata
 from ..storage.base import Storage
 from ..storage.save_lock import acquire, beat_name, check_lock_is_ours, release_lock
-
-
-def claim_parts(
-    model: Storage, optim: Storage, save_overwrite: bool, *, train: Storage | None = None, keep_train: bool = False
-) -> None:
-    """Every rank, before any part of a model + optimizer save is planned: :func:`claim_step` on
-    rank 0, its refusal raised on every rank, so a refused save writes nothing."""
-    dist.share_from(0, lambda: claim_step(model, optim, save_overwrite, train=train, keep_train=keep_train) or b"", "save")
 
 
 def claim_step(

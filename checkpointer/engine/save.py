@@ -31,7 +31,7 @@ import hashlib
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 from .. import dist
 from ..errors import CheckpointError, RankError
@@ -51,7 +51,7 @@ from .rankfile import Copies, check_copies, start_hashing, write_rank_file
 
 __all__ = [
     "save_state_dict", "plan_save", "write_and_commit", "PlannedSave", "SavePlanCache",
-    "DescribedState", "describe_all", "describe_for_save", "reuse_cached_plans", "plan_in_full", "save_state_dicts",
+    "DescribedState", "describe_for_save", "reuse_cached_plans", "plan_in_full", "plan_ahead", "save_state_dicts",
 ]
 
 _CACHE_ENTRIES = 8
@@ -91,7 +91,7 @@ def _columns(described: Mapping[str, LocalTensor]) -> RankPieces:
 
 
 def _plan(
-    storage: Storage, described, aliases, local_error, save_overwrite, fingerprint: str
+    storage: Storage, described, aliases, local_error, save_overwrite, fingerprint: str, take_lock: bool = True
 ) -> tuple[tuple[str, ...], StorageMetadata, bytes | None, int, dict[str, int], str | None]:
     """Steps 2-3 without a cached plan. Returns this rank's keys, the metadata, (rank 0) the lock,
     the plan's id (the same on every rank), this rank's copies of pieces others write (key ->
@@ -109,7 +109,7 @@ def _plan(
         planned, error = _exchange_and_plan(described, aliases, error, fingerprint)
     plan, plan_id, save_id = planned or (None, -1, None)
     lock = None
-    if error is None and rank == 0:
+    if error is None and rank == 0 and take_lock:
         # Planned: only now retire an old checkpoint here, before any rank writes a file.
         lock, error = dist.attempt(lambda: check_directory(storage, save_overwrite, retire_old=True))
     agree_or_release(error, [(storage, lock)])
@@ -236,20 +236,8 @@ def describe_for_save(state_dict: Mapping[str, Any]) -> DescribedState:
     return DescribedState(described, aliases, error, fingerprint)
 
 
-def describe_all(state_dicts: Sequence[Mapping[str, Any]], *, agree: bool, what: str = "save") -> list[DescribedState]:
-    """Describe each state dict; with ``agree``, every rank, then one agreement on their errors, so
-    that a value any rank cannot save refuses the save before a claim retires an old step."""
-    described = [describe_for_save(sd) for sd in state_dicts]
-    if agree:
-        dist.agree(next((d.error for d in described if d.error is not None), None), what)
-    return described
-
-
 def reuse_cached_plans(
-    targets: list[tuple[Storage, DescribedState]],
-    *,
-    cache: dict[str, SavePlanCache],
-    save_overwrite: bool,
+    targets: list[tuple[Storage, DescribedState]], *, cache: dict[str, SavePlanCache], save_overwrite: bool
 ) -> list[PlannedSave] | None:
     """Every target's plan from ``cache``, confirmed by one all-reduce: None unless every rank
     has a cached plan for each target, each from the same save as the other ranks' entries.
@@ -267,10 +255,7 @@ def reuse_cached_plans(
         locks = taken or locks
     # Every rank's entries must come from one plan: each rank's own pieces can recur while
     # another rank's did not (they moved between ranks), or recur from another save.
-    plan_id = -1
-    if ok:  # the targets too: ranks saving elsewhere go to the full plan, which refuses them
-        plan_id = _digest(",".join(str(hit.plan_id) for hit in hits if hit is not None) + "".join(
-            f"\n{storage.url}" for storage, _ in targets))
+    plan_id = _plans_id(hits, [storage for storage, _ in targets]) if ok else -1
     same, save_id = dist.all_equal_and_least(plan_id, secrets.randbits(62))  # the save's file id comes along
     if same and plan_id >= 0:
         if save_overwrite:
@@ -287,6 +272,28 @@ def reuse_cached_plans(
         if lock is not None:
             release_lock(storage, lock)
     return None
+
+
+def _plans_id(hits: list[SavePlanCache | None], storages: list[Storage]) -> int:
+    """Cached plans and their targets (ranks saving elsewhere differ) as one number to compare, -1 if one is missing."""
+    if any(hit is None for hit in hits):
+        return -1
+    return _digest(",".join(str(hit.plan_id) for hit in hits) + "".join(f"\n{storage.url}" for storage in storages))  # type: ignore[union-attr]
+
+
+def plan_ahead(
+    targets: list[tuple[Storage, DescribedState]], *, save_overwrite: bool, cache: dict[str, SavePlanCache]
+) -> None:
+    """Every rank: each target planned into ``cache`` and agreed (values a rank cannot save, ranks
+    that disagree), no directory locked or changed, unless every rank holds the same cached plans:
+    before ``save_overwrite``'s claim retires an old model + optimizer step."""
+    hits = [cache.get(d.fingerprint) if d.error is None else None for _, d in targets]
+    plan_id = _plans_id(hits, [storage for storage, _ in targets])
+    same, _ = dist.all_equal_and_least(plan_id, 0)
+    if same and plan_id >= 0:
+        return
+    for storage, d in targets:
+        plan_in_full(storage, d, save_overwrite=save_overwrite, cache=cache, take_lock=False)
 
 
 def plan_save(
@@ -306,11 +313,13 @@ def plan_save(
 
 
 def plan_in_full(
-    storage: Storage, d: DescribedState, *, save_overwrite: bool, cache: dict[str, SavePlanCache] | None
+    storage: Storage, d: DescribedState, *, save_overwrite: bool, cache: dict[str, SavePlanCache] | None,
+    take_lock: bool = True,
 ) -> PlannedSave:
-    """Steps 2-3 without the cache (every rank's pieces exchanged); the plan goes into ``cache``."""
+    """Steps 2-3 without the cache (every rank's pieces exchanged); the plan goes into ``cache``.
+    Without ``take_lock``, the directory is neither locked nor changed."""
     keys, metadata, lock, plan_id, copies, save_id = _plan(
-        storage, d.described, d.aliases, d.error, save_overwrite, d.fingerprint
+        storage, d.described, d.aliases, d.error, save_overwrite, d.fingerprint, take_lock
     )
     if cache is not None:
         while len(cache) >= _CACHE_ENTRIES:

@@ -126,6 +126,40 @@ def _async_stage_task(rank, world_size, path, failing, planned_before):
         return error, catch(Checkpointer().save, path, state)
 
 
+def _failed_overwrite_task(rank, world_size, run, how):
+    """A model + optimizer step saved, then an overwrite of it that fails before any rank writes:
+    rank 1's model has another shape (refused while planning, ``sync`` or ``async``), or rank 1's
+    staging fails in an async save whose plans are cached (``staging``). Returns the overwrite's
+    error, whether the step is still the run's latest, and whether it loads the first values."""
+    from checkpointer.engine.async_save import AsyncSaver
+
+    def no_memory(self, index, planned):
+        raise MemoryError(f"injected staging failure on rank {rank}")
+
+    def async_save(*args, **kwargs):
+        return checkpointer.async_save_model_and_optim_state(*args, **kwargs).result(timeout=3 * TIMEOUT_S)
+
+    with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": str(TIMEOUT_S)}):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optim = torch.optim.AdamW(model.parameters())
+        model(torch.ones(2, 4)).sum().backward()
+        optim.step()
+        step = f"{run}/step100"
+        async_save(step, model, optim)  # the plans are cached
+        if how == "staging":
+            with mock.patch.object(AsyncSaver, "_stage", no_memory) if rank == 1 else contextlib.nullcontext():
+                error = catch(async_save, step, model, optim, save_overwrite=True)
+        else:
+            other = torch.nn.Linear(5 if rank == 1 else 4, 3)
+            save = checkpointer.save_model_and_optim_state if how == "sync" else async_save
+            error = catch(save, step, other, torch.optim.AdamW(other.parameters()), save_overwrite=True)
+        back = torch.nn.Linear(4, 3)
+        checkpointer.load_model_and_optim_state(step, back, torch.optim.AdamW(back.parameters()))
+        same = all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+        return error, checkpointer.latest_checkpoint(run) == step, same
+
+
 # --------------------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------------------
@@ -204,6 +238,17 @@ def test_async_save_with_a_rank_whose_staging_fails(run_distributed, tmp_path, p
     check_raised_rank([error for error, _ in results], 1, "injected staging failure")
     assert [again for _, again in results] == [None] * 3, "a save after the failed one was refused"
     assert torch.equal(rel_helpers.load_part(path, rel_helpers.flat_full())["flat.w"], rel_helpers.flat_full()["flat.w"])
+
+
+@pytest.mark.parametrize("how", ["sync", "async", "staging"])
+def test_an_overwrite_that_fails_before_writing_keeps_the_step(run_distributed, tmp_path, how):
+    """A refused save never damages an earlier checkpoint, even with ``save_overwrite``: the old
+    step is retired only once every rank has planned (and, async, staged)."""
+    results = run_distributed(_failed_overwrite_task, 2, str(tmp_path / "run"), how, timeout=120)
+    needle = "injected staging failure" if how == "staging" else "is [3, 4] F32 on one rank and [3, 5] F32 on rank 1"
+    for rank, (error, latest, same) in enumerate(results):
+        assert error is not None and needle in error["msg"], f"rank {rank}: {error}"
+        assert latest and same, f"rank {rank}: the failed overwrite retired the step (latest: {latest}, same values: {same})"
 
 
 # --------------------------------------------------------------------------------------
