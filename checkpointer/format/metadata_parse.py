@@ -15,7 +15,7 @@ from ..errors import CorruptCheckpointError
 from .dtypes import DTYPE_CODES
 from .json_members import object_members, skip_whitespace
 from .layout import FORMAT_VERSION
-from .metadata import MAX_NDIM, MAX_NUMEL, TOP_FIELDS, SameId, check_chunk_bytes, StorageMetadata, TensorStorageMetadata, dims_fit
+from .metadata import MAX_NDIM, MAX_NUMEL, TOP_FIELDS, SameId, StorageMetadata, TensorStorageMetadata, check_chunk_bytes, dims_fit
 from .spec_parser import SpecParser
 from .specs import gc_paused
 
