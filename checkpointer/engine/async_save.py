@@ -204,6 +204,7 @@ class AsyncSaver:
                     return
                 if claim is not None and save_overwrite:  # the claim retires the old step: every plan agreed first
                     plan_ahead([(st, d) for (st, d), p in zip(described, reused) if p is None], save_overwrite=True, cache=cache)
+                    reused = _reuse_cached_plans_each(described, cache)  # all of them now: none planned twice
                 if claim is not None:  # before any target's lock: a refused save locks none
                     dist.share_from(0, lambda: claim() or b"", "async save")
                 elif not save_overwrite:
