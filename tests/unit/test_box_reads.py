@@ -135,7 +135,7 @@ def write_checkpoint(
             lt = LocalTensor(local, shape, code, True, pieces[rank])
             crcs[rank_filename(rank)] = write_rank_file(storage, rank_filename(rank), [(key, lt)])
             if chunk_bytes != CHUNK_BYTES:
-                crcs[rank_filename(rank)] = {key: chunk_crcs(memoryview(local.contiguous().view(torch.uint8).numpy()), chunk_bytes)}
+                crcs[rank_filename(rank)] = {key: chunk_crcs(memoryview(local.view(torch.uint8).numpy()), chunk_bytes)}
     metadata = plan.metadata.with_checksums(crcs, algorithm=ALGORITHM, chunk_bytes=chunk_bytes)
     storage.write(METADATA_FILENAME, metadata.to_json_bytes())
     return storage
