@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import dist, settings
-from ..errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from .. import dist
+from ..errors import CheckpointError, CheckpointMismatchError
 from ..format.dtypes import dtype_from_code
 from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
@@ -27,7 +27,7 @@ from ..format.metadata_parse import parse_metadata
 from ..planning.load_plan import TensorLoadPlan, build_load_plan
 from ..sharding import LocalTensor, describe_state_dict
 from ..storage.base import Storage
-from .locate import missing_metadata_message
+from .locate import metadata_bytes
 from .checks import HeaderCache, piece_files, verify_chunk_bytes
 from .reader import CheckpointReader
 from .reads import ReadJob, execute_reads, execute_reads_from
@@ -53,38 +53,6 @@ what this library writes for a 70B model's optimizer over 8,192 ranks (about 1.1
 _STAGE_BYTES = 256 << 20
 
 
-def _read_metadata_bytes(storage: Storage) -> bytes:
-    try:
-        size = storage.size(METADATA_FILENAME)
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(missing_metadata_message(storage)) from None
-    except (PermissionError, IsADirectoryError, NotADirectoryError) as ex:
-        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a readable file ({ex})") from ex
-    except OSError as ex:
-        if not storage.is_local():
-            raise
-        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a regular file ({ex})") from ex
-    limit_mib = settings.max_metadata_mib()
-    if size > limit_mib * (1 << 20):
-        raise CorruptCheckpointError(
-            f"{storage.join(METADATA_FILENAME)} is {size} bytes, over the limit of {limit_mib:g} MiB "
-            "(set CHECKPOINTER_MAX_METADATA_MIB to read larger metadata from a source you trust; "
-            "parsing takes about 2x the file's size in memory on every rank)"
-        )
-    # Bytes [0, size) of the size just checked: a file that grows meanwhile is not read on.
-    try:
-        data = storage.read(METADATA_FILENAME, 0, size)
-    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as ex:  # replaced since
-        if not storage.is_local():
-            raise
-        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: changed while it was read ({ex})") from ex
-    if len(data) != size:
-        raise CorruptCheckpointError(
-            f"{storage.join(METADATA_FILENAME)}: read {len(data)} bytes of {size}: the file changed while it was read"
-        )
-    return data
-
-
 def read_metadata(storage: Storage, *, no_dist: bool = False) -> StorageMetadata:
     return read_metadatas([storage], no_dist=no_dist)[0]
 
@@ -94,7 +62,7 @@ def read_metadatas(storages: Sequence[Storage], *, no_dist: bool = False) -> lis
     in one broadcast (each framed by its 8-byte length)."""
 
     def produce() -> bytes:
-        return b"".join(len(data).to_bytes(8, "little") + data for data in map(_read_metadata_bytes, storages))
+        return b"".join(len(data).to_bytes(8, "little") + data for data in map(metadata_bytes, storages))
 
     shared = memoryview(dist.share_from(0, produce, "reading metadata", no_dist=no_dist))
     out, at = [], 0

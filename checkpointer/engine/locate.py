@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 
-from ..errors import IncompleteCheckpointError
+from .. import settings
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename, is_save_file
 from ..storage import open_storage
 from ..storage.base import Storage
@@ -18,6 +20,7 @@ __all__ = [
     "newest_checkpoint",
     "step_of",
     "is_complete",
+    "metadata_bytes",
     "holds_anything",
     "wrong_directory_hint",
     "run_directory_hint",
@@ -52,20 +55,30 @@ def holds_anything(storage: Storage) -> bool:
 
 
 def is_complete(storage: Storage) -> bool:
-    """A checkpoint directory (``metadata.json``), or a top-level one holding ``model/`` and
-    ``optim/`` in which every part present (``model/``, ``optim/``, ``train/``) committed its
-    ``metadata.json``: a save killed between parts never leaves a step that looks complete.
+    """A top-level directory holding ``model/`` and ``optim/`` in which every part present
+    (``model/``, ``optim/``, ``train/``) committed its ``metadata.json``: a save killed between
+    parts never leaves a step that looks complete, whatever else the directory holds. Any other
+    directory: one whose ``metadata.json`` is a checkpoint's (:func:`_is_checkpoint_metadata`).
     An empty ``train/`` (a save without training state over one with it) counts as absent."""
-    if storage.exists(METADATA_FILENAME):
-        return True
     names = set(_lists(storage))
     if not all(part in names for part in PARTS):
-        return False
+        return _is_checkpoint_metadata(storage)
     return all(
         storage.part(part).exists(METADATA_FILENAME) or (part not in PARTS and not holds_anything(storage.part(part)))
         for part in COMMITTED_PARTS
         if part in names
     )
+
+
+def _is_checkpoint_metadata(storage: Storage) -> bool:
+    """Whether ``metadata.json`` is there and is a checkpoint's, a JSON object holding a ``tensors``
+    object (this library's, OLMo-core's): another tool's ``metadata.json`` (an evaluation's
+    results, say) does not make its directory a checkpoint, nor one too large to load."""
+    try:
+        document = json.loads(metadata_bytes(storage))
+    except (CheckpointError, ValueError, RecursionError):
+        return False
+    return isinstance(document, dict) and isinstance(document.get("tensors"), dict)
 
 
 def newest_checkpoint(run: Storage) -> str | None:
@@ -221,3 +234,41 @@ def model_checkpoint(storage: Storage) -> Storage:
         if name in ("", "model"):
             return part
     raise IncompleteCheckpointError(f"{storage.url} holds optim/ but no model/ checkpoint")
+
+
+def metadata_bytes(storage: Storage) -> bytes:
+    """The bytes of ``storage``'s ``metadata.json``, at most ``CHECKPOINTER_MAX_METADATA_MIB``.
+
+    Raises:
+        IncompleteCheckpointError: there is none.
+        CorruptCheckpointError: it is too large, not a regular file, or changed while read.
+    """
+    try:
+        size = storage.size(METADATA_FILENAME)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(missing_metadata_message(storage)) from None
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as ex:
+        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a readable file ({ex})") from ex
+    except OSError as ex:
+        if not storage.is_local():
+            raise
+        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: not a regular file ({ex})") from ex
+    limit_mib = settings.max_metadata_mib()
+    if size > limit_mib * (1 << 20):
+        raise CorruptCheckpointError(
+            f"{storage.join(METADATA_FILENAME)} is {size} bytes, over the limit of {limit_mib:g} MiB "
+            "(set CHECKPOINTER_MAX_METADATA_MIB to read larger metadata from a source you trust; "
+            "parsing takes about 2x the file's size in memory on every rank)"
+        )
+    # Bytes [0, size) of the size just checked: a file that grows meanwhile is not read on.
+    try:
+        data = storage.read(METADATA_FILENAME, 0, size)
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as ex:  # replaced since
+        if not storage.is_local():
+            raise
+        raise CorruptCheckpointError(f"{storage.join(METADATA_FILENAME)}: changed while it was read ({ex})") from ex
+    if len(data) != size:
+        raise CorruptCheckpointError(
+            f"{storage.join(METADATA_FILENAME)}: read {len(data)} bytes of {size}: the file changed while it was read"
+        )
+    return data

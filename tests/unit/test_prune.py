@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -182,3 +183,42 @@ def test_a_link_named_for_its_step_keeps_what_it_leads_to(tmp_path):
     steps = [Step("final_step3", 3, True), Step("step3", 3, True), Step("step2", 2, True), Step("step1", 1, True)]
     assert choose(steps, 2, None) == ["step1"]
     assert choose(steps, 1, 2) == ["step1"]
+
+
+def test_another_tools_metadata_json_makes_no_checkpoint(tmp_path):
+    """A directory is complete by a checkpoint's ``metadata.json``, not by any file of that name
+    (found by a review: ``eval_step300/metadata.json`` was the newest checkpoint, and prune
+    deleted every real one)."""
+    run = tmp_path / "run"
+    model = torch.nn.Linear(2, 2)
+    for step in (100, 200):
+        checkpointer.save_model_and_optim_state(str(run / f"step{step}"), model, torch.optim.AdamW(model.parameters()))
+    for name, text in (("eval_step300", '{"accuracy": 0.91}'), ("eval_step400", "[1, 2]"), ("eval_step500", "{")):
+        (run / name).mkdir()
+        (run / name / "metadata.json").write_text(text)
+    assert checkpointer.latest_checkpoint(str(run)) == f"{run}/step200"
+    assert checkpointer.prune(str(run), keep_last=1) == [f"{run}/step100"]
+    assert sorted(os.listdir(run)) == ["eval_step300", "eval_step400", "eval_step500", "step200"]
+
+
+def test_a_step_is_judged_by_its_parts_whatever_metadata_json_it_holds():
+    """The user's notes in ``step1/metadata.json`` do not make a step whose ``optim/`` never
+    committed complete (found by a review)."""
+    step = MemoryStorage().child("step1")
+    step.write("metadata.json", b'{"tensors": {}}')
+    step.write("model/metadata.json", b"{}")
+    step.write("optim/rank_0.safetensors", b"x")
+    assert not is_complete(step)
+    step.write("optim/metadata.json", b"{}")
+    assert is_complete(step)
+
+
+def test_a_checkpoints_metadata_json_counts_in_any_key_order(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    checkpointer.Checkpointer().save(str(run / "step1"), {"w": torch.zeros(2)})
+    metadata = run / "step1" / "metadata.json"
+    metadata.write_text(json.dumps(json.loads(metadata.read_text()), sort_keys=True, indent=2))
+    assert checkpointer.latest_checkpoint(str(run)) == f"{run}/step1"
+    assert torch.equal(checkpointer.Checkpointer().unshard(f"{run}/step1")["w"], torch.zeros(2))
+    monkeypatch.setenv("CHECKPOINTER_MAX_METADATA_MIB", "0.0001")  # one a load would refuse
+    assert checkpointer.latest_checkpoint(str(run)) is None
