@@ -51,7 +51,7 @@ def _encode(value: Any, where: str, add_tensor: Callable[[torch.Tensor], str], d
     if isinstance(value, torch.Tensor):
         return {"$tensor": add_tensor(value)}
     if _is_numpy(value):
-        return _encode(_from_numpy(value), where, add_tensor, depth)
+        return _encode(_from_numpy(value, where), where, add_tensor, depth)
     if isinstance(value, (list, tuple)):
         return [_encode(v, f"{where}[{i}]", add_tensor, depth + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
@@ -73,14 +73,20 @@ def _is_numpy(value: Any) -> bool:
     return type(value).__module__ == "numpy"
 
 
-def _from_numpy(value: Any) -> Any:
+def _from_numpy(value: Any, where: str) -> Any:
     import numpy as np
 
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.copy())
+        try:
+            return torch.from_numpy(value.copy())
+        except TypeError:  # strings, objects: no torch dtype
+            raise UnstorableValueError(
+                f"{where}: a numpy array of dtype {value.dtype} cannot be stored (numeric and bool arrays can; "
+                "store strings as a list: .tolist())"
+            ) from None
     if isinstance(value, np.generic):
         return value.item()
-    raise UnstorableValueError(f"a numpy {type(value).__name__} cannot be stored in train_state")
+    raise UnstorableValueError(f"{where}: a numpy {type(value).__name__} cannot be stored in train_state")
 
 
 def dumps(tree: Any) -> bytes:

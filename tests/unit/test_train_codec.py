@@ -128,6 +128,14 @@ def test_numpy_values_come_back_as_python_values_and_tensors():
     assert back["a"].dtype == torch.int64 and torch.equal(back["a"], torch.arange(3))
 
 
+@pytest.mark.parametrize("dtype", ["<U3", "object"])
+def test_numpy_arrays_torch_cannot_hold_are_refused_naming_the_value(dtype):
+    """Not the bare ``TypeError`` of ``torch.from_numpy`` (found by a review)."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(train_codec.UnstorableValueError, match=rf"train_state\['labels'\]\[1\]: a numpy array of dtype {dtype}"):
+        train_codec.encode([0, np.array(["cat", "dog"], dtype=dtype)], "train_state['labels']", lambda t: "t")
+
+
 def _nested(depth: int) -> list:
     value: list = []
     for _ in range(depth - 1):
