@@ -333,6 +333,13 @@ def _read(storage: Storage, wanted: dict[str, Any]) -> ReadTrainState:
             f"{where}: saved by {manifest['world_size']} ranks; rank {rank} has no saved value of the per-rank "
             f"train_state keys {lost} (left as they are)", stacklevel=4,
         )
+    saved_ranks, ranks = manifest["world_size"], dist.get_world_size()
+    if per_rank and rank == 0 and saved_ranks > ranks:
+        others = f"rank {ranks}" if saved_ranks == ranks + 1 else f"ranks {ranks} to {saved_ranks - 1}"
+        warnings.warn(
+            f"{where}: saved by {saved_ranks} ranks, loaded by {ranks}: no rank loads the values of the per-rank "
+            f"train_state keys {per_rank} that {others} saved", stacklevel=4,
+        )
     values: dict[str, Any] = {}
     for key, name in names.items():
         tree = _read_json(reader, name, where)
