@@ -2,7 +2,7 @@
 
 The save plan needs, per tensor, its distinct non-empty pieces (in the order of their first
 holder), the ranks holding each, and a proof that the distinct pieces tile the tensor: what
-``plan._split`` and ``plan._check_tiling`` do piece by piece. At 16,384 ranks that is tens of
+``plan._split`` and ``plan.check_tiling`` do piece by piece. At 16,384 ranks that is tens of
 thousands of objects per tensor class. :func:`box_groups` does the same for box pieces with
 arrays, and proves the tiling the way :class:`~checkpointer.planning.boxes.TileIndex` first tries:
 

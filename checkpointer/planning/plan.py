@@ -30,7 +30,7 @@ from .pieces import (
 )
 from .save_plan import SavePlan
 
-__all__ = ["Piece", "PieceDesc", "RankPieces", "Structure", "SavePlan", "build_save_plan"]
+__all__ = ["Piece", "PieceDesc", "RankPieces", "Structure", "SavePlan", "build_save_plan", "check_tiling"]
 
 
 _PIECE = attrgetter("piece")
@@ -188,7 +188,7 @@ def _analyse(
         if block.shape[1] > 1 and (block == block[:, :1]).all():
             piece = Piece.from_numbers(kind, block[:, 0].tolist())
             if piece.numel:
-                _check_tiling(key, shape, [piece])
+                check_tiling(key, shape, [piece])
                 return _Planned([], [], None, [], [(piece.numel, piece, None if everyone else ranks.tolist())])
     if kind == BOX:
         grouped = _grouped(shape, block, ranks, names, layouts, everyone=everyone, compact=compact)
@@ -371,7 +371,7 @@ def _split(
         distinct, holders, counts = (list(compress(x, counts)) for x in (distinct, holders, counts))
     else:
         distinct, holders, counts = distinct[:1], holders[:1], counts[:1]
-    _check_tiling(key, shape, distinct)
+    check_tiling(key, shape, distinct)
     writers: list[int] = []
     mine: list[Piece] = []
     numels = []
@@ -417,7 +417,9 @@ def _layout(
     return shared_layout(layouts, shape, names, flat, ls, go)
 
 
-def _check_tiling(key: str, shape: Sequence[int], pieces: Sequence[Piece]) -> None:
+def check_tiling(key: str, shape: Sequence[int], pieces: Sequence[Piece]) -> None:
+    """``ValueError`` naming what is wrong unless ``pieces`` (each inside ``shape``) cover the
+    tensor exactly once (equal pieces, replicas, count once)."""
     numel = math.prod(shape)
     index = TileIndex(shape, [piece_tiles(p, shape) for p in pieces])
     if index.ok and index.covered == numel and not index.replicas:

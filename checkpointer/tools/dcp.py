@@ -23,6 +23,7 @@ import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import code_from_dtype, dtype_from_code
+from ..planning.plan import Piece, check_tiling
 from ..storage import urls
 from ..storage.base import check_url
 from .sources import Entry, TensorSource, Where
@@ -101,6 +102,7 @@ class DCPSource(TensorSource):
                 code = code_from_dtype(meta.properties.dtype)
             except TypeError as ex:
                 raise CheckpointError(f"{self.path}: tensor {fqn!r}: {ex}") from ex
+            _check_chunks(self.path, fqn, tuple(meta.size), meta.chunks)
             self._entries.append((fqn, tuple(meta.size), code))
         self._reader = _reader_with_metadata(self.path, self.metadata)
 
@@ -120,6 +122,25 @@ class DCPSource(TensorSource):
             cause = _unwrap(ex)
             raise CorruptCheckpointError(f"{self.path}: cannot read tensor {key!r} ({type(cause).__name__}: {cause})") from ex
         return out
+
+
+def _check_chunks(path: str, key: str, shape: tuple[int, ...], chunks: Sequence[Any]) -> None:
+    """DCP's load fills what a tensor's chunks cover and leaves the rest of the destination as it
+    was (``torch.empty``'s bytes here): chunks that reach past the tensor, overlap or leave
+    elements out are a corrupt checkpoint."""
+    pieces = []
+    for chunk in chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if not (len(offsets) == len(sizes) == len(shape)
+                and all(0 <= o and 0 <= s and o + s <= d for o, s, d in zip(offsets, sizes, shape))):
+            raise CorruptCheckpointError(
+                f"{path}: tensor {key!r}: a chunk at {list(offsets)} of sizes {list(sizes)} lies outside its shape {list(shape)}"
+            )
+        pieces.append(Piece(local_shape=sizes, global_offset=offsets))
+    try:
+        check_tiling(key, shape, pieces)
+    except ValueError as ex:
+        raise CorruptCheckpointError(f"{path}: {ex}") from None
 
 
 def _unwrap(ex: BaseException) -> BaseException:

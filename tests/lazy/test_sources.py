@@ -109,3 +109,33 @@ def test_a_key_in_two_safetensors_files_is_refused(tmp_path):
     save_file({"w": torch.zeros(2)}, str(tmp_path / "b.safetensors"))
     with pytest.raises(CorruptCheckpointError, match=r"b\.safetensors: tensor 'w' is also in .*a\.safetensors"):
         open_source(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "chunks, match",
+    [
+        ([((0, 0), (2, 6))], r"leave elements \[12, 24\) out"),  # DCP's load would leave rows 2-3 as they were
+        ([((0, 0), (4, 3)), ((0, 2), (4, 4))], "overlap"),
+        ([((0, 0), (4, 6)), ((3, 0), (2, 6))], "lies outside its shape"),
+    ],
+)
+def test_a_dcp_tensor_its_chunks_do_not_tile_is_refused(tmp_path, chunks, match):
+    """Found by a review: a DCP tensor whose chunks covered half of it converted with the other
+    half uninitialised."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(24.0).reshape(4, 6)}, checkpoint_id=str(tmp_path), no_dist=True)
+    with open(tmp_path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    metadata.state_dict_metadata["w"].chunks = [
+        ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks
+    ]
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(CorruptCheckpointError, match=rf"{tmp_path}: .*'w'.*{match}"):
+        open_source(str(tmp_path), allow_pickle=True)
