@@ -5,6 +5,9 @@ rank files; ai2-olmo-core 0.1.0 reads only format 1's ``shard_spec_per_file``, e
 file by file. The conversion, for each part (``train/``, ``model/``, ``optim/`` of a top-level
 directory, in the order a save commits them, or the one directory given):
 
+0. Verify every part as ``checkpointer verify`` does, reading every byte: its layout, headers
+   and checksums. The copy below moves bytes without looking at them, and OLMo-core checks no
+   checksum, so a damaged source is refused here, before anything is written.
 1. Read ``metadata.json`` and each rank file's header (its file id checked against the metadata);
    in format 2, read each file's checksums (its ``__checkpointer_crc32c__`` tensor).
 2. Copy every rank file as it is, byte for byte (a format-1 reader ignores the checksums tensor).
@@ -26,17 +29,19 @@ from ..engine.checks import HeaderCache, read_with
 from ..engine.commit import check_directory, commit_metadata, refuse_existing, release_lock
 from ..engine.load import read_metadata
 from ..engine.locate import checkpoint_parts
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.layout import FILE_ID_KEY, FORMAT_VERSION, LEGACY_FORMAT_VERSION, METADATA_FILENAME
 from ..format.safetensors_header import build_header
 from ..format.metadata import StorageMetadata
 from ..storage import open_storage
 from ..storage.base import Storage
+from .verify import verify_checkpoint
 
 __all__ = ["write_olmo", "olmo_metadata"]
 
 _BLOCK = 64 << 20
 _COMMIT_ORDER = ("train", "model", "optim")
+_TIED_SUFFIX = ".tied.safetensors"
 
 
 def olmo_metadata(metadata: StorageMetadata, headers: HeaderCache) -> StorageMetadata:
@@ -71,7 +76,8 @@ def write_olmo(
 
     Raises:
         FileExistsError: ``dst`` (or one of its parts) holds a checkpoint and ``save_overwrite`` is False.
-        CorruptCheckpointError: a rank file is missing, of another save, or without its checksums.
+        CorruptCheckpointError: a part fails :func:`~checkpointer.tools.verify.verify_checkpoint`
+            (a rank file missing, of another save or damaged; pieces that overlap or leave elements out).
     """
     source, target = open_storage(src), open_storage(dst)
     if source.url.rstrip("/") == target.url.rstrip("/"):
@@ -80,6 +86,11 @@ def write_olmo(
     if "" not in parts and "train" not in parts and source.part("train").exists(METADATA_FILENAME):
         parts["train"] = source.part("train")
     names = [name for name in _COMMIT_ORDER if name in parts] or [""]
+    for name in names:
+        problems = verify_checkpoint(parts[name])
+        if problems:
+            more = f" (and {len(problems) - 1} more: checkpointer verify lists them)" if len(problems) > 1 else ""
+            raise CorruptCheckpointError(f"{parts[name].url} is damaged, nothing was written: {problems[0]}{more}")
     read = [(name, parts[name], read_metadata(parts[name], no_dist=True)) for name in names]
     targets = [target.part(name) if name else target for name, _, _ in read]
     if not save_overwrite:  # every part refused before any is written
@@ -112,6 +123,10 @@ def _convert_part(source: Storage, target: Storage, metadata: StorageMetadata, s
         lock = check_directory(target, save_overwrite, retire_old=True)
         committed = False
         try:
+            if save_overwrite:  # the commit drops stale rank files; a conversion's .tied files go here
+                for name in target.list():
+                    if name.endswith(_TIED_SUFFIX) and name not in tied:
+                        target.delete(name)
             for name in files:
                 _copy(headers.storage, target, name, bar)
             for name, copies in tied.items():
@@ -146,7 +161,7 @@ def _untie(metadata: StorageMetadata) -> tuple[StorageMetadata, dict[str, list[t
 
 
 def _tied_name(name: str) -> str:
-    return f"{name.removesuffix('.safetensors')}.tied.safetensors"
+    return f"{name.removesuffix('.safetensors')}{_TIED_SUFFIX}"
 
 
 def _write_tied(headers: HeaderCache, target: Storage, name: str, copies: list[tuple[str, str, str]], file_id: str | None) -> None:

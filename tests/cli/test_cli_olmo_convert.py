@@ -177,6 +177,38 @@ def test_convert_to_olmo_into_a_checkpoint_refuses_every_part_before_writing_one
     assert_same_tensors(full_state(fresh), full_state(model)) and state == {"step": 3}
 
 
+def test_convert_to_olmo_refuses_a_damaged_source_before_writing_anything(tmp_path, capsys):
+    """The copy moves bytes unread and OLMo-core checks no checksum, so the source is verified
+    first (found by a review: a flipped bit was copied, and OLMo-core loaded it)."""
+    src, dst = str(tmp_path / "ours"), str(tmp_path / "dst")
+    model, optim = build(18, tied=False)
+    save_model_and_optim_state(src, model, optim, train_state={"step": 3})
+    rank_file = os.path.join(src, "optim", "rank_0.safetensors")  # the last part converted
+    with open(rank_file, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x10]))
+    code, _, err = cli(capsys, "convert", src, dst, "--to", "olmo", "-q")
+    assert code == 1 and f"{src}/optim is damaged, nothing was written" in err and "checksum mismatch" in err, err
+    assert not os.path.exists(dst)
+
+    layout = str(tmp_path / "format1")  # format 1 (OLMo-core's), whose metadata.json the copy keeps
+    os.makedirs(layout)
+    from safetensors.torch import save_file
+
+    w = torch.arange(60.0).reshape(6, 10)
+    save_file({"w": w[:3].reshape(-1).contiguous()}, os.path.join(layout, "rank_0.safetensors"))
+    save_file({"w": w[3:].reshape(-1).contiguous()}, os.path.join(layout, "rank_1.safetensors"))
+    specs = {f"rank_{r}.safetensors": {"flattened_offsets": None, "local_shape": [3, 10], "global_offset": [2 * r, 0]}
+             for r in range(2)}  # rank 1's rows start at 2, not 3: row 2 twice, row 5 in no file
+    with open(os.path.join(layout, "metadata.json"), "w") as f:
+        json.dump({"tensors": {"w": {"shape": [6, 10], "is_sharded": True, "dtype": "F32", "shard_spec_per_file": specs}}}, f)
+    code, _, err = cli(capsys, "convert", layout, dst, "--to", "olmo", "-q")
+    assert code == 1 and "is damaged, nothing was written" in err and "'w'" in err, err
+    assert not os.path.exists(dst)
+
+
 def test_convert_to_olmo_of_tied_checkpoints_loads_in_olmo(ckpts, tmp_path, capsys):
     """A tied head is saved once (an alias of the embedding); the conversion gives it a copy of
     its own, in a .tied file beside each rank file, which OLMo-core reads by its name."""
@@ -212,3 +244,21 @@ def test_convert_to_olmo_gives_each_tied_file_the_id_of_the_file_beside_it(ckpts
         assert ids[name] == ids[beside], name
         with safe_open(os.path.join(part, name), "pt") as f:
             assert f.metadata()[FILE_ID_KEY] == ids[beside], name
+
+
+def test_convert_to_olmo_over_a_tied_conversion_leaves_no_tied_file_behind(tmp_path, capsys):
+    """``--overwrite`` leaves only the new checkpoint's files (found by a review: the old
+    ``rank_0.tied.safetensors`` stayed)."""
+    from checkpointer import Checkpointer
+
+    tied, plain, dst = (str(tmp_path / name) for name in ("tied", "plain", "dst"))
+    emb = torch.arange(8.0).reshape(2, 4)
+    Checkpointer().save(tied, {"emb": emb, "head": emb})
+    Checkpointer().save(plain, {"emb": emb})
+    assert cli(capsys, "convert", tied, dst, "--to", "olmo", "-q") == (0, "", "")
+    assert sorted(os.listdir(dst)) == ["metadata.json", "rank_0.safetensors", "rank_0.tied.safetensors"]
+    assert cli(capsys, "convert", plain, dst, "--to", "olmo", "-q", "--overwrite") == (0, "", "")
+    assert sorted(os.listdir(dst)) == ["metadata.json", "rank_0.safetensors"]
+    assert cli(capsys, "convert", tied, dst, "--to", "olmo", "-q", "--overwrite") == (0, "", "")
+    assert sorted(os.listdir(dst)) == ["metadata.json", "rank_0.safetensors", "rank_0.tied.safetensors"]
+    assert torch.equal(Checkpointer().unshard(dst)["head"], emb)
