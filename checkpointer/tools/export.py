@@ -35,7 +35,8 @@ import torch
 from .. import dist
 from ..buffers import memoryview_of
 from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, itemsize
-from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES
+from ..errors import CheckpointError
+from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES, RESERVED_KEY
 from ..storage import open_storage
 from .checkpoint_tensors import CheckpointTensors, Staging
 from ..storage.base import Storage, Writer, path_arg
@@ -182,6 +183,8 @@ def select_tensors(
         name = key if wanted(key) else next((a for a in aliases_of.get(key, ()) if wanted(a)), None)
         if name is None:
             continue
+        if name == RESERVED_KEY:  # a DCP key may be anything
+            raise CheckpointError(f"cannot write the tensor {name!r}{where}: safetensors reserves the name for a file's own metadata")
         out_code = dtype if dtype is not None and code in _FLOAT_CODES else code
         out.append(ExportTensor(name, key, tuple(shape), out_code))
     return out

@@ -17,9 +17,9 @@ from ..checksums import ALGORITHM, CHUNK_BYTES, chunk_crcs
 from ..errors import CheckpointError
 from ..format.dtypes import DTYPE_CODES, dtype_from_code
 from ..engine.commit import check_directory, commit_metadata, release_lock
-from ..format.layout import FILE_ID_KEY, METADATA_FILENAME, new_file_id, rank_filename
+from ..format.layout import CHECKSUMS_KEY, FILE_ID_KEY, METADATA_FILENAME, new_file_id, rank_filename
 from ..format.metadata import TensorShardSpec, TensorStorageMetadata, new_metadata
-from ..format.safetensors_header import build_header
+from ..format.safetensors_header import RESERVED_KEY, build_header
 from ..storage import open_storage
 
 __all__ = ["write_checkpoint"]
@@ -49,14 +49,17 @@ def write_checkpoint(
             f"cannot write {foreign[0][0]!r} ({len(foreign)} tensors in all): its dtype {foreign[0][1]} is not one "
             f"this library's checkpoints hold ({', '.join(DTYPE_CODES)})"
         )
-    storage = open_storage(dst)
-    # As a save does: refuse, or make the old checkpoint read as incomplete from here on.
-    lock = check_directory(storage, save_overwrite, retire_old=True)
+    reserved = [key for key in [*(key for key, _, _ in entries), *(aliases or {})] if key in (RESERVED_KEY, CHECKSUMS_KEY)]
+    if reserved:  # a DCP key may be anything
+        raise CheckpointError(f"cannot write the tensor {reserved[0]!r}: a rank file reserves the name for its own use")
     name = rank_filename(0)
     file_id = new_file_id()
     header, _ = build_header(
         [(key, code, math.prod(shape)) for key, shape, code in entries], user_metadata={FILE_ID_KEY: file_id}
     )
+    storage = open_storage(dst)
+    # As a save does: refuse, or make the old checkpoint read as incomplete from here on.
+    lock = check_directory(storage, save_overwrite, retire_old=True)
     total = sum(math.prod(shape) * dtype_from_code(code).itemsize for _, shape, code in entries)
     bar = make_progress(total, len(entries)) if make_progress else None
     crcs: dict[str, list[int]] = {}
@@ -85,19 +88,19 @@ def write_checkpoint(
             release_lock(storage, lock)  # as a failed save does: a failure here is not a crashed save
         if bar is not None:
             bar.close()
-    tensors = {
-        key: TensorStorageMetadata(
-            shape=tuple(shape),
-            is_sharded=False,
-            dtype=code,
-            shard_spec_per_file={name: TensorShardSpec(flattened_offsets=((0, math.prod(shape)),))},
-        )
-        for key, shape, code in entries
-    }
-    metadata = new_metadata(tensors, world_size=1, aliases=dict(aliases or {}))
-    metadata = metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
     committed = False
     try:
+        tensors = {
+            key: TensorStorageMetadata(
+                shape=tuple(shape),
+                is_sharded=False,
+                dtype=code,
+                shard_spec_per_file={name: TensorShardSpec(flattened_offsets=((0, math.prod(shape)),))},
+            )
+            for key, shape, code in entries
+        }
+        metadata = new_metadata(tensors, world_size=1, aliases=dict(aliases or {}))
+        metadata = metadata.with_checksums({name: crcs}, algorithm=ALGORITHM, chunk_bytes=CHUNK_BYTES)
         commit_metadata(storage, metadata.with_file_ids({name: file_id}), lock)
         committed = True
     finally:

@@ -240,6 +240,22 @@ def test_damaged_dcp_data_is_one_line_error(dcp1, capsys, tmp_path):
     assert_same_tensors(unshard(dst), load_dcp(dcp1))
 
 
+@pytest.mark.parametrize("to, out", [("checkpointer", "ours"), ("hf", "m.safetensors")])
+def test_a_dcp_tensor_named_as_safetensors_metadata_is_refused_before_writing(capsys, tmp_path, to, out):
+    """DCP takes any key; a safetensors file reserves ``__metadata__`` (found by a review: the HF
+    file came out unreadable; the checkpoint's save lock stayed behind)."""
+    src, dst = str(tmp_path / "dcp"), str(tmp_path / out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"__metadata__": torch.ones(3), "w": torch.arange(4.0)}, checkpoint_id=src, no_dist=True)
+    code, _, err = cli(capsys, "convert", src, dst, "--to", to, "--allow-pickle")
+    assert code == 1 and "cannot write the tensor '__metadata__'" in err and "reserves the name" in err, err
+    assert not os.path.exists(dst) or os.listdir(dst) == []
+    if to == "checkpointer":  # nothing left to refuse the next convert
+        Checkpointer().save(str(tmp_path / "good"), {"v": torch.ones(2)})
+        assert cli(capsys, "convert", str(tmp_path / "good"), dst, "--to", to, "-q") == (0, "", "")
+
+
 def test_failed_convert_leaves_no_lock(ckpts, capsys, tmp_path):
     """A convert that fails while writing (a source tensor fails its checksum) releases DST's save
     lock, as a failed save does: the next convert into DST needs no --overwrite."""
