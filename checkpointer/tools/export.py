@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from .. import dist
 from ..buffers import memoryview_of
 from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, itemsize
 from ..errors import CheckpointError
+from ..format.layout import METADATA_FILENAME
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES, RESERVED_KEY
 from ..storage import open_storage
 from .checkpoint_tensors import CheckpointTensors, Staging
@@ -366,6 +368,7 @@ def export_checkpoint(
     def prepare() -> tuple[ExportPlan, Fetch]:
         storage = model_checkpoint(open_storage(dir))
         metadata = read_metadata(storage, no_dist=True)
+        _refuse_own_file(out, storage, [*metadata.files(), METADATA_FILENAME])
         source = CheckpointTensors(storage, metadata, reuse_memory=True)
         tensors = select_tensors(
             source.entries(), aliases=metadata.aliases, keys=keys, dtype=parse_dtype(dtype), where=f" at {storage.url}"
@@ -378,6 +381,22 @@ def export_checkpoint(
     prepared, error = dist.attempt(prepare)  # brought to the agreement in run_export
     plan, fetch = prepared or (ExportPlan((), True), _unplanned)
     return run_export(out, plan, fetch, no_dist=no_dist, make_progress=make_progress, prepared_error=error)
+
+
+def _refuse_own_file(out: str, storage: Storage, names: Sequence[str]) -> None:
+    """An output file that is one of the checkpoint's would be written over while it is read."""
+    if not str(out).endswith(".safetensors"):
+        return
+    parent, name = split_path(out)
+    if name not in names:
+        return
+    here = open_storage(parent)
+    if here.is_local() and storage.is_local():
+        same = os.path.realpath(here.url) == os.path.realpath(storage.url)
+    else:
+        same = here.url.rstrip("/") == storage.url.rstrip("/")
+    if same:
+        raise CheckpointError(f"{out} is a file of the checkpoint it would export ({storage.url}): write it elsewhere")
 
 
 def _unplanned(key: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ import checkpointer
 from checkpointer import export_safetensors, unshard_model_state
 from checkpointer.tools import checkpoint_tensors
 from checkpointer.tools import export as export_module
+from checkpointer.tools.convert import convert
 
 TIED = ["head.weight"]
 
@@ -297,3 +298,20 @@ def test_export_data_starts_on_a_64_byte_boundary(ckpts, tmp_path):
         assert (8 + n) % 64 == 0, path
         ends = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
         assert ends[0][0] == 0 and os.path.getsize(path) == 8 + n + ends[-1][1], path
+
+
+def test_export_refuses_to_write_over_a_file_of_its_checkpoint(tmp_path, capsys):
+    """Found by a review: ``unshard ck ck/rank_0.safetensors`` replaced the rank file it read."""
+    ck = tmp_path / "ck"
+    model = torch.nn.Linear(4, 4)
+    checkpointer.save_model_and_optim_state(str(ck), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = (ck / "model" / "rank_0.safetensors").read_bytes()
+    os.symlink(ck / "model", tmp_path / "link")
+    for out in (ck / "model" / "rank_0.safetensors", tmp_path / "link" / "rank_0.safetensors"):
+        code, _, err = cli(capsys, "unshard", str(ck), str(out))
+        assert code == 1 and f"{out} is a file of the checkpoint it would export ({ck}/model)" in err, err
+    with pytest.raises(checkpointer.CheckpointError, match="is a file of the checkpoint"):
+        convert(str(ck / "model"), str(ck / "model" / "rank_0.safetensors"), to="hf")
+    assert (ck / "model" / "rank_0.safetensors").read_bytes() == before
+    export_safetensors(str(ck), str(ck / "model" / "export.safetensors"))  # another name beside them is fine
+    assert_same_tensors(load_file(str(ck / "model" / "export.safetensors")), model.state_dict())
