@@ -35,7 +35,7 @@ import torch
 
 from .. import dist
 from ..buffers import memoryview_of
-from ..format.dtypes import DTYPE_CODES, code_from_dtype, dtype_from_code, itemsize
+from ..format.dtypes import DTYPE_CODES, READABLE_CODES, code_from_dtype, dtype_from_code, itemsize
 from ..errors import CheckpointError
 from ..format.layout import METADATA_FILENAME
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES, RESERVED_KEY
@@ -61,7 +61,7 @@ __all__ = [
 
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_FLOAT_CODES = {code for code, dt in READABLE_CODES.items() if dt.is_floating_point}  # what --dtype casts
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _DTYPE_NAMES = {

@@ -362,3 +362,25 @@ def test_dcp_overwrite_reports_and_keeps_only_its_own_files(capsys, tmp_path):
     assert code == 0 and out.startswith("wrote 3 files "), out
     assert len(os.listdir(dst)) == 3 and ".metadata" in os.listdir(dst)
     assert_same_tensors(load_dcp(str(dst)), unshard(str(small)))
+
+
+def test_dtype_casts_every_floating_point_tensor_of_a_hf_source(capsys, tmp_path):
+    """The FNUZ float8 codes too, which other writers' files hold (found by a review); integers
+    and complex numbers keep theirs."""
+    from safetensors.torch import save_file
+
+    src, out = str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")
+    state = {
+        "a": torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fnuz),
+        "b": torch.tensor([1.0, 4.0]).to(torch.float8_e5m2fnuz),
+        "c": torch.tensor([1.5, 3.0]),
+        "i": torch.tensor([7, 8], dtype=torch.int32),
+        "z": torch.tensor([1 + 2j], dtype=torch.complex64),
+    }
+    save_file(state, src)
+    assert cli(capsys, "convert", src, out, "--to", "hf", "--dtype", "bf16", "-q") == (0, "", "")
+    got = load_file(out)
+    assert {k: v.dtype for k, v in got.items()} == {
+        "a": torch.bfloat16, "b": torch.bfloat16, "c": torch.bfloat16, "i": torch.int32, "z": torch.complex64
+    }
+    assert all(torch.equal(got[k], state[k].to(got[k].dtype)) for k in state)
