@@ -19,13 +19,16 @@ from ..sharding import fsdp1_flat_views
 
 __all__ = ["model_state_dict", "load_targets", "clean_name", "param_names", "load_hook_copies"]
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """``name`` without the modules that FSDP1, activation checkpointing and ``torch.compile``
+    wrap around a module: whole parts of the name only (``x_orig_mod.w`` is kept as it is)."""
+    if not any(wrapper in name for wrapper in _WRAPPERS):
+        return name
+    *modules, last = name.split(".")
+    return ".".join([*(m for m in modules if m not in _WRAPPERS), last])
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

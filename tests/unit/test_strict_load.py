@@ -425,3 +425,20 @@ def test_a_compiled_model_saves_and_loads_under_the_plain_models_names(tmp_path)
     again = torch.compile(Net(seed=2))
     assert checkpointer.load_model_and_optim_state(ckpt, again) == LoadResult()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in again._orig_mod.state_dict().items())
+
+
+def test_wrapper_names_are_dropped_only_as_whole_parts_of_a_name(tmp_path):
+    """``x_orig_mod.w`` is a module of the user's, not a wrapper: it kept its name only by
+    luck before (found by a review: it saved as ``xw``, where a real ``xw`` would collide)."""
+    model = nn.Module()
+    model.x_orig_mod = nn.Linear(2, 2)
+    model.xw = nn.Linear(2, 2, bias=False)
+    model._orig_mod_head = nn.Linear(2, 1)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(i)
+    ckpt = str(tmp_path / "ckpt")
+    checkpointer.save_model_and_optim_state(ckpt, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    saved = checkpointer.unshard_model_state(ckpt, no_dist=True)
+    assert sorted(saved) == sorted(model.state_dict())
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
