@@ -251,3 +251,8 @@ class Storage(ABC):
 
     def is_local(self) -> bool:
         return False
+
+    def place(self) -> str:
+        """Where this storage is, to tell whether two are the same place: its URL here; a local
+        directory's real path, links resolved."""
+        return self.url.rstrip("/")

@@ -75,6 +75,9 @@ class LocalStorage(Storage):
     def is_local(self) -> bool:
         return True
 
+    def place(self) -> str:
+        return os.path.realpath(self.url)
+
     def _resolve(self, name: str) -> tuple[str, str]:
         """``(path, real)``: the path of ``name`` and where its links lead; PermissionError when
         that is outside :attr:`within`."""

@@ -75,7 +75,7 @@ def convert(
     src, dst = path_arg(src, "source"), path_arg(dst, "destination")
     if not src.strip() or not dst.strip():
         raise ValueError("the path is empty (write '.' for the current directory)")
-    if not src.startswith("hf://") and open_storage(src).url.rstrip("/") == open_storage(dst).url.rstrip("/"):
+    if not src.startswith("hf://") and open_storage(src).place() == open_storage(dst).place():
         # with save_overwrite, the source's own metadata.json would go before it is read
         raise CheckpointError(f"convert writes a new checkpoint: {dst} is the source itself")
     fmt: str | None = None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -390,12 +389,7 @@ def _refuse_own_file(out: str, storage: Storage, names: Sequence[str]) -> None:
     parent, name = split_path(out)
     if name not in names:
         return
-    here = open_storage(parent)
-    if here.is_local() and storage.is_local():
-        same = os.path.realpath(here.url) == os.path.realpath(storage.url)
-    else:
-        same = here.url.rstrip("/") == storage.url.rstrip("/")
-    if same:
+    if open_storage(parent).place() == storage.place():
         raise CheckpointError(f"{out} is a file of the checkpoint it would export ({storage.url}): write it elsewhere")
 
 

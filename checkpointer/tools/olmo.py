@@ -80,7 +80,7 @@ def write_olmo(
             (a rank file missing, of another save or damaged; pieces that overlap or leave elements out).
     """
     source, target = open_storage(src), open_storage(dst)
-    if source.url.rstrip("/") == target.url.rstrip("/"):
+    if source.place() == target.place():
         raise CheckpointError(f"convert --to olmo writes a new directory: {dst} is the source itself")
     parts = dict(checkpoint_parts(source))
     if "" not in parts and "train" not in parts and source.part("train").exists(METADATA_FILENAME):

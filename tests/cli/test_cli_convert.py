@@ -153,9 +153,12 @@ def test_convert_refuses_to_write_over_its_own_source(ckpts, capsys, tmp_path):
     left the source unreadable (a review's suspicion, confirmed)."""
     src = str(tmp_path / "ours")
     assert cli(capsys, "convert", ckpts.flat3, src, "--to", "checkpointer", "-q")[0] == 0
-    for target in ("checkpointer", "dcp", "hf"):
-        code, _, err = cli(capsys, "convert", src, src + "/", "--to", target, "--overwrite")
-        assert code == 1 and err == f"checkpointer: error: convert writes a new checkpoint: {src}/ is the source itself\n", err
+    link = str(tmp_path / "link")  # the same directory by another name
+    os.symlink(src, link)
+    for target in ("checkpointer", "dcp", "hf", "olmo"):
+        for dst in (src + "/", link):
+            code, _, err = cli(capsys, "convert", src, dst, "--to", target, "--overwrite")
+            assert code == 1 and "is the source itself" in err and dst in err, err
     assert sorted(os.listdir(src)) == ["metadata.json", "rank_0.safetensors"]
     assert_same_tensors(unshard(src), ckpts.flat3_full)
 
