@@ -45,20 +45,22 @@ from .save import DescribedState, PlannedSave, SavePlanCache, describe_for_save,
 
 __all__ = ["AsyncSaver", "WatchedFuture", "wait_for_writes_into", "writing_under"]
 
-_writing: Counter[str] = Counter()  # storage URL -> async saves of this process writing there
+_writing: Counter[str] = Counter()  # storage place -> async saves of this process writing there
 _writing_changed = threading.Condition()
 
 
-def wait_for_writes_into(url: str) -> None:
-    """Block while an async save of this process is writing the checkpoint at ``url``: reading
-    it then would find it incomplete."""
+def wait_for_writes_into(storage: Storage) -> None:
+    """Block while an async save of this process is writing the checkpoint at ``storage``:
+    reading it then would find it incomplete."""
+    place = storage.place()
     with _writing_changed:
-        _writing_changed.wait_for(lambda: _writing[url] == 0)
+        _writing_changed.wait_for(lambda: _writing[place] == 0)
 
 
-def writing_under(url: str) -> bool:
-    """Whether an async save of this process is writing at ``url`` or anywhere under it."""
-    root = url.rstrip("/")
+def writing_under(storage: Storage) -> bool:
+    """Whether an async save of this process is writing at ``storage`` or anywhere under it
+    (by place: a local path through a link counts)."""
+    root = storage.place()
     with _writing_changed:
         return any(w == root or w.startswith(f"{root}/") for w in _writing)
 
@@ -66,9 +68,10 @@ def writing_under(url: str) -> bool:
 def _track(planned: list[PlannedSave], step: int) -> None:
     with _writing_changed:
         for p in planned:
-            _writing[p.storage.url] += step
-            if _writing[p.storage.url] <= 0:
-                del _writing[p.storage.url]
+            place = p.storage.place()
+            _writing[place] += step
+            if _writing[place] <= 0:
+                del _writing[place]
         _writing_changed.notify_all()
 
 

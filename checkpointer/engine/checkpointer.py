@@ -158,7 +158,7 @@ class Checkpointer:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown load strategy {strategy!r}; expected one of {STRATEGIES}")
         storage = open_storage(dir)
-        wait_for_writes_into(storage.url)
+        wait_for_writes_into(storage)
         if verify and metadata is not None and metadata.checksum_algorithm is None:
             metadata = None  # the checksums are in metadata.json: verifying must not skip them
         if strategy == "two_stage" and not no_dist and dist.is_distributed():
@@ -187,7 +187,7 @@ class Checkpointer:
             num_threads: parallel reads (default ``CHECKPOINTER_IO_THREADS`` or 4).
         """
         storage = open_storage(dir)
-        wait_for_writes_into(storage.url)
+        wait_for_writes_into(storage)
         return unshard_state_dict(
             storage, device=device, rank0_only=rank0_only, no_dist=no_dist, num_threads=num_threads
         )
@@ -204,7 +204,7 @@ class Checkpointer:
             CorruptCheckpointError: it is not valid metadata.
         """
         storage = open_storage(dir)
-        wait_for_writes_into(storage.url)
+        wait_for_writes_into(storage)
         return read_metadata(storage, no_dist=no_dist)
 
 
@@ -243,7 +243,7 @@ def load_parts(
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown load strategy {strategy!r}; expected one of {STRATEGIES}")
     for storage in storages:
-        wait_for_writes_into(storage.url)
+        wait_for_writes_into(storage)
     if strategy == "default" or not dist.is_distributed():
         load_state_dicts(storages, state_dicts, metadatas=metadatas, finish=finish, verify=verify)
         return

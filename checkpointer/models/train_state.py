@@ -290,7 +290,7 @@ def read_train_state(
     world size are warned about. Errors reach every rank, ``prepared_error`` too (a failure of
     this rank before the load's first phase)."""
     wanted = dict(train_state or {})
-    wait_for_writes_into(storage.url)  # an async save of this process writing it: its metadata comes last
+    wait_for_writes_into(storage)  # an async save of this process writing it: its metadata comes last
     with dist.phase("load"):
         if prepared_error is not None:
             raise prepared_error

@@ -115,7 +115,7 @@ def plan_prune(run: Storage, keep_last: int, keep_every: int | None) -> list[str
     """What :func:`checkpointer.prune` would delete in ``run`` now (names, oldest first)."""
     check_counts(keep_last, keep_every)
     steps = list_steps(run)
-    busy = {s.name for s in steps if writing_under(run.child(s.name).url)}
+    busy = {s.name for s in steps if writing_under(run.child(s.name))}
     return choose(steps, keep_last, keep_every, busy)
 
 

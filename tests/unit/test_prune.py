@@ -77,22 +77,25 @@ def test_choose_never_takes_the_newest_complete_nor_a_busy_one():
                   0, None) == ["a-step299"]
 
 
-def test_prune_keeps_a_step_an_async_save_of_this_process_is_writing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("saved_through", ["run", "link"])
+def test_prune_keeps_a_step_an_async_save_of_this_process_is_writing(tmp_path, monkeypatch, saved_through):
     """Only ``choose``'s ``busy`` was tested (found by mutation): here prune runs while this
     process's async save of an older step is held before it writes, next to ``step1``, whose
-    name its path begins with."""
+    name its path begins with; also with the save given the run directory through a link."""
     import threading
 
     from checkpointer.engine import async_save
 
     run = str(tmp_path / "run")
+    os.makedirs(run)
+    os.symlink(run, tmp_path / "link")
     ckpt = checkpointer.Checkpointer()
     for step in (1, 200):
         ckpt.save(f"{run}/step{step}", {"w": torch.full((4,), float(step))})
     gate = threading.Event()
     write_and_commit = async_save.write_and_commit
     monkeypatch.setattr(async_save, "write_and_commit", lambda *a, **k: (gate.wait(60), write_and_commit(*a, **k))[1])
-    future = ckpt.async_save(f"{run}/step10", {"w": torch.full((4,), 10.0)})
+    future = ckpt.async_save(f"{tmp_path / saved_through}/step10", {"w": torch.full((4,), 10.0)})
     try:
         for _ in range(600):  # until its lock is taken: the directory is there, holding what a save leaves
             if os.path.isdir(f"{run}/step10"):
