@@ -5,7 +5,7 @@ by default), or a folder or one ``.safetensors`` file in it. :func:`fetch_hf` ma
 
 1. a ``PATH`` ending in ``.safetensors`` is fetched alone;
 2. otherwise the folder's ``model.safetensors.index.json`` is fetched; a repository without one
-   is read from its ``model.safetensors``;
+   (or, offline, without one in the cache) is read from its ``model.safetensors``;
 3. with an index, the shards it lists are fetched, only those holding a key ``wanted`` accepts
    (all of them when ``wanted`` is None);
 4. the result is the snapshot folder (or file) in the cache, links into its ``blobs/``, which
@@ -22,11 +22,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.local import LocalStorage
 from .hf import INDEX_NAME, SINGLE_NAME, read_hf_index, resolve
 
-__all__ = ["is_hf_url", "parse_hf_url", "fetch_hf", "HFUrl"]
+__all__ = ["is_hf_url", "parse_hf_url", "fetch_hf", "HFUrl", "NotInCacheError"]
 
 HFUrl = tuple[str, str | None, str]
 """``(repo id, revision or None, path inside the repository or "")``."""
@@ -69,6 +69,8 @@ def fetch_hf(url: str, wanted: Callable[[str], bool] | None = None) -> str:
 
     Raises:
         FileNotFoundError: no such repository, revision or file (naming the URL).
+        CorruptCheckpointError: the index lists a shard the repository does not hold.
+        NotInCacheError: offline, and a file is not in the cache (naming the URL).
         OSError: the hub could not be reached, naming the URL.
     """
     repo, revision, path = parse_hf_url(url)
@@ -76,15 +78,32 @@ def fetch_hf(url: str, wanted: Callable[[str], bool] | None = None) -> str:
     if path.lower().endswith(".safetensors"):
         return _cached(f"{base}/{path}", url)
     folder = f"{base}/{path}" if path else base
-    index_path = _cached(f"{folder}/{INDEX_NAME}", url, missing_ok=True)
+    try:
+        index_path = _cached(f"{folder}/{INDEX_NAME}", url, missing_ok=True)
+    except NotInCacheError as offline:  # a repository without an index has only its model.safetensors cached
+        try:
+            return os.path.dirname(_cached(f"{folder}/{SINGLE_NAME}", url))
+        except NotInCacheError:
+            raise NotInCacheError(f"{url}: neither {INDEX_NAME} nor {SINGLE_NAME} is in the local cache, and the Hugging "
+                             "Face hub cannot be reached (offline, or HF_HUB_OFFLINE set)") from offline
     if index_path is None:
         return os.path.dirname(_cached(f"{folder}/{SINGLE_NAME}", url, missing=f"neither {INDEX_NAME} nor {SINGLE_NAME}"))
     snapshot = os.path.dirname(index_path)
     index = read_hf_index(*resolve(LocalStorage(snapshot), INDEX_NAME), where=f"{folder}/{INDEX_NAME}")
     for name, keys in index.items():
         if wanted is None or any(wanted(k) for k in keys):
-            _cached(f"{folder}/{name}", url)
+            try:
+                _cached(f"{folder}/{name}", url)
+            except FileNotFoundError as ex:
+                raise CorruptCheckpointError(
+                    f"{url}: {INDEX_NAME} lists the shard {name}, which the repository does not hold"
+                ) from ex
     return snapshot
+
+
+class NotInCacheError(OSError):
+    """The Hugging Face hub cannot be reached (offline, or ``HF_HUB_OFFLINE`` set), and a file
+    is not in the local cache."""
 
 
 def _cached(file_url: str, url: str, *, missing_ok: bool = False, missing: str | None = None) -> str | None:
@@ -95,7 +114,7 @@ def _cached(file_url: str, url: str, *, missing_ok: bool = False, missing: str |
     try:
         return str(cached_path(file_url, quiet=True))
     except hub_errors.LocalEntryNotFoundError as ex:  # offline: not a missing file, an unreachable hub
-        raise OSError(f"{url}: {file_url} is not in the local cache, and the Hugging Face hub cannot be "
+        raise NotInCacheError(f"{url}: {file_url} is not in the local cache, and the Hugging Face hub cannot be "
                       f"reached (offline, or HF_HUB_OFFLINE set)") from ex
     except (hub_errors.EntryNotFoundError, hub_errors.RevisionNotFoundError,
             hub_errors.RepositoryNotFoundError) as ex:

@@ -144,8 +144,8 @@ def test_offline_without_the_files_cached_says_the_hub_cannot_be_reached(one_lau
     """Offline, a repository that exists was reported as "no Hugging Face checkpoint there
     (neither ... nor ... not found)" (found by a review)."""
     server, _, got = _result(one_launch_tests, "offline")
-    assert got["type"] == "OSError" and got["message"].startswith(f"hf://{REPO}: "), got
-    assert "not in the local cache, and the Hugging Face hub cannot be reached" in got["message"], got
+    assert got["type"] == "NotInCacheError" and got["message"].startswith(f"hf://{REPO}: "), got
+    assert "neither model.safetensors.index.json nor model.safetensors is in the local cache, and the Hugging Face hub cannot be reached" in got["message"], got
     assert server.gets() == []
 
 
@@ -156,3 +156,34 @@ def test_hf_url_at_a_revision_and_missing_repositories(one_launch_tests):
     state = model.state_dict()
     assert all(torch.equal(got["tensors"][k], state[k]) for k in hf_gpt2_names())
     assert got["missing_repository"] is not None and got["missing_repository"].startswith("hf://nobody/nothing")
+
+
+def test_a_single_file_repository_loads_offline_and_a_missing_shard_is_corrupt(tmp_path):
+    """Found by a review: offline, a repository without an index failed on the index before its
+    cached ``model.safetensors`` was tried; an index naming a shard the repository lacks raised a
+    ``FileNotFoundError``, not the ``CorruptCheckpointError`` of the same local directory."""
+    import shutil
+
+    model = hf_gpt2(seed=9)
+    single = save_hf(model, str(tmp_path / "single"), sharded=False)
+    broken = save_hf(model, str(tmp_path / "broken"), sharded=True)
+    with open(os.path.join(broken, "model.safetensors.index.json")) as f:
+        shard = sorted(set(json.load(f)["weight_map"].values()))[-1]
+    os.remove(os.path.join(broken, shard))
+    server = HubServer({"org/single": single, "org/broken": broken})
+    try:
+        home = str(tmp_path / "hf_home")
+        expected = {k: v for k, v in model.state_dict().items() if k in hf_gpt2_names()}
+        for offline in ("0", "1"):
+            server.clear()
+            got = _run(server, home, "load", "hf://org/single", str(tmp_path / f"{offline}.pt"), HF_HUB_OFFLINE=offline)
+            assert all(torch.equal(got["tensors"][k], v) for k, v in expected.items()), offline
+        assert server.requests == []  # offline: nothing asked of the hub
+        got = _run(server, home, "error", "hf://org/broken", str(tmp_path / "broken.pt"))
+        assert got["type"] == "CorruptCheckpointError", got
+        assert got["message"] == f"hf://org/broken: model.safetensors.index.json lists the shard {shard}, which the repository does not hold"
+        shutil.rmtree(home)
+        got = _run(server, home, "error", "hf://org/single", str(tmp_path / "uncached.pt"), HF_HUB_OFFLINE="1")
+        assert got["type"] == "NotInCacheError" and "neither model.safetensors.index.json nor model.safetensors is in the local cache" in got["message"], got
+    finally:
+        server.close()
