@@ -36,7 +36,7 @@ from ..errors import CheckpointMismatchError, CorruptCheckpointError
 from ..format.dtypes import DTYPE_CODES, READABLE_CODES, itemsize
 from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
-from ..sharding import local_data, with_sharding_of
+from ..sharding import describe, local_data, with_sharding_of
 from ..storage import open_storage
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
@@ -162,7 +162,12 @@ def load_hf(
         to_cast: list[tuple[int, str, Any, str]] = []
         for name, value in to_load.items():
             key = model_of[name]
-            url, _, code, _ = stored[key]
+            url, _, code, shape = stored[key]
+            if tuple(shape) != describe(value).shape:
+                raise CheckpointMismatchError(
+                    f"shape mismatch for {name!r}: {where} stores {key!r} as {list(shape)}, the model has "
+                    f"{list(describe(value).shape)} (global shapes)"
+                )
             if _needs_cast(name, key, value, code, dtype, where):
                 to_cast.append((urls.index(url), key, value, code))
             else:

@@ -11,6 +11,7 @@ and ``remote/test_remote_hf_*.py``.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import pytest
@@ -82,6 +83,12 @@ def test_detection_and_arguments(tmp_path):
     save_file({**state, "norm.bias": torch.zeros(5)}, str(hf / "model.safetensors"))
     with pytest.raises(CheckpointMismatchError, match="norm.bias"):
         checkpointer.load_model_and_optim_state(str(hf), Tied())
+    # by the model's name and the source given, not the engine's view (found by a review: the
+    # checkpoint key and, for hf://, the cache's blobs/ directory)
+    save_file({"model.norm.bias": torch.zeros(5)}, str(hf / "model.safetensors"))
+    shown = re.escape(f"shape mismatch for 'norm.bias': {hf} stores 'model.norm.bias' as [5], the model has [4]")
+    with pytest.raises(CheckpointMismatchError, match=shown):
+        checkpointer.load_model_and_optim_state(str(hf), Tied(), key_map=lambda k: k.removeprefix("model."), strict=False)
 
 
 def test_a_directory_of_torch_pickles_is_named_as_such(tmp_path):
