@@ -26,9 +26,9 @@ import posixpath
 from urllib.parse import quote, urlencode
 
 from ..format.layout import part_prefix
-from .gcs_upload import GCSWriter, Uploads, _body
+from .gcs_upload import GCSWriter, Uploads, _body, check_stored
 from .parallel import run_parallel
-from .parts import Part
+from .parts import Part, part_bytes
 
 __all__ = ["GCSComposeWriter", "MAX_COMPONENTS", "MAX_COMPOSE_SOURCES"]
 
@@ -62,9 +62,9 @@ class GCSComposeWriter(GCSWriter):
         name = f"{self._part_prefix}{number}"
         key = self._s._key(name)
         query = urlencode({"uploadType": "media", "name": key})
-        self._s.call(f"POST part {number}", self._name, lambda _: self._s.request(
+        self._s.call(f"POST part {number}", self._name, lambda _: check_stored(self._s.request(
             "POST", f"{self._upload_base}?{query}", data=_body(part),
-            headers={"Content-Type": "application/octet-stream"}).close())
+            headers={"Content-Type": "application/octet-stream"}), part_bytes(part)))
 
     def commit(self) -> None:
         self._check()

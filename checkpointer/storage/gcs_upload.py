@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 
 from .parts import Part, PartReader, PartWriter, part_bytes
 
-__all__ = ["GCSWriter", "Uploads"]
+__all__ = ["GCSWriter", "Uploads", "check_stored"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,6 +41,21 @@ class Uploads(Protocol):
     def call(self, op: str, name: str, fn: Callable[[int], T]) -> T: ...
 
     def request(self, method: str, url: str, *, ok: tuple[int, ...] = (200,), stream: bool = False, **kw: Any) -> Any: ...
+
+
+def check_stored(resp: Any, expected: int) -> None:
+    """Close the answer to the request that completed an object, which describes the object,
+    after checking that it holds ``expected`` bytes. It can hold fewer: after a 401, the
+    authorized session refreshes its credentials and sends the request again with the same
+    body object, which a :class:`PartReader` body has already been read to its end. A
+    ``ConnectionError``, which the caller's retries send again with a body read from its start."""
+    with resp:
+        try:
+            size = int(resp.json()["size"])
+        except (ValueError, KeyError, TypeError):
+            return  # no object resource in the answer: nothing to compare
+    if size != expected:
+        raise ConnectionError(f"the stored object holds {size} bytes, not the {expected} sent")
 
 
 def _body(part: Part, start: int = 0) -> memoryview | bytes | PartReader:
@@ -119,9 +134,13 @@ class GCSWriter(PartWriter):
                     rng = f"bytes */{total}"
                 resp = self._s.request("PUT", self._session_url, ok=(200, 201, 308),
                                        data=_body(part, pos - offset), headers={"Content-Range": rng})
+                if resp.status_code in (200, 201):
+                    try:
+                        check_stored(resp, end if total is None else total)
+                    except ConnectionError as e:  # the session is over: sending again cannot mend it
+                        raise OSError(str(e)) from e
+                    return
                 with resp:
-                    if resp.status_code in (200, 201):
-                        return
                     held = _range_end(resp.headers.get("Range"))
                 if held <= pos:
                     raise ConnectionError(f"the upload session took none of the bytes from {pos}")
@@ -154,9 +173,9 @@ class GCSWriter(PartWriter):
             self._send_chunk(0, data, 0)
             return
         query = urlencode({"uploadType": "media", "name": self._key})
-        self._s.call("POST", self._name, lambda _: self._s.request(
+        self._s.call("POST", self._name, lambda _: check_stored(self._s.request(
             "POST", f"{self._upload_base}?{query}", data=_body(data),
-            headers={"Content-Type": "application/octet-stream"}).close())
+            headers={"Content-Type": "application/octet-stream"}), part_bytes(data)))
 
     def abort(self) -> None:
         self._close()

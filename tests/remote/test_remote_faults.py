@@ -1,4 +1,4 @@
-"""Faults between the ranks and the store, injected by loopback proxies (503s, dropped connections).
+"""Faults between the ranks and the store, injected by loopback proxies (503s, 401s, dropped connections).
 
 Within the retry budget a save and a load succeed; beyond it (``CHECKPOINTER_IO_RETRIES``)
 they fail cleanly: every rank raises, quickly, the failing rank an ``OSError`` naming the
@@ -81,3 +81,64 @@ def test_beyond_the_budget_every_rank_fails_cleanly(backend, run_distributed, pr
     # And the same with every rank's requests dropped (rank 0 reads metadata.json first).
     results = run_distributed(caught, 3, backend.env(dropping.url, CHECKPOINTER_IO_RETRIES="2"), "load_flat", url)
     check_all_raised(results, 0, f"{url}/metadata.json")
+
+
+class _EmptyUploadsAsGCS:
+    """A :class:`FaultProxy` mixin: an empty ``uploadType=media`` POST creates an empty object, as
+    GCS does (gcp-storage-emulator drops the connection instead)."""
+
+    def _forward(self, method, path, headers, body):
+        import http.client
+        import json
+        import urllib.parse
+
+        if not (method == "POST" and "uploadType=media" in path and not body):
+            return super()._forward(method, path, headers, body)
+        name = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)["name"][0]
+        bucket = path.split("/b/", 1)[1].split("/", 1)[0]
+        conn = http.client.HTTPConnection(*self._up, timeout=30)
+        conn.request("POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=resumable&name=" + urllib.parse.quote(name, safe=""),
+                     body=json.dumps({"name": name}), headers={"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        answer.read()
+        session = urllib.parse.urlsplit(answer.getheader("Location"))
+        conn.request("PUT", f"{session.path}?{session.query}", body=b"", headers={"Content-Range": "bytes */0"})
+        answer = conn.getresponse()
+        return answer.status, answer.reason, answer.getheaders(), answer.read()
+
+
+@pytest.mark.parametrize("part_size", [32 << 20, 256 << 10], ids=["one request", "composed parts"])
+def test_a_gcs_upload_answered_401_sends_every_byte(gcs_endpoint, part_size):
+    """After a 401 the authorized session refreshes its token and sends the request again with the
+    same body object, which an upload of several segments had read to its end: the rank file was
+    stored empty, or a part of it, and the save committed (found by a review). The object each
+    upload completes is now checked against the bytes sent, and sent again whole."""
+    import torch
+    from google.auth import credentials as ga_credentials
+    from google.cloud import storage as gcs
+    from storage_fixtures import GCS_BUCKET, unique
+    from storage_servers import FaultProxy
+
+    from checkpointer.storage.gcs import GCSStorage
+
+    class Refreshing(ga_credentials.Credentials):
+        def refresh(self, request):
+            self.token, self.expiry = "token", None
+
+    class Proxy(_EmptyUploadsAsGCS, FaultProxy):
+        pass
+
+    proxy = Proxy(gcs_endpoint)
+    try:
+        client = gcs.Client(project="test", credentials=Refreshing(), client_options={"api_endpoint": proxy.url})
+        state = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(16)}
+        url = f"gs://{GCS_BUCKET}/{unique()}/step1"
+        proxy.fail(1, mode="error", status=401, code="Unauthorized", method="POST", path="rank_0.safetensors")
+        Checkpointer().save(GCSStorage(url, client=client, part_size=part_size, max_concurrency=1), state)
+        assert any(s.fault == "error" for s in proxy.seen)  # the 401 was answered
+        direct = gcs.Client(project="test", credentials=ga_credentials.AnonymousCredentials(),
+                            client_options={"api_endpoint": gcs_endpoint})
+        back = Checkpointer().unshard(GCSStorage(url, client=direct), no_dist=True)
+        assert all(torch.equal(back[k], v) for k, v in state.items())
+    finally:
+        proxy.close()
