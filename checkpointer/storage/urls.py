@@ -28,7 +28,7 @@ def scheme_of(url: str) -> str:
 
 def local_path(url: str) -> str | None:
     """The local path that a path or a ``file://`` URL names (as written: ``~`` is not
-    expanded); None for any other URL.
+    expanded); None for any other URL. ``ValueError`` for a file URL naming another host.
 
     Example:
         ``local_path("file:///data/ckpt")`` is ``"/data/ckpt"``, ``local_path("ckpt")`` is
@@ -37,7 +37,13 @@ def local_path(url: str) -> str | None:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    return rest if scheme.lower() == "file" else None
+    if scheme.lower() != "file":
+        return None
+    host, slash, path = rest.partition("/")
+    if host.lower() in ("", "localhost"):
+        return slash + path
+    raise ValueError(f"{url!r}: a file URL names a path on this host (file:///path or file://localhost/path), "
+                     f"not on {host!r}")
 
 
 def split_url(url: str) -> tuple[str, str]:

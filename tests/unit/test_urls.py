@@ -17,6 +17,8 @@ from checkpointer.storage.urls import is_url, local_path, parent_url, scheme_of,
         ("~/ckpt", "~/ckpt"),  # as written: the caller expands ~
         ("file:///data/ckpt", "/data/ckpt"),
         ("FILE:///data/ckpt", "/data/ckpt"),  # schemes are case-insensitive, as in open_storage
+        ("file://localhost/data/ckpt", "/data/ckpt"),  # was ./localhost/data/ckpt (found by a review)
+        ("file://LOCALHOST/", "/"),
         ("s3://b/ckpt", None),
         ("gs://b/ckpt", None),
         ("https://host/ckpt?sig=x", None),
@@ -25,6 +27,11 @@ from checkpointer.storage.urls import is_url, local_path, parent_url, scheme_of,
 def test_local_path(url, local):
     assert local_path(url) == local
     assert is_url(url) is ("://" in url)
+
+
+def test_a_file_url_naming_another_host_is_refused():
+    with pytest.raises(ValueError, match=r"'file://server/share/ckpt': a file URL names a path on this host .* not on 'server'"):
+        local_path("file://server/share/ckpt")
 
 
 def test_scheme_of():
