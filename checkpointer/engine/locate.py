@@ -11,7 +11,7 @@ from .. import settings
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import METADATA_FILENAME, is_rank_filename, is_save_file
 from ..storage import open_storage
-from ..storage.base import Storage
+from ..storage.base import Storage, is_valid_name
 from ..storage.urls import parent_url
 
 __all__ = [
@@ -88,7 +88,8 @@ def newest_checkpoint(run: Storage) -> str | None:
     Raises:
         OSError: ``run`` cannot be listed (a missing directory lists as empty).
     """
-    steps = [(step, i, name) for i, name in enumerate(run.list()) if (step := step_of(name)) is not None]
+    steps = [(step, i, name) for i, name in enumerate(run.list())
+             if is_valid_name(name) and (step := step_of(name)) is not None]
     for _, _, name in sorted(steps, key=lambda s: (-s[0], s[1])):
         if is_complete(run.child(name)):
             return name

@@ -43,6 +43,15 @@ def check_name(name: str) -> str:
     return name
 
 
+def is_valid_name(name: str) -> bool:
+    """Whether :func:`check_name` takes ``name`` (a listing may hold others, written by other tools)."""
+    try:
+        check_name(name)
+    except ValueError:
+        return False
+    return True
+
+
 _MANGLED_URL = re.compile(r"(s3|gs|gcs|file|https?):/+(?!/)", re.IGNORECASE)
 """``s3:/bucket/key``: a URL that went through ``pathlib.Path`` (or ``os.path.normpath``),
 which folds ``//`` into ``/``. As a local path it would be a directory named ``s3:``."""

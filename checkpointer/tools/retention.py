@@ -35,7 +35,7 @@ from ..engine.locate import COMMITTED_PARTS, is_complete, step_of
 from ..errors import CheckpointError
 from ..format.layout import METADATA_FILENAME, is_save_file
 from ..storage import open_storage
-from ..storage.base import Storage
+from ..storage.base import Storage, is_valid_name
 
 __all__ = [
     "Step", "list_steps", "choose", "plan_prune", "delete_checkpoint", "check_counts", "prune_run", "check_run_directory",
@@ -83,7 +83,7 @@ def list_steps(run: Storage) -> list[Step]:
     """Every sub-directory of ``run`` with a step number, in listing order."""
     steps = []
     for name in run.list():
-        step = step_of(name)
+        step = step_of(name) if is_valid_name(name) else None  # another tool's object key (backup\step9)
         if step is None:
             continue
         child = run.child(name)

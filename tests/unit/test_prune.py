@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import checkpointer
-from checkpointer.engine.locate import is_complete
+from checkpointer.engine.locate import is_complete, newest_checkpoint
 from checkpointer.storage.memory import MemoryStorage
-from checkpointer.tools.retention import Step, choose, delete_checkpoint
+from checkpointer.tools.retention import Step, choose, delete_checkpoint, plan_prune
 from prune_helpers import DELETED, KEPT, make_run
 
 
@@ -225,3 +225,23 @@ def test_a_checkpoints_metadata_json_counts_in_any_key_order(tmp_path, monkeypat
     assert torch.equal(checkpointer.Checkpointer().unshard(f"{run}/step1")["w"], torch.zeros(2))
     monkeypatch.setenv("CHECKPOINTER_MAX_METADATA_MIB", "0.0001")  # one a load would refuse
     assert checkpointer.latest_checkpoint(str(run)) is None
+
+
+def test_a_listed_name_no_storage_takes_is_not_a_step():
+    """An object key of another tool's, ``backup\\step9``, made latest_checkpoint and prune raise
+    a ValueError naming no URL (found by a review, on S3 and GCS)."""
+
+    class Listing(MemoryStorage):
+        def list(self) -> list[str]:
+            return [*super().list(), "backup\\step9"]
+
+        def child(self, name: str) -> MemoryStorage:
+            return MemoryStorage(self._key(name), _files=self._files)
+
+    run = Listing()
+    for step in (1, 2):
+        for part in ("model", "optim"):
+            run.write(f"step{step}/{part}/metadata.json", b"{}")
+            run.write(f"step{step}/{part}/rank_0.safetensors", b"x")
+    assert newest_checkpoint(run) == "step2"
+    assert plan_prune(run, 1, None) == ["step1"]
