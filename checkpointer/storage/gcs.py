@@ -160,6 +160,10 @@ class GCSStorage(Storage):
             raise OSError(f"{op} {url}: {e}") from e
         except api.GoogleAPICallError as e:
             raise OSError(f"{op} {url}: {type(e).__name__}: {redact(str(e))}") from e
+        except OSError as e:
+            if type(e) is OSError and url not in str(e):  # not retried (a refused certificate): name the URL
+                raise OSError(f"{op} {url}: {e}") from e
+            raise
 
     def request(self, method: str, url: str, *, ok: tuple[int, ...] = (200,), stream: bool = False, **kw: Any) -> Any:
         """One raw request on the authorized session; a status outside ``ok`` is :class:`HTTPStatusError`."""

@@ -153,6 +153,10 @@ class HTTPStorage(Storage):
                 raise PermissionError(f"{op} {url}: access denied ({e}; a store that may not be listed, "
                                       "a public S3 bucket say, answers so for a missing file too)") from e
             raise OSError(f"{op} {url}: {e}") from e
+        except OSError as e:
+            if type(e) is OSError and url not in str(e):  # not retried (a refused certificate): name the URL
+                raise OSError(f"{op} {url}: {e}") from e
+            raise
 
     def _request(self, method: str, name: str, headers: dict[str, str] | None = None,
                  ok: tuple[int, ...] = (200,)) -> Any:

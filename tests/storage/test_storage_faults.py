@@ -414,6 +414,7 @@ def test_a_refused_certificate_is_not_retried(kind_, tmp_path, file_server, monk
         with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED") as err:
             call()
         assert "attempts" not in str(err.value)  # not "failed after 9 attempts"
+        assert f"{store.url}/f" in str(err.value)  # gs:// did not say which (found by a review)
     time.sleep(0.2)  # the server counts a connection when it accepts it
     assert 0 < server._server.connections <= 2 * len(calls)
 

@@ -291,8 +291,9 @@ def test_https_handshakes_cut_short_are_retried_and_a_refused_certificate_is_not
     context.load_cert_chain(cert, key)
     server = file_server(root, tls=context)
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
-    with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+    with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED") as err:
         HTTPStorage(f"{server.url}/ckpt", retry=FAST).read("metadata.json")
+    assert f"{server.url}/ckpt/metadata.json" in str(err.value)  # which file (found by a review)
     assert server._server.connections == 1  # not retried
 
     monkeypatch.setenv("SSL_CERT_FILE", cert)  # trusted from here on
