@@ -163,10 +163,10 @@ def load_hf(
         for name, value in to_load.items():
             key = model_of[name]
             url, _, code, shape = stored[key]
-            if tuple(shape) != describe(value).shape:
+            if tuple(shape) != (have := describe(value).shape):
                 raise CheckpointMismatchError(
                     f"shape mismatch for {name!r}: {where} stores {key!r} as {list(shape)}, the model has "
-                    f"{list(describe(value).shape)} (global shapes)"
+                    f"{list(have)} (global shapes)"
                 )
             if _needs_cast(name, key, value, code, dtype, where):
                 to_cast.append((urls.index(url), key, value, code))

@@ -34,8 +34,8 @@ import torch
 
 from .. import dist
 from ..buffers import memoryview_of
-from ..format.dtypes import DTYPE_CODES, READABLE_CODES, code_from_dtype, dtype_from_code, itemsize
 from ..errors import CheckpointError
+from ..format.dtypes import DTYPE_CODES, READABLE_CODES, code_from_dtype, dtype_from_code, itemsize
 from ..format.layout import METADATA_FILENAME
 from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES, RESERVED_KEY
 from ..storage import open_storage
