@@ -74,6 +74,8 @@ def _is_checkpoint_metadata(storage: Storage) -> bool:
     """Whether ``metadata.json`` is there and is a checkpoint's, a JSON object holding a ``tensors``
     object (this library's, OLMo-core's): another tool's ``metadata.json`` (an evaluation's
     results, say) does not make its directory a checkpoint, nor one too large to load."""
+    if not storage.exists(METADATA_FILENAME):
+        return False  # before reading: a file named like a step, say, is not read through
     try:
         document = json.loads(metadata_bytes(storage))
     except (CheckpointError, ValueError, RecursionError):
