@@ -51,9 +51,12 @@ def one_launch_tests(tmp_path_factory) -> Iterator[tuple[Launches, dict[str, tup
     launches = Launches(tmp_path_factory.mktemp("launches"))
     hubs: dict[str, tuple[HubServer, torch.nn.Module, Path]] = {}
     for name, mode, url, extra in (("offline", "error", f"hf://{REPO}", {"HF_HUB_OFFLINE": "1"}),
-                                   ("revision", "load_then_missing", f"hf://{REPO}@v1.0", {"HF_TOKEN": "hf_test_token"})):
+                                   ("revision", "load_then_missing", f"hf://{REPO}@v1.0", {"HF_TOKEN": "hf_test_token"}),
+                                   ("broken", "error", f"hf://{REPO}", {})):
         work = tmp_path_factory.mktemp(name)
-        server, model, _ = _hub(work)
+        server, model, folder = _hub(work)
+        if name == "broken":  # the index names a shard the repository lacks
+            os.remove(os.path.join(folder, _last_shard(folder)))
         hubs[name] = (server, model, work)
         launches.start(name, _argv(mode, url, str(work / "out.pt")), _env(server, str(work / "hf_home"), **extra))
     yield launches, hubs
@@ -90,6 +93,11 @@ def _result(one_launch_tests: tuple[Launches, dict], name: str) -> tuple[HubServ
     proc = launches.result(name, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return server, model, torch.load(work / "out.pt")
+
+
+def _last_shard(folder: str) -> str:
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        return sorted(set(json.load(f)["weight_map"].values()))[-1]
 
 
 def _shards_with(folder: str, wanted) -> set[str]:
@@ -158,19 +166,11 @@ def test_hf_url_at_a_revision_and_missing_repositories(one_launch_tests):
     assert got["missing_repository"] is not None and got["missing_repository"].startswith("hf://nobody/nothing")
 
 
-def test_a_single_file_repository_loads_offline_and_a_missing_shard_is_corrupt(tmp_path):
+def test_a_single_file_repository_loads_offline_from_the_cache(tmp_path):
     """Found by a review: offline, a repository without an index failed on the index before its
-    cached ``model.safetensors`` was tried; an index naming a shard the repository lacks raised a
-    ``FileNotFoundError``, not the ``CorruptCheckpointError`` of the same local directory."""
-    import shutil
-
+    cached ``model.safetensors`` was tried."""
     model = hf_gpt2(seed=9)
-    single = save_hf(model, str(tmp_path / "single"), sharded=False)
-    broken = save_hf(model, str(tmp_path / "broken"), sharded=True)
-    with open(os.path.join(broken, "model.safetensors.index.json")) as f:
-        shard = sorted(set(json.load(f)["weight_map"].values()))[-1]
-    os.remove(os.path.join(broken, shard))
-    server = HubServer({"org/single": single, "org/broken": broken})
+    server = HubServer({"org/single": save_hf(model, str(tmp_path / "single"), sharded=False)})
     try:
         home = str(tmp_path / "hf_home")
         expected = {k: v for k, v in model.state_dict().items() if k in hf_gpt2_names()}
@@ -179,11 +179,14 @@ def test_a_single_file_repository_loads_offline_and_a_missing_shard_is_corrupt(t
             got = _run(server, home, "load", "hf://org/single", str(tmp_path / f"{offline}.pt"), HF_HUB_OFFLINE=offline)
             assert all(torch.equal(got["tensors"][k], v) for k, v in expected.items()), offline
         assert server.requests == []  # offline: nothing asked of the hub
-        got = _run(server, home, "error", "hf://org/broken", str(tmp_path / "broken.pt"))
-        assert got["type"] == "CorruptCheckpointError", got
-        assert got["message"] == f"hf://org/broken: model.safetensors.index.json lists the shard {shard}, which the repository does not hold"
-        shutil.rmtree(home)
-        got = _run(server, home, "error", "hf://org/single", str(tmp_path / "uncached.pt"), HF_HUB_OFFLINE="1")
-        assert got["type"] == "NotInCacheError" and "neither model.safetensors.index.json nor model.safetensors is in the local cache" in got["message"], got
     finally:
         server.close()
+
+
+def test_an_index_naming_a_missing_shard_is_corrupt(one_launch_tests):
+    """As the same local directory is (found by a review: a ``FileNotFoundError``)."""
+    server, _, got = _result(one_launch_tests, "broken")
+    _, _, work = one_launch_tests[1]["broken"]
+    shard = _last_shard(str(work / "repo"))
+    assert got["type"] == "CorruptCheckpointError", got
+    assert got["message"] == f"hf://{REPO}: model.safetensors.index.json lists the shard {shard}, which the repository does not hold"
