@@ -81,11 +81,11 @@ class Checkpointer:
         ``save_overwrite``, only once every target's plan is agreed, as it may retire an old checkpoint."""
         if self._async is not None:
             self._async.wait()
-        opened = [(open_storage(d), sd) for d, sd in targets]
+        opened: list[tuple[Storage, Any]] = [(open_storage(d), sd) for d, sd in targets]
         if claim is not None:
-            if save_overwrite:
-                described = [(storage, describe_for_save(sd)) for storage, sd in opened]
-                plan_ahead(described, save_overwrite=True, cache=self._plan_cache)
+            if save_overwrite:  # described once: the save below plans from these
+                opened = [(storage, describe_for_save(sd)) for storage, sd in opened]
+                plan_ahead(opened, save_overwrite=True, cache=self._plan_cache)
             dist.share_from(0, lambda: claim() or b"", "save")
         return save_state_dicts(opened, save_overwrite=save_overwrite, cache=self._plan_cache)
 

@@ -328,6 +328,36 @@ def test_a_refused_value_leaves_the_step_it_would_overwrite(tmp_path, how):
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
 
 
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_an_overwrite_describes_each_part_once(tmp_path, monkeypatch, how):
+    """Planned ahead of the claim, then saved from the same descriptions (the sync save described
+    every part a second time, found by a self-review); and the step is overwritten."""
+    from checkpointer import api
+    from checkpointer.engine import async_save, checkpointer as engine, save
+
+    model = nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = str(tmp_path / "step1")
+    checkpointer.save_model_and_optim_state(step, model, optim, train_state={"step": 1})
+    api._DEFAULT._plan_cache.clear()  # planned afresh, ahead of the claim
+    calls = []
+    real = save.describe_for_save
+    counting = lambda sd: (calls.append(len(sd)), real(sd))[1]  # noqa: E731
+    for module in (save, engine, async_save):
+        monkeypatch.setattr(module, "describe_for_save", counting)
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    if how == "sync":
+        checkpointer.save_model_and_optim_state(step, model, optim, train_state={"step": 2}, save_overwrite=True)
+    else:
+        checkpointer.async_save_model_and_optim_state(step, model, optim, train_state={"step": 2},
+                                                      save_overwrite=True).result(timeout=60)
+    assert len(calls) == 3, calls  # model, optim, train
+    fresh = nn.Linear(4, 4)
+    result = checkpointer.load_model_and_optim_state(step, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    assert torch.equal(fresh.weight, torch.full((4, 4), 2.0)) and result.train_state == {"step": 2}
+
+
 def test_a_negated_view_is_saved_with_its_sign_and_refused_as_a_destination(tmp_path):
     """torch's lazy ``.conj()`` marks ``.imag`` of it negated without changing its memory: written
     from memory, it lost its sign, and beside the plain ``.imag`` it was taken for an alias of it
