@@ -429,10 +429,9 @@ def save_state_dicts(
     targets: list[tuple[Storage, Mapping[str, Any] | DescribedState]], *, save_overwrite: bool = False,
     cache: dict[str, SavePlanCache] | None = None,
 ) -> list[tuple[StorageMetadata, list[str]]]:
-    """Several state dicts (or their :func:`describe_for_save`, already made) as one save, on
-    every rank: all planned and locked before any rank writes, then each written and committed
-    in order (the last commit is the save's), as
-    :meth:`~checkpointer.engine.async_save.AsyncSaver.save` does in the background."""
+    """Several state dicts (or their :func:`describe_for_save`) as one save, on every rank: all
+    planned and locked before any rank writes, then each written and committed in order (the
+    last commit is the save's), as :meth:`~checkpointer.engine.async_save.AsyncSaver.save` does."""
     described = [(storage, sd if isinstance(sd, DescribedState) else describe_for_save(sd)) for storage, sd in targets]
     planned = None
     if cache is not None:
