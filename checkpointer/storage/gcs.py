@@ -9,6 +9,10 @@ of several parts is uploaded as part objects in parallel and composed
 (:mod:`~checkpointer.storage.gcs_compose`), or with ``parallel_upload=False`` through one
 resumable upload (:mod:`~checkpointer.storage.gcs_upload`). Every call is retried by :func:`call_with_retry` (``CHECKPOINTER_IO_RETRIES``).
 
+A :meth:`GCSStorage.pinned` view (one per load) reads each object as it first saw it: later
+GETs carry ``ifGenerationMatch`` with its generation, and an object replaced meanwhile is
+:class:`~checkpointer.storage.base.FileChangedError`.
+
 A resumable upload session URI is a bearer credential: it never appears in a message, a
 log line or an exception (transport errors are re-raised with redacted text).
 """
@@ -16,6 +20,7 @@ log line or an exception (transport errors are re-raised with redacted text).
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, urlencode
 
@@ -29,6 +34,7 @@ from .redact import redact, redact_transport_logs
 from .retry import RetryPolicy, call_with_retry, holds
 from .transient import HTTPStatusError, certificate_refused, is_transient, transient_status
 from .urls import bucket_url
+from .versions import Versions, replaced
 
 __all__ = ["GCSStorage"]
 
@@ -122,6 +128,7 @@ class GCSStorage(Storage):
                 raise OSError(f"no Google credentials for {self.url}: run `gcloud auth application-default login` "
                               "or set GOOGLE_APPLICATION_CREDENTIALS (or STORAGE_EMULATOR_HOST for an emulator)") from e
         self._client = client
+        self._versions: Versions | None = None  # a pinned view's: the generation first seen per object
         redact_transport_logs()  # session URIs are in urllib3's debug lines
 
     # The authorized requests session the client itself uses (google-cloud-storage's
@@ -145,6 +152,17 @@ class GCSStorage(Storage):
         storage.url = f"gs://{self.bucket}/{storage.prefix}"
         return storage
 
+    def pinned(self) -> GCSStorage:
+        if self._versions is not None:
+            return self
+        view = copy.copy(self)
+        view._versions = Versions()
+        return view
+
+    def _saw(self, name: str, generation: object) -> None:
+        if self._versions is not None:
+            self._versions.saw(self._key(name), generation, self.join(name))
+
     def call(self, op: str, name: str, fn: Callable[[int], T]) -> T:
         """Run ``fn(attempt)`` with retries; errors become ``FileNotFoundError`` / ``OSError`` naming the URL."""
         _, api = _gcs()
@@ -157,6 +175,8 @@ class GCSStorage(Storage):
         except HTTPStatusError as e:
             if e.status == 404:
                 raise FileNotFoundError(url) from e
+            if e.status == 412 and self._versions is not None:
+                raise replaced(url) from e
             raise OSError(f"{op} {url}: {e}") from e
         except api.GoogleAPICallError as e:
             raise OSError(f"{op} {url}: {type(e).__name__}: {redact(str(e))}") from e
@@ -181,6 +201,7 @@ class GCSStorage(Storage):
         blob = self.call("HEAD", name, lambda _: bucket.get_blob(key, retry=None, timeout=self.timeout))
         if blob is None:
             raise FileNotFoundError(self.join(name))
+        self._saw(name, blob.generation)
         return int(blob.size)
 
     def exists(self, name: str) -> bool:
@@ -229,8 +250,12 @@ class GCSStorage(Storage):
         return f"{self._endpoint}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
 
     def _media_url(self, name: str) -> str:
+        """The object's bytes; in a pinned view, on condition that it is still the generation
+        first seen (a 412 otherwise)."""
         bucket, key = quote(self.bucket, safe=""), quote(self._key(name), safe="")
-        return f"{self._endpoint}/download/storage/v1/b/{bucket}/o/{key}?alt=media"
+        generation = self._versions.expected(self._key(name)) if self._versions is not None else None
+        condition = f"&ifGenerationMatch={generation}" if generation else ""
+        return f"{self._endpoint}/download/storage/v1/b/{bucket}/o/{key}?alt=media{condition}"
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         if start < 0 or (end is not None and end <= start):
@@ -245,8 +270,9 @@ class GCSStorage(Storage):
             resp = self.request("GET", url, ok=(200, 206, 416), headers=headers)
             if resp.status_code == 416:  # the range starts at or past the end
                 return b""
-            check_range_start(start, resp.status_code, resp.headers.get("Content-Range"), f"GET {self.join(name)}")
             data = resp.content
+            self._saw(name, resp.headers.get("x-goog-generation"))
+            check_range_start(start, resp.status_code, resp.headers.get("Content-Range"), f"GET {self.join(name)}")
             return data if end is None else data[: end - start]
 
         return self.call(f"GET bytes {start}-{'' if end is None else end - 1}", name, get)
@@ -262,6 +288,7 @@ class GCSStorage(Storage):
             headers = {"Range": f"bytes={first}-{task.end - 1}", "Accept-Encoding": "identity"}
             resp = self.request("GET", url, ok=(200, 206, 416), headers=headers, stream=True)
             with resp:
+                self._saw(name, resp.headers.get("x-goog-generation"))
                 length, content_range = resp.headers.get("Content-Length"), resp.headers.get("Content-Range")
                 where = f"GET {self.join(name)}"
                 if resp.status_code == 416 or ends_before(task.end, first, resp.status_code, length, content_range, where=where):

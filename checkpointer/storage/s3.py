@@ -7,107 +7,36 @@ botocore's own retries are turned off: every call goes through :func:`call_with_
 ``CHECKPOINTER_IO_RETRIES`` bounds all of them.
 
 Reads are ranged GETs read straight into the caller's buffers (:meth:`S3Storage.read_into`).
-A :class:`S3Writer` streams into a multipart upload, parts uploaded in parallel (sent from
-the caller's memory when it writes with ``write_stable``), CRC32 declared as boto3's
-``upload_file`` does; a file smaller than one part is a single PUT. Nothing is visible
-before ``commit``. :meth:`S3Storage.create_exclusive` (the save lock) is a conditional PUT.
-A multipart upload whose creation had to be retried may have been created twice (the answer
-to the first was lost): the other one is aborted (:meth:`S3Writer._abort_orphans`).
+A :meth:`S3Storage.pinned` view (one per load) reads each object as it first saw it: later
+GETs carry ``If-Match`` with its ETag, and an object replaced meanwhile is
+:class:`~checkpointer.storage.base.FileChangedError`. Writes go through
+:class:`~checkpointer.storage.s3_upload.S3Writer`. :meth:`S3Storage.create_exclusive` (the save
+lock) is a conditional PUT.
 """
 
 from __future__ import annotations
 
-import binascii
-import datetime
+import copy
 import errno
-import functools
-import hashlib
-import logging
 import os
-import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from .base import ReadRequest, Storage, check_name
 from .parallel import run_parallel
-from .parts import Part, PartReader, PartWriter
 from .ranges import RangeTask, check_range_start, ends_before, fill_range, plan_ranges
 from .redact import redact
 from .retry import RetryPolicy, call_with_retry, holds
-from .transient import is_transient, transient_status
+from .s3_client import CLIENT_SETTINGS, NO_CREDENTIALS, NOT_FOUND, boto_modules, error_code, shared_client, transient
+from .s3_upload import S3Writer
 from .urls import bucket_url
+from .versions import Versions, replaced
 
-__all__ = ["S3Storage", "S3Writer"]
+__all__ = ["S3Storage"]
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part (all but the last)
-MAX_PARTS = 10_000  # parts double in size every quarter of this: 16 MiB parts reach 586 GiB
-CLOCK_SKEW_S = 300.0  # how far the store's clock may be behind ours, when judging its upload times
-_NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
-_THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-             "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
-             "ConditionalRequestConflict"}  # 409: a conditional write to the same key in progress; retry
-
-
-def _boto():
-    try:
-        import boto3
-        import botocore.config
-        import botocore.exceptions
-    except ImportError as e:  # pragma: no cover - boto3 is a dependency
-        raise ImportError("s3:// URLs need boto3: pip install boto3") from e
-    return boto3, botocore
-
-
-def _error_code(exc: BaseException) -> tuple[str, int]:
-    response = getattr(exc, "response", None) or {}
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return str(response.get("Error", {}).get("Code", "")), int(status or 0)
-
-
-def _transient(exc: BaseException) -> bool:
-    _, botocore = _boto()
-    e = botocore.exceptions
-    if isinstance(exc, e.ClientError):
-        code, status = _error_code(exc)
-        return code in _THROTTLE or transient_status(status)
-    if isinstance(exc, (e.HTTPClientError, e.ConnectionError, e.IncompleteReadError, e.ChecksumError,
-                        e.CredentialRetrievalError)):
-        return True
-    import urllib3.exceptions
-
-    return isinstance(exc, (urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)) or is_transient(exc)
-
-
-NO_CREDENTIALS = (
-    "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN "
-    "for temporary ones), or AWS_PROFILE naming a profile of ~/.aws/credentials or ~/.aws/config "
-    "(aws configure; aws sso login), or run where an instance or container role provides them; for "
-    "MinIO or another S3-compatible store, also AWS_ENDPOINT_URL_S3"
-)
-"""What to set when boto3's credential chain found nothing (botocore says only "Unable to locate credentials")."""
-
-# The environment settings a client is built from: a client is shared while they are unchanged.
-_CLIENT_SETTINGS = (
-    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION",
-)
-
-
-@functools.lru_cache(maxsize=8)
-def _shared_client(settings: tuple, max_concurrency: int, timeouts: tuple[float, float]) -> Any:
-    """One boto3 client per set of settings (clients are thread-safe; building one costs ~0.3 s)."""
-    boto3, botocore = _boto()
-    config = botocore.config.Config(
-        retries={"total_max_attempts": 1, "mode": "standard"},
-        max_pool_connections=2 * max_concurrency + 4,
-        connect_timeout=timeouts[0],
-        read_timeout=timeouts[1],
-        tcp_keepalive=True,
-    )
-    return boto3.session.Session().client("s3", config=config)
 
 
 class S3Storage(Storage):
@@ -136,6 +65,7 @@ class S3Storage(Storage):
         self.retry = retry or RetryPolicy()
         self._timeouts = (connect_timeout, read_timeout)
         self._client = client if client is not None else self._make_client()
+        self._versions: Versions | None = None  # a pinned view's: the ETag first seen per key
 
     def _checksum_args(self) -> dict[str, str]:
         """``ChecksumAlgorithm=CRC32`` as boto3's ``upload_file`` sends it, unless the client was told
@@ -149,8 +79,8 @@ class S3Storage(Storage):
         return {} if mode == "when_required" else {"ChecksumAlgorithm": "CRC32"}
 
     def _make_client(self) -> Any:
-        settings = tuple(os.environ.get(name) for name in _CLIENT_SETTINGS)
-        return _shared_client(settings, self.max_concurrency, self._timeouts)
+        settings = tuple(os.environ.get(name) for name in CLIENT_SETTINGS)
+        return shared_client(settings, self.max_concurrency, self._timeouts)
 
     def _key(self, name: str) -> str:
         name = check_name(name)
@@ -163,19 +93,37 @@ class S3Storage(Storage):
         storage.url = f"s3://{self.bucket}/{storage.prefix}"
         return storage
 
+    def pinned(self) -> S3Storage:
+        if self._versions is not None:
+            return self
+        view = copy.copy(self)
+        view._versions = Versions()
+        return view
+
+    def _pin(self, key: str) -> dict[str, str]:
+        """A pinned view's condition on a request for ``key``: the ETag it first saw."""
+        etag = self._versions.expected(key) if self._versions is not None else None
+        return {"IfMatch": etag} if etag else {}
+
+    def _saw(self, name: str, key: str, resp: dict) -> None:
+        if self._versions is not None:
+            self._versions.saw(key, resp.get("ETag"), self.join(name))
+
     def call(self, op: str, name: str, fn: Callable[[int], T]) -> T:
         """Run ``fn(attempt)`` with retries; S3 errors become ``FileNotFoundError`` / ``OSError`` naming the URL."""
-        _, botocore = _boto()
+        _, botocore = boto_modules()
         url = self.join(name)
         try:
-            return call_with_retry(fn, op=op, url=url, transient=_transient, policy=self.retry)
+            return call_with_retry(fn, op=op, url=url, transient=transient, policy=self.retry)
         except botocore.exceptions.ClientError as e:
-            code, status = _error_code(e)
+            code, status = error_code(e)
             if code == "NoSuchUpload":  # a 404 too: the upload is gone, not the file
                 raise FileNotFoundError(errno.ENOENT, f"{op}: the multipart upload was aborted while this save wrote it "
                                         "(NoSuchUpload), by another process or a bucket lifecycle rule", url) from e
-            if code in _NOT_FOUND or status == 404:
+            if code in NOT_FOUND or status == 404:
                 raise FileNotFoundError(url) from e
+            if self._versions is not None and (code == "PreconditionFailed" or status == 412):
+                raise replaced(url) from e
             raise OSError(f"{op} {url}: {redact(str(e))}") from e
         except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError) as e:
             raise OSError(f"{op} {url}: {NO_CREDENTIALS} ({type(e).__name__}: {redact(str(e))})") from e
@@ -184,7 +132,8 @@ class S3Storage(Storage):
 
     def size(self, name: str) -> int:
         key = self._key(name)
-        head = self.call("HEAD", name, lambda _: self._client.head_object(Bucket=self.bucket, Key=key))
+        head = self.call("HEAD", name, lambda _: self._client.head_object(Bucket=self.bucket, Key=key, **self._pin(key)))
+        self._saw(name, key, head)
         return int(head["ContentLength"])
 
     def exists(self, name: str) -> bool:
@@ -238,10 +187,12 @@ class S3Storage(Storage):
         answers 200 with the whole object: usable from byte 0 (the body is read no further than
         asked), refused from any later byte."""
         if first == 0 and last is None:
-            return self._client.get_object(Bucket=self.bucket, Key=key)
-        rng = f"bytes={first}-" + ("" if last is None else str(last))
-        resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)
+            resp = self._client.get_object(Bucket=self.bucket, Key=key, **self._pin(key))
+        else:
+            rng = f"bytes={first}-" + ("" if last is None else str(last))
+            resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng, **self._pin(key))
         try:
+            self._saw(name, key, resp)
             check_range_start(first, int(resp["ResponseMetadata"]["HTTPStatusCode"]), resp.get("ContentRange"), f"GET {self.join(name)}")
         except OSError:
             resp["Body"].close()
@@ -253,13 +204,13 @@ class S3Storage(Storage):
         if start < 0 or (end is not None and end <= start):
             self.size(name)  # a missing file is still FileNotFoundError
             return b""
-        _, botocore = _boto()
+        _, botocore = boto_modules()
 
         def get(_: int) -> bytes:
             try:
                 resp = self._get(name, key, start, None if end is None else end - 1)
             except botocore.exceptions.ClientError as e:
-                if _error_code(e)[0] == "InvalidRange":  # the range starts at or past the end
+                if error_code(e)[0] == "InvalidRange":  # the range starts at or past the end
                     return b""
                 raise
             with resp["Body"] as body:
@@ -273,14 +224,14 @@ class S3Storage(Storage):
         run_parallel(lambda task: self._fetch(name, key, task), tasks, self.max_concurrency)
 
     def _fetch(self, name: str, key: str, task: RangeTask) -> None:
-        _, botocore = _boto()
+        _, botocore = boto_modules()
 
         def attempt(_: int) -> None:
             first = task.start + task.done
             try:
                 resp = self._get(name, key, first, task.end - 1)
             except botocore.exceptions.ClientError as e:
-                if _error_code(e)[0] != "InvalidRange":
+                if error_code(e)[0] != "InvalidRange":
                     raise
                 raise OSError(f"{self.join(name)} ends before byte {first}: the file is truncated") from e
             with resp["Body"] as body:
@@ -303,14 +254,14 @@ class S3Storage(Storage):
         if self.exists(name):
             raise FileExistsError(self.join(name))
         key = self._key(name)
-        _, botocore = _boto()
+        _, botocore = boto_modules()
 
         def put(attempt: int) -> None:
             try:
                 self._client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*",
                                         **self._checksum_args())
             except botocore.exceptions.ClientError as e:
-                code, status = _error_code(e)
+                code, status = error_code(e)
                 if code != "PreconditionFailed" and status != 412:
                     raise
                 if attempt and holds(self, name, data):
@@ -321,130 +272,3 @@ class S3Storage(Storage):
 
     def open_writer(self, name: str) -> S3Writer:
         return S3Writer(self, name)
-
-
-class S3Writer(PartWriter):
-    """Streams a file into a multipart upload, ``max_concurrency`` parts in flight at most.
-    Buffers given to :meth:`write_stable` (a save's tensors), or of a part or more, are sent from
-    the caller's memory; other small ones are copied into part buffers (``max_concurrency + 1``
-    parts' worth at most). A file smaller than one part is a single PUT at commit."""
-
-    def __init__(self, storage: S3Storage, name: str):
-        super().__init__(storage.join(name), storage.part_size, workers=storage.max_concurrency,
-                         in_flight=storage.max_concurrency, max_parts=MAX_PARTS, grow_every=MAX_PARTS // 4)
-        self._s = storage
-        self._name = name
-        self._key = storage._key(name)
-        self._upload_id: str | None = None
-        self._parts_done: dict[int, dict[str, Any]] = {}
-        self._extra = storage._checksum_args()
-
-    def _begin(self) -> None:
-        started = time.time()
-        attempts: list[int] = []
-
-        def create(attempt: int) -> dict[str, Any]:
-            attempts.append(attempt)
-            return self._s._client.create_multipart_upload(Bucket=self._s.bucket, Key=self._key, **self._extra)
-
-        resp = self._s.call("CreateMultipartUpload", self._name, create)
-        self._upload_id = resp["UploadId"]
-        if len(attempts) > 1:
-            self._abort_orphans(since=started - CLOCK_SKEW_S)
-
-    def _abort_orphans(self, since: float) -> None:
-        """Abort the other uploads of this key initiated since ``since`` (a time.time()).
-
-        A failed create may have been carried out with its answer lost; the retry then created
-        a second upload and the first, empty, would cost storage until a lifecycle rule removes
-        it. Only uploads of exactly this key started since the create began (less the clock skew
-        allowed) are taken for such orphans: the save lock keeps other jobs off the key, and
-        older uploads are left alone.
-        """
-        oldest = datetime.datetime.fromtimestamp(since, tz=datetime.timezone.utc)
-
-        def listing(_: int) -> list[str]:
-            paginator = self._s._client.get_paginator("list_multipart_uploads")
-            return [u["UploadId"] for page in paginator.paginate(Bucket=self._s.bucket, Prefix=self._key)
-                    for u in page.get("Uploads", ())
-                    if u["Key"] == self._key and u["UploadId"] != self._upload_id and u["Initiated"] >= oldest]
-
-        try:
-            for upload_id in self._s.call("ListMultipartUploads", self._name, listing):
-                self._abort_upload(upload_id)
-        except OSError as e:
-            log.warning("could not look for an upload of %s left by a retried create: %s", self.url, e)
-
-    def _upload(self, number: int, offset: int, part: Part, total: int | None) -> None:
-        resp = self._s.call(f"PUT part {number}", self._name, lambda _: self._s._client.upload_part(
-            Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
-            Body=PartReader(part), **self._extra))
-        done = {"ETag": resp["ETag"], "PartNumber": number}
-        if "ChecksumCRC32" in resp and self._extra:
-            done["ChecksumCRC32"] = resp["ChecksumCRC32"]
-        self._parts_done[number] = done
-
-    def commit(self) -> None:
-        self._check()
-        done = False
-        try:
-            if not self.started:
-                data = self._parts.rest()
-                self._s.call("PUT", self._name, lambda _: self._s._client.put_object(
-                    Bucket=self._s.bucket, Key=self._key, Body=PartReader(data), **self._extra))
-            else:
-                self._finish_parts(last_if_empty=False)
-                self._complete()
-                self._upload_id = None
-            done = True
-        finally:
-            if not done:
-                self.abort()
-        self._close()
-
-    def _complete(self) -> None:
-        _, botocore = _boto()
-        parts = [self._parts_done[n] for n in sorted(self._parts_done)]
-
-        def complete(attempt: int) -> None:
-            try:
-                self._s._client.complete_multipart_upload(
-                    Bucket=self._s.bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload={"Parts": parts})
-            except botocore.exceptions.ClientError as e:
-                # A retry after a lost response finds the upload gone: it completed if the
-                # object now has this upload's ETag.
-                if attempt == 0 or _error_code(e)[0] != "NoSuchUpload" or not self._completed(parts):
-                    raise
-
-        self._s.call("CompleteMultipartUpload", self._name, complete)
-
-    def _completed(self, parts: list[dict]) -> bool:
-        try:
-            head = self._s._client.head_object(Bucket=self._s.bucket, Key=self._key)
-            etag = str(head.get("ETag", "")).strip('"')
-            if not etag.endswith(f"-{len(parts)}") or int(head["ContentLength"]) != self._parts.total:
-                return False
-            digest = hashlib.md5(b"".join(binascii.unhexlify(p["ETag"].strip('"')) for p in parts)).hexdigest()
-        except (binascii.Error, ValueError):
-            return True  # ETags that are not MD5s (SSE-KMS): the part count and size match
-        except Exception:
-            return False
-        return etag == f"{digest}-{len(parts)}"
-
-    def abort(self) -> None:
-        self._close()
-        upload_id, self._upload_id = self._upload_id, None
-        if upload_id is not None:
-            self._abort_upload(upload_id)
-
-    def _abort_upload(self, upload_id: str) -> None:
-        try:
-            self._s.call("AbortMultipartUpload", self._name, lambda _: self._s._client.abort_multipart_upload(
-                Bucket=self._s.bucket, Key=self._key, UploadId=upload_id))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            # Raising here would hide the error that made the caller abort (or fail a save
-            # that succeeded); an incomplete upload is invisible and a bucket lifecycle rule
-            # removes it.
-            log.warning("could not abort the multipart upload of %s: %s", self.url, e)

@@ -29,6 +29,13 @@ class GatheredReads(Storage):
     def child(self, name: str) -> Storage:
         return GatheredReads(self.inner.child(name), gap=self.gap, span=self.span)
 
+    def pinned(self) -> Storage:
+        inner = self.inner.pinned()
+        return self if inner is self.inner else GatheredReads(inner, gap=self.gap, span=self.span)
+
+    def close(self) -> None:
+        self.inner.close()
+
     def size(self, name: str) -> int:
         return self.inner.size(name)
 

@@ -1,5 +1,6 @@
 """Two jobs saving to one s3:// or gs:// prefix at once: one wins, the other gets FileExistsError,
-and the prefix never holds a mix of both.
+and the prefix never holds a mix of both. A load while another job overwrites the checkpoint
+fails naming the file it found replaced; it never returns a mix of both saves.
 
 The jobs are two threads of this process (no process group: each is a world of one), saving
 different values and keys. The save lock is a conditional create (S3 ``If-None-Match: *``, GCS
@@ -18,7 +19,8 @@ import torch
 from remote_workers import flat_full
 
 import checkpointer.engine.save as save_engine
-from checkpointer import Checkpointer
+from checkpointer import Checkpointer, CorruptCheckpointError, lazy_load
+from checkpointer.engine.checks import HeaderCache
 from checkpointer.format.layout import LOCK_FILENAME
 from checkpointer.storage.gcs import GCSStorage
 from checkpointer.storage.s3 import S3Storage
@@ -104,3 +106,45 @@ def test_two_jobs_saving_to_one_prefix(backend, proxies, monkeypatch, when):
     # A lock is created conditionally; a later unconditional write may be the winner's heartbeat
     # refreshing its own lock (a loop another test started can beat within this one).
     assert created and locks[0] is created[0], locks
+
+
+def overwritten(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same keys, shapes and dtypes, other values: a rank file with the same layout."""
+    return {k: (v + 1).to(v.dtype) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("reader", ["load", "unshard", "lazy_load"])
+def test_a_load_while_another_job_overwrites_the_checkpoint(backend, proxies, monkeypatch, reader):
+    """Right after a load reads the rank file's header, another job saves over the checkpoint
+    (``save_overwrite``) the same keys and shapes with other values. Before: the load returned
+    the second save's values, read at the offsets of the first save's header (a mix of two saves
+    for a model of several files). Now the reads are conditional on the object first read (S3
+    ``If-Match``, GCS ``ifGenerationMatch``), as a local load reads the file it opened."""
+    proxy = proxies(backend.endpoint, conditional=True)
+    monkeypatch.setenv(backend.endpoint_var, proxy.url)
+    url = backend.url("ckpt")
+    first = job_state(0)
+    Checkpointer().save(url, first)
+    real_get = HeaderCache.get
+    overwrites: list[str] = []
+
+    def get_then_overwrite(self, name):
+        header = real_get(self, name)
+        if name == "rank_0.safetensors" and not overwrites:
+            overwrites.append(name)
+            Checkpointer().save(url, overwritten(first), save_overwrite=True)
+        return header
+
+    monkeypatch.setattr(HeaderCache, "get", get_then_overwrite)
+    with pytest.raises(CorruptCheckpointError, match="rank_0.safetensors") as err:
+        if reader == "load":
+            Checkpointer().load(url, {k: torch.zeros_like(v) for k, v in first.items()})
+        elif reader == "unshard":
+            Checkpointer().unshard(url)
+        else:
+            dict(lazy_load(url))
+    assert overwrites and "replaced while it was read" in str(err.value)
+    monkeypatch.setattr(HeaderCache, "get", real_get)
+    got = {k: torch.zeros_like(v) for k, v in first.items()}
+    Checkpointer().load(url, got)  # a new load reads the second save whole
+    assert all(torch.equal(got[k], v) for k, v in overwritten(first).items())

@@ -1,6 +1,11 @@
-"""Conditional creates (the save lock) on S3 and GCS, through a loopback proxy that makes the
-stores' conditions atomic (see ``FaultProxy``): one caller creates the file, every other one
-gets ``FileExistsError``, also after a lost answer."""
+"""Conditional requests on S3 and GCS, through a loopback proxy that makes the stores'
+conditions atomic and answers GCS downloads as GCS does (see ``FaultProxy``).
+
+- Conditional creates (the save lock): one caller creates the file, every other one gets
+  ``FileExistsError``, also after a lost answer.
+- Conditional reads (a load's pinned view): an object replaced after the view first read it is
+  ``FileChangedError``, never the other object's bytes.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import threading
 
 import pytest
 
+from checkpointer.storage.base import FileChangedError
 from checkpointer.storage.gcs import GCSStorage
 from checkpointer.storage.s3 import S3Storage
 from storage_servers import FAST, GCS_BUCKET, S3_BUCKET, unique
@@ -92,3 +98,54 @@ def test_conditional_create_after_a_lost_answer_does_not_take_someone_elses_file
     with pytest.raises(FileExistsError, match="lock"):
         store.create_exclusive("lock", b"mine")
     assert lost.fired == 1 and store.read("lock") == b"theirs"
+
+
+@pytest.mark.parametrize("first", ["size", "read", "read_into"])
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_a_pinned_view_refuses_an_object_replaced_after_it_first_read_it(kind_, first, request, fault_proxy,
+                                                                         monkeypatch) -> None:
+    """Another save replaces the object between a load's first look at it (its size, its header)
+    and its later reads. Before: the later reads returned the new object's bytes, mixing two
+    saves in one load."""
+    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
+    store.write("f", b"a" * 1000)
+    view = store.pinned()
+    assert view.pinned() is view and view.url == store.url
+    if first == "size":
+        assert view.size("f") == 1000
+    elif first == "read":
+        assert view.read("f", 0, 10) == b"a" * 10
+    else:
+        buf = bytearray(10)
+        view.read_into("f", [(990, memoryview(buf))])
+        assert buf == b"a" * 10
+    store.write("f", b"b" * 1000)
+    seen = len(proxy.seen)
+    for again in (lambda: view.read("f", 0, 10), lambda: view.read("f"),
+                  lambda: view.read_into("f", [(0, memoryview(bytearray(10)))]), lambda: view.size("f")):
+        with pytest.raises(FileChangedError, match="replaced while it was read") as err:
+            again()
+        assert store.join("f") in str(err.value)
+    assert len(proxy.seen) > seen  # asked the store each time (nothing cached)
+    assert store.read("f", 0, 10) == b"b" * 10  # the storage itself reads what is there now
+    assert store.pinned().read("f", 0, 10) == b"b" * 10  # as does a new view
+    store.write("g", b"c" * 10)
+    assert view.read("g") == b"c" * 10  # other objects: pinned when first read
+
+
+@pytest.mark.parametrize("kind_", ["s3", "gcs"])
+def test_a_pinned_view_is_shared_by_its_threads_and_its_children(kind_, request, fault_proxy, monkeypatch) -> None:
+    """The parallel range GETs of one ``read_into`` and a child view pin the same version."""
+    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
+    sub = store.child("d")
+    size = 3 * store.part_size + 5
+    sub.write("f", bytes(size))
+    view = store.pinned()
+    buf = bytearray(size)
+    view.child("d").read_into("f", [(0, memoryview(buf))])  # several GETs, in parallel
+    assert buf == bytes(size)
+    sub.write("f", b"x" * size)
+    with pytest.raises(FileChangedError):
+        view.child("d").read("f", 0, 1)
+    with pytest.raises(FileChangedError):
+        view.read("d/f", 0, 1)

@@ -9,6 +9,7 @@ import base64
 import contextlib
 import datetime
 import http.client
+import json
 import os
 import re
 import socket
@@ -131,7 +132,9 @@ class FaultProxy:
     With ``conditional=True`` it also makes conditional creates atomic, as the real stores
     are: requests with ``If-None-Match`` (S3) or ``ifGenerationMatch`` (GCS) pass one at a
     time (moto checks and then stores in two steps, on many threads), and ``ifGenerationMatch=0``,
-    which gcp-storage-emulator ignores, is answered 412 when the object exists.
+    which gcp-storage-emulator ignores, is answered 412 when the object exists. GCS downloads
+    are answered as GCS answers them and the emulator does not: with the object's generation in
+    ``x-goog-generation``, and 412 where ``ifGenerationMatch`` names another generation.
 
     With ``upload_times=True`` S3 multipart uploads are listed with the time they were created,
     as S3 lists them: moto lists every upload as initiated at 2010-11-10T20:48:33Z. The proxy
@@ -229,9 +232,14 @@ class FaultProxy:
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
             return
-        conditional = self.conditional and ("If-None-Match" in h.headers or "ifGenerationMatch=" in h.path)
+        download = self.conditional and h.command == "GET" and h.path.startswith("/download/")
+        conditional = self.conditional and not download and ("If-None-Match" in h.headers or "ifGenerationMatch=" in h.path)
         with self._conditional_lock if conditional else contextlib.nullcontext():
-            if conditional and "ifGenerationMatch=0" in h.path and self._gcs_object_exists(h.path):
+            generation = self._gcs_generation(h.path) if download else None
+            wanted = urllib.parse.parse_qs(urllib.parse.urlsplit(h.path).query).get("ifGenerationMatch", [None])[0]
+            if (conditional and wanted == "0" and self._gcs_generation(h.path) is not None) or (
+                download and generation is not None and wanted not in (None, generation)
+            ):
                 status, reason = 412, "Precondition Failed"
                 headers = [("Content-Type", "application/json")]
                 data = b'{"error": {"code": 412, "message": "At least one of the pre-conditions did not hold."}}'
@@ -241,6 +249,8 @@ class FaultProxy:
                 if self.wrong_part and h.command == "GET":
                     sent = [(k, _from_zero(v) if k.lower() == "range" else v) for k, v in sent]
                 status, reason, headers, data = self._forward(h.command, h.path, sent, body)
+                if generation is not None and status in (200, 206):
+                    headers = [*headers, ("x-goog-generation", generation)]
         if self.upload_times and status == 200:
             data = self._upload_times(h.command, h.path, data)
         if mode == "lost":
@@ -308,14 +318,16 @@ class FaultProxy:
 
         return re.sub(rb"<Upload>.*?</Upload>", stamp, data, flags=re.S)
 
-    def _gcs_object_exists(self, path: str) -> bool:
-        """Whether the object a JSON-API upload (``/upload/storage/v1/b/B/o?name=N``) names exists."""
+    def _gcs_generation(self, path: str) -> str | None:
+        """The generation of the object a JSON-API upload (``/upload/storage/v1/b/B/o?name=N``) or
+        download (``/download/storage/v1/b/B/o/N?alt=media``) names; None if it does not exist."""
         parts = urllib.parse.urlsplit(path)
-        bucket = parts.path.rstrip("/").split("/b/", 1)[1].split("/", 1)[0]
-        name = urllib.parse.parse_qs(parts.query)["name"][0]
-        key = urllib.parse.quote(name, safe="")
-        status, *_ = self._forward("GET", f"/storage/v1/b/{bucket}/o/{key}", [("Host", "%s:%s" % self._up)], b"")
-        return status == 200
+        bucket, _, tail = parts.path.rstrip("/").split("/b/", 1)[1].partition("/")
+        key = tail[2:] if tail.startswith("o/") else ""
+        if not key:
+            key = urllib.parse.quote(urllib.parse.parse_qs(parts.query)["name"][0], safe="")
+        status, _, _, data = self._forward("GET", f"/storage/v1/b/{bucket}/o/{key}", [("Host", "%s:%s" % self._up)], b"")
+        return str(json.loads(data)["generation"]) if status == 200 else None
 
     def close(self) -> None:
         self._server.shutdown()
