@@ -15,18 +15,18 @@ import pytest
 
 from checkpointer.storage.base import FileChangedError
 from checkpointer.storage.gcs import GCSStorage
-from checkpointer.storage.s3 import S3Storage
+from checkpointer.storage.s3 import MIN_PART, S3Storage
 from storage_servers import FAST, GCS_BUCKET, S3_BUCKET, unique
 
 
-def _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch):
+def _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch, **options):
     """An S3 or GCS store whose requests pass a proxy that makes conditional creates atomic."""
     request.getfixturevalue("loopback_env")
     upstream = request.getfixturevalue("moto_endpoint" if kind_ == "s3" else "gcs_endpoint")
     proxy = fault_proxy(upstream, conditional=True)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if kind_ == "s3" else "STORAGE_EMULATOR_HOST", proxy.url)
     url = f"s3://{S3_BUCKET}/{unique()}" if kind_ == "s3" else f"gs://{GCS_BUCKET}/{unique()}"
-    return (S3Storage if kind_ == "s3" else GCSStorage)(url, retry=FAST), proxy
+    return (S3Storage if kind_ == "s3" else GCSStorage)(url, retry=FAST, **options), proxy
 
 
 @pytest.mark.parametrize("kind_", ["s3", "gcs"])
@@ -136,7 +136,8 @@ def test_a_pinned_view_refuses_an_object_replaced_after_it_first_read_it(kind_, 
 @pytest.mark.parametrize("kind_", ["s3", "gcs"])
 def test_a_pinned_view_is_shared_by_its_threads_and_its_children(kind_, request, fault_proxy, monkeypatch) -> None:
     """The parallel range GETs of one ``read_into`` and a child view pin the same version."""
-    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch)
+    part_size = MIN_PART if kind_ == "s3" else 256 * 1024
+    store, proxy = _store_behind_conditional_proxy(kind_, request, fault_proxy, monkeypatch, part_size=part_size)
     sub = store.child("d")
     size = 3 * store.part_size + 5
     sub.write("f", bytes(size))
