@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from .dtypes import READABLE_CODES, itemsize
 from .metadata import MAX_NDIM, MAX_NUMEL, dims_fit
 from .metadata_parse import reject_duplicate_keys
@@ -22,6 +22,7 @@ __all__ = [
     "SafetensorsHeader",
     "parse_header",
     "build_header",
+    "check_header_size",
     "MAX_HEADER_BYTES",
     "PREFIX_BYTES",
     "RESERVED_KEY",
@@ -114,6 +115,17 @@ def parse_header(header_json: bytes, *, where: str, file_size: int) -> Safetenso
     return SafetensorsHeader(entries, data_start, user_metadata)
 
 
+def check_header_size(length: int, count: int) -> None:
+    """Refuse to write a header that no reader would read: one over :data:`MAX_HEADER_BYTES`
+    (``length`` bytes of JSON, for ``count`` tensors)."""
+    if length > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"a safetensors header of {length:,} bytes for {count:,} tensors is over the {MAX_HEADER_BYTES:,} bytes "
+            "that safetensors (and this library) read: the file could not be loaded, so it is not written; "
+            "save fewer or shorter-named tensors per file (more ranks, or several state dicts)"
+        )
+
+
 def build_header(
     pieces: list[tuple[str, str, int]],
     *,
@@ -146,6 +158,7 @@ def build_header(
         if remainder % DATA_ALIGNMENT or modulus <= 0 or modulus % DATA_ALIGNMENT:
             raise ValueError(f"data_start={data_start}: both must be multiples of {DATA_ALIGNMENT}")
         padded += (remainder - PREFIX_BYTES - padded) % modulus
+    check_header_size(padded, len(pieces))
     text += b" " * (padded - len(text))
     data_start = PREFIX_BYTES + len(text)
     return struct.pack("<Q", len(text)) + text, [data_start + o for o in offsets]

@@ -37,7 +37,7 @@ from ..buffers import memoryview_of
 from ..errors import CheckpointError
 from ..format.dtypes import DTYPE_CODES, READABLE_CODES, code_from_dtype, dtype_from_code, itemsize
 from ..format.layout import METADATA_FILENAME
-from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES, RESERVED_KEY
+from ..format.safetensors_header import DATA_ALIGNMENT, PREFIX_BYTES, RESERVED_KEY, check_header_size
 from ..storage import open_storage
 from .checkpoint_tensors import CheckpointTensors, Staging
 from ..storage.base import Storage, Writer, path_arg
@@ -237,6 +237,7 @@ def shaped_header(tensors: Sequence[ExportTensor], *, user_metadata: dict[str, s
         pos += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     padded = -(-(PREFIX_BYTES + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT - PREFIX_BYTES
+    check_header_size(padded, len(tensors))
     text += b" " * (padded - len(text))
     return struct.pack("<Q", len(text)) + text
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import checkpointer
-from checkpointer import CheckpointError, Checkpointer, IncompleteCheckpointError
+from checkpointer import CheckpointError, Checkpointer, CorruptCheckpointError, IncompleteCheckpointError
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -370,3 +370,35 @@ def test_a_negated_view_is_saved_with_its_sign_and_refused_as_a_destination(tmp_
     assert {k: v.tolist() for k, v in got.items()} == {"im": [-3.0, 2.0], "im_conj": [3.0, -2.0], "scalar": 3.0}
     with pytest.raises(CheckpointError, match="cannot load into 'im_conj': it is a negated or conjugated view"):
         Checkpointer().load(path, {"im_conj": torch.zeros(2, dtype=torch.complex64).conj().imag}, no_dist=True)
+
+
+def test_a_file_whose_header_no_reader_would_read_is_not_written(tmp_path, monkeypatch):
+    """A safetensors header over ``MAX_HEADER_BYTES`` (safetensors' own limit) is refused by every
+    reader. Before: a save (and an export) wrote one and committed it; every load then failed.
+    Now the writer refuses it, and the save commits nothing. The limit is lowered here so that
+    200 tensors pass it."""
+    from checkpointer.format import safetensors_header
+
+    state = {f"layers.{i}.weight": torch.full((2,), float(i)) for i in range(200)}
+    saved, again = str(tmp_path / "saved"), str(tmp_path / "again")
+    Checkpointer().save(saved, state)
+    monkeypatch.setattr(safetensors_header, "MAX_HEADER_BYTES", 4096)
+    with pytest.raises(CorruptCheckpointError):  # what readers do with such a header
+        Checkpointer().load(saved, {k: torch.zeros(2) for k in state})
+    with pytest.raises(CheckpointError, match="over the 4,096 bytes that safetensors") as err:
+        Checkpointer().save(again, state)
+    assert "200 tensors" in str(err.value) or "201 tensors" in str(err.value)
+    assert not os.path.exists(again) or sorted(os.listdir(again)) == []
+    monkeypatch.undo()
+    got = {k: torch.zeros(2) for k in state}
+    Checkpointer().load(saved, got)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+    # An export's header (written before any tensor, built before the file is opened).
+    from checkpointer.tools.export import ExportTensor, shaped_header
+
+    tensors = [ExportTensor(k, k, (2,), "F32") for k in state]
+    assert len(shaped_header(tensors)) > 4096
+    monkeypatch.setattr(safetensors_header, "MAX_HEADER_BYTES", 4096)
+    with pytest.raises(CheckpointError, match="over the 4,096 bytes that safetensors"):
+        shaped_header(tensors)
