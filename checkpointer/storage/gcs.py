@@ -20,7 +20,6 @@ log line or an exception (transport errors are re-raised with redacted text).
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import quote, urlencode
 
@@ -34,7 +33,7 @@ from .redact import redact, redact_transport_logs
 from .retry import RetryPolicy, call_with_retry, holds
 from .transient import HTTPStatusError, certificate_refused, is_transient, transient_status
 from .urls import bucket_url
-from .versions import Versions, replaced
+from .versions import Versions, pinned_copy, replaced
 
 __all__ = ["GCSStorage"]
 
@@ -153,11 +152,7 @@ class GCSStorage(Storage):
         return storage
 
     def pinned(self) -> GCSStorage:
-        if self._versions is not None:
-            return self
-        view = copy.copy(self)
-        view._versions = Versions()
-        return view
+        return pinned_copy(self)
 
     def _saw(self, name: str, generation: object) -> None:
         if self._versions is not None:

@@ -16,7 +16,6 @@ lock) is a conditional PUT.
 
 from __future__ import annotations
 
-import copy
 import errno
 import os
 from typing import Any, Callable, Sequence, TypeVar
@@ -29,7 +28,7 @@ from .retry import RetryPolicy, call_with_retry, holds
 from .s3_client import CLIENT_SETTINGS, NO_CREDENTIALS, NOT_FOUND, boto_modules, error_code, shared_client, transient
 from .s3_upload import S3Writer
 from .urls import bucket_url
-from .versions import Versions, replaced
+from .versions import Versions, pinned_copy, replaced
 
 __all__ = ["S3Storage"]
 
@@ -94,11 +93,7 @@ class S3Storage(Storage):
         return storage
 
     def pinned(self) -> S3Storage:
-        if self._versions is not None:
-            return self
-        view = copy.copy(self)
-        view._versions = Versions()
-        return view
+        return pinned_copy(self)
 
     def _pin(self, key: str) -> dict[str, str]:
         """A pinned view's condition on a request for ``key``: the ETag it first saw."""

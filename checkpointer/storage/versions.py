@@ -9,11 +9,25 @@ was replaced since the view first read it.
 
 from __future__ import annotations
 
+import copy
 import threading
+from typing import Any, TypeVar
 
 from .base import FileChangedError
 
-__all__ = ["Versions", "replaced"]
+__all__ = ["Versions", "pinned_copy", "replaced"]
+
+S = TypeVar("S", bound=Any)
+
+
+def pinned_copy(storage: S) -> S:
+    """``storage`` itself where it keeps versions already (its ``_versions``), else a shallow copy
+    that does: a pinned view sharing the storage's client."""
+    if storage._versions is not None:
+        return storage
+    view = copy.copy(storage)
+    view._versions = Versions()
+    return view
 
 
 def replaced(url: str) -> FileChangedError:
