@@ -45,7 +45,7 @@ from .save import DescribedState, PlannedSave, SavePlanCache, describe_for_save,
 
 __all__ = ["AsyncSaver", "WatchedFuture", "wait_for_writes_into", "writing_under"]
 
-_writing: Counter[str] = Counter()  # storage place -> async saves of this process writing there
+_writing: Counter[str] = Counter()  # storage place -> async saves of this process planning or writing there
 _writing_changed = threading.Condition()
 
 
@@ -65,10 +65,10 @@ def writing_under(storage: Storage) -> bool:
         return any(w == root or w.startswith(f"{root}/") for w in _writing)
 
 
-def _track(planned: list[PlannedSave], step: int) -> None:
+def _track(storages: Sequence[Storage], step: int) -> None:
     with _writing_changed:
-        for p in planned:
-            place = p.storage.place()
+        for storage in storages:
+            place = storage.place()
             _writing[place] += step
             if _writing[place] <= 0:
                 del _writing[place]
@@ -193,6 +193,7 @@ class AsyncSaver:
             result: Future[list[tuple[StorageMetadata, list[str]]]] = WatchedFuture(" and ".join(s.url for s, _ in targets))
             planned: list[PlannedSave] = []
             locked = False
+            _track([st for st, _ in targets], +1)
 
             def plan() -> None:
                 nonlocal planned, locked
@@ -225,6 +226,7 @@ class AsyncSaver:
 
             _, error = dist.attempt(plan)
             if error is not None:  # surfaces from .result()
+                _track([st for st, _ in targets], -1)
                 _release_locks(planned)
                 result.staged.set_result(None)
                 result.set_exception(error)
@@ -259,13 +261,11 @@ class AsyncSaver:
                 planned, staged, copies, staging_error, locked, save_overwrite, result, absent, claim))
 
     def _submit(self, result: WatchedFuture, planned: list[PlannedSave], work: Any) -> WatchedFuture:
-        """Hand ``work`` (which settles ``result``) to the writer thread; if it cannot take it (the
-        interpreter is shutting down), the save fails here, its locks released."""
-        _track(planned, +1)
+        """Hand ``work`` (which settles ``result``) to the writer thread; at exit, fail the save, its locks released."""
         try:
             self._inflight = self._executor.submit(work)
         except RuntimeError as ex:
-            _track(planned, -1)
+            _track([p.storage for p in planned], -1)
             _release_locks(planned)
             if not result.staged.done():
                 result.staged.set_result(None)
@@ -297,10 +297,10 @@ class AsyncSaver:
                 out.append((p.metadata, write_and_commit(p, pieces=s, copies=c, group=self._group)))
         except BaseException as ex:  # noqa: BLE001 - surfaces from .result()
             _release_locks(planned[len(out) :])  # rank 0's locks of the saves this failure stopped
-            _track(planned, -1)
+            _track([p.storage for p in planned], -1)
             result.set_exception(ex)
         else:
-            _track(planned, -1)
+            _track([p.storage for p in planned], -1)
             result.set_result(out)
 
     def _stage(self, index: int, planned: PlannedSave) -> list[tuple[str, LocalTensor]]:

@@ -111,6 +111,38 @@ def test_prune_keeps_a_step_an_async_save_of_this_process_is_writing(tmp_path, m
     assert checkpointer.prune(run, keep_last=1) == [f"{run}/step10"]
 
 
+def test_prune_in_another_thread_keeps_a_step_an_async_save_is_still_planning(tmp_path, monkeypatch):
+    """Found by review: an async save that plans afresh makes its step directory and lock in the
+    caller's thread, before it hands the write to its thread. Before: a prune in another thread
+    during that window deleted the step (older than the newest complete one) and the save
+    failed with FileNotFoundError. Here prune runs while the save stages its pieces."""
+    import threading
+
+    from checkpointer.engine import async_save
+
+    run = str(tmp_path / "run")
+    ckpt = checkpointer.Checkpointer()
+    for step in (100, 200, 300):
+        ckpt.save(f"{run}/step{step}", {"w": torch.full((4,), float(step))})
+    pruned: list[list[str]] = []
+    stage = async_save.AsyncSaver._stage
+
+    def prune_while_staging(self, index, planned):
+        if not pruned:
+            assert os.path.isdir(f"{run}/step250")  # planned: its directory and lock are there
+            worker = threading.Thread(target=lambda: pruned.append(checkpointer.prune(run, keep_last=3)))
+            worker.start()
+            worker.join(60)
+        return stage(self, index, planned)
+
+    monkeypatch.setattr(async_save.AsyncSaver, "_stage", prune_while_staging)
+    fresh = checkpointer.Checkpointer()  # no cached plan: this one plans in the caller's thread
+    fresh.async_save(f"{run}/step250", {"w": torch.full((4,), 250.0)}).result(timeout=60)
+    assert pruned == [[]]
+    assert torch.equal(ckpt.unshard(f"{run}/step250")["w"], torch.full((4,), 250.0))
+    assert checkpointer.prune(run, keep_last=3) == [f"{run}/step100"]
+
+
 class _DeleteFails(MemoryStorage):
     def delete_tree(self, name: str) -> None:
         raise OSError(f"{self.join(name)}: injected failure")
