@@ -57,7 +57,9 @@ def header_length(prefix: bytes, *, where: str, file_size: int) -> int:
     if len(prefix) < PREFIX_BYTES:
         raise CorruptCheckpointError(f"{where}: file too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix[:PREFIX_BYTES])
-    if n > MAX_HEADER_BYTES or PREFIX_BYTES + n > file_size:
+    if n > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(f"{where}: safetensors header length {n} is over the limit of {MAX_HEADER_BYTES} bytes")
+    if PREFIX_BYTES + n > file_size:
         raise CorruptCheckpointError(f"{where}: safetensors header length {n} exceeds the file ({file_size} bytes)")
     return n
 

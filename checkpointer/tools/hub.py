@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.local import LocalStorage
+from ..storage.redact import redact
 from .hf import INDEX_NAME, SINGLE_NAME, read_hf_index, resolve
 
 __all__ = ["is_hf_url", "parse_hf_url", "fetch_hf", "HFUrl", "NotInCacheError"]
@@ -106,8 +107,17 @@ class NotInCacheError(OSError):
     is not in the local cache."""
 
 
+def _said(ex: BaseException) -> str:
+    """What the hub's error (or the one it wraps) says, first line, credentials redacted: a
+    download is redirected to a signed URL, which the hub's messages quote."""
+    inner = ex.__cause__ or ex
+    lines = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {redact(lines[0]) if lines else ''}"
+
+
 def _cached(file_url: str, url: str, *, missing_ok: bool = False, missing: str | None = None) -> str | None:
-    """``cached_path(file_url)`` as a str; the hub's errors as builtin ones naming ``url``."""
+    """``cached_path(file_url)`` as a str; the hub's errors as builtin ones naming ``url``. Their
+    chains are not kept (``from None``): the hub's errors quote signed download URLs."""
     from cached_path import cached_path
     from huggingface_hub import errors as hub_errors
 
@@ -115,16 +125,16 @@ def _cached(file_url: str, url: str, *, missing_ok: bool = False, missing: str |
         return str(cached_path(file_url, quiet=True))
     except hub_errors.LocalEntryNotFoundError as ex:  # offline: not a missing file, an unreachable hub
         raise NotInCacheError(f"{url}: {file_url} is not in the local cache, and the Hugging Face hub cannot be "
-                      f"reached (offline, or HF_HUB_OFFLINE set)") from ex
+                              f"reached (offline, or HF_HUB_OFFLINE set; {_said(ex)})") from None
     except (hub_errors.EntryNotFoundError, hub_errors.RevisionNotFoundError,
             hub_errors.RepositoryNotFoundError) as ex:
         if missing_ok and isinstance(ex, hub_errors.EntryNotFoundError):
             return None
         what = f"{missing} found" if missing else f"{file_url} not found"
-        raise FileNotFoundError(f"{url}: no Hugging Face checkpoint there ({what}: {type(ex).__name__})") from ex
+        raise FileNotFoundError(f"{url}: no Hugging Face checkpoint there ({what}: {type(ex).__name__})") from None
     except (hub_errors.HfHubHTTPError, OSError) as ex:
         if isinstance(ex, FileNotFoundError) and missing_ok:
             return None
-        raise OSError(f"{url}: cannot fetch {file_url} from the Hugging Face hub ({ex})") from ex
+        raise OSError(f"{url}: cannot fetch {file_url} from the Hugging Face hub ({_said(ex)})") from None
     except (ValueError, CheckpointError) as ex:
-        raise OSError(f"{url}: cannot fetch {file_url} from the Hugging Face hub ({ex})") from ex
+        raise OSError(f"{url}: cannot fetch {file_url} from the Hugging Face hub ({_said(ex)})") from None

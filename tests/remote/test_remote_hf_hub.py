@@ -52,11 +52,14 @@ def one_launch_tests(tmp_path_factory) -> Iterator[tuple[Launches, dict[str, tup
     hubs: dict[str, tuple[HubServer, torch.nn.Module, Path]] = {}
     for name, mode, url, extra in (("offline", "error", f"hf://{REPO}", {"HF_HUB_OFFLINE": "1"}),
                                    ("revision", "load_then_missing", f"hf://{REPO}@v1.0", {"HF_TOKEN": "hf_test_token"}),
-                                   ("broken", "error", f"hf://{REPO}", {})):
+                                   ("broken", "error", f"hf://{REPO}", {}),
+                                   ("signed", "error", f"hf://{REPO}", {})):
         work = tmp_path_factory.mktemp(name)
         server, model, folder = _hub(work)
         if name == "broken":  # the index names a shard the repository lacks
             os.remove(os.path.join(folder, _last_shard(folder)))
+        if name == "signed":  # the last shard's signed download URL has expired
+            server.expired.add(_last_shard(folder))
         hubs[name] = (server, model, work)
         launches.start(name, _argv(mode, url, str(work / "out.pt")), _env(server, str(work / "hf_home"), **extra))
     yield launches, hubs
@@ -190,3 +193,12 @@ def test_an_index_naming_a_missing_shard_is_corrupt(one_launch_tests):
     shard = _last_shard(str(work / "repo"))
     assert got["type"] == "CorruptCheckpointError", got
     assert got["message"] == f"hf://{REPO}: model.safetensors.index.json lists the shard {shard}, which the repository does not hold"
+
+
+def test_an_expired_signed_download_url_is_never_shown(one_launch_tests):
+    """The hub redirects a shard to a signed CDN URL, which answers 403. Found by a review: the
+    error's message, and the chain a traceback prints, quoted the URL with its signature."""
+    server, _, got = _result(one_launch_tests, "signed")
+    assert got["type"] in ("OSError", "NotInCacheError"), got
+    assert server.SIGNATURE not in got["message"] and server.SIGNATURE not in got["traceback"], got["traceback"]
+    assert f"hf://{REPO}" in got["message"] and "403" in got["message"], got["message"]

@@ -26,6 +26,7 @@ import io
 import os
 import sys
 import tempfile
+import traceback
 
 import torch
 
@@ -105,8 +106,8 @@ def main() -> None:
     if mode == "error":
         try:
             _rank(0, 1, "load", url, "")
-        except Exception as e:  # the test asserts on the class and the message
-            torch.save({"type": type(e).__name__, "message": str(e)}, out)
+        except Exception as e:  # the test asserts on the class, the message and the printed traceback
+            torch.save({"type": type(e).__name__, "message": str(e), "traceback": "".join(traceback.format_exception(e))}, out)
         else:
             torch.save({"type": None}, out)
         return
