@@ -15,8 +15,8 @@ __all__ = ["CLIENT_SETTINGS", "NO_CREDENTIALS", "NOT_FOUND", "boto_modules", "er
 
 NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-             "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
-             "ConditionalRequestConflict"}  # 409: a conditional write to the same key in progress; retry
+            "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
+            "ConditionalRequestConflict"}  # 409: a conditional write to the same key in progress; retry
 
 
 def boto_modules():

@@ -10,6 +10,7 @@ conditions atomic and answers GCS downloads as GCS does (see ``FaultProxy``).
 from __future__ import annotations
 
 import threading
+import urllib.parse
 
 import pytest
 
@@ -119,6 +120,12 @@ def test_a_pinned_view_refuses_an_object_replaced_after_it_first_read_it(kind_, 
         buf = bytearray(10)
         view.read_into("f", [(990, memoryview(buf))])
         assert buf == b"a" * 10
+    first_seen = len(proxy.seen)
+    view.read("f", 0, 10)
+    reads = [e for e in proxy.seen[first_seen:] if e.method in ("GET", "HEAD")
+             and urllib.parse.unquote(e.path.split("?")[0]).endswith("/f") and "/storage/v1/" not in e.path[:12]]
+    conditions = [("If-Match" in e.headers) if kind_ == "s3" else ("ifGenerationMatch=" in e.path) for e in reads]
+    assert conditions and all(conditions), reads  # each read after the first names the version it wants
     store.write("f", b"b" * 1000)
     seen = len(proxy.seen)
     for again in (lambda: view.read("f", 0, 10), lambda: view.read("f"),
