@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -25,6 +25,7 @@ from ..format.layout import METADATA_FILENAME
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..format.metadata_parse import parse_metadata
 from ..planning.load_plan import TensorLoadPlan, build_load_plan
+from ..planning.pieces import Piece
 from ..sharding import LocalTensor, describe_state_dict
 from ..storage.base import Storage
 from .locate import metadata_bytes
@@ -51,6 +52,9 @@ MAX_METADATA_BYTES = 4 << 30
 """The default limit on ``metadata.json``; ``CHECKPOINTER_MAX_METADATA_MIB`` changes it. Above
 what this library writes for a 70B model's optimizer over 8,192 ranks (about 1.1 GiB)."""
 _STAGE_BYTES = 256 << 20
+"""The most host memory a load stages destinations it cannot read into through (two batches)."""
+_MIN_STAGE_BYTES = 32 << 20
+_READ_STAGING = 32 << 20  # what strided reads may hold besides (a block per reading thread)
 
 
 def read_metadata(storage: Storage, *, no_dist: bool = False) -> StorageMetadata:
@@ -118,8 +122,46 @@ class LocalLoad:
     numel_per_file: dict[str, int]
     checksums_per_file: Mapping[str, tuple[int, ...] | None]
 
+    meta: TensorStorageMetadata | None = None
+
     def job(self, dest: torch.Tensor) -> ReadJob:
         return ReadJob(self.plan, dest, self.numel_per_file, self.checksums_per_file)
+
+    def row_blocks(self, nbytes: int) -> list[tuple[int, int, LocalLoad]]:
+        """This load as loads of whole rows (dim 0) of its destination, ``(first, end, load)``,
+        of at most ``nbytes`` each (a row larger than that alone); itself, whole, where its
+        destination is that small or its piece is not laid out by those rows."""
+        data = self.local.data
+        rows = data.shape[0] if data.dim() else 1
+        per_row = self.local.numel // max(1, rows)
+        step = max(1, nbytes // max(1, per_row * data.element_size()))
+        piece = self.local.piece
+        splits = self.meta is not None and step < rows and data.numel() == self.local.numel and (
+            piece.flat is not None or piece.local_shape == tuple(data.shape)
+        )
+        if not splits:
+            return [(0, rows, self)]
+        out = []
+        for first in range(0, rows, step):
+            end = min(rows, first + step)
+            part = _piece_rows(piece, first, end, per_row)
+            out.append((first, end, replace(self, plan=build_load_plan(self.plan.key, self.meta, part))))  # type: ignore[arg-type]
+        return out
+
+
+def _piece_rows(piece: Piece, first: int, end: int, per_row: int) -> Piece:
+    """The part of ``piece`` that rows ``[first, end)`` of its local tensor hold."""
+    if piece.flat is None:
+        assert piece.local_shape is not None and piece.global_offset is not None
+        shape = (end - first, *piece.local_shape[1:])
+        return Piece(local_shape=shape, global_offset=(piece.global_offset[0] + first, *piece.global_offset[1:]))
+    lo, hi, pos, ranges = first * per_row, end * per_row, 0, []
+    for start, stop in piece.flat:
+        a, b = max(lo, pos), min(hi, pos + stop - start)
+        if a < b:
+            ranges.append((start + a - pos, start + b - pos))
+        pos += stop - start
+    return Piece(flat=tuple(ranges))
 
 
 def plan_local_loads(
@@ -146,7 +188,7 @@ def plan_local_loads(
         plan = build_load_plan(saved_key, meta, lt.piece)
         # Only the files read: a tensor of a large job has thousands, most not this rank's.
         numels, crcs = piece_files(headers, metadata, saved_key, plan.files)  # type: ignore[arg-type]
-        out.append(LocalLoad(key, lt, plan, numels, crcs))
+        out.append(LocalLoad(key, lt, plan, numels, crcs, meta))
     return out
 
 
@@ -241,34 +283,39 @@ def fill_in_place_from(
         direct.append((headers, jobs))
         staged.append((headers, later))
     execute_reads_from(direct, **options)
+    # Staging stays within the memory a load may add: 10% of the rank's bytes + 64 MiB.
+    rank_bytes = sum(load.local.numel * load.local.data.element_size() for _, loads in parts for load in loads)
+    stage = min(_STAGE_BYTES, max(_MIN_STAGE_BYTES, rank_bytes // 10 + (64 << 20) - _READ_STAGING))
     for headers, later in staged:
-        _fill_through_host(headers.storage, later, dict(options, headers=headers))
+        _fill_through_host(headers.storage, later, dict(options, headers=headers), stage)
 
 
-def _fill_through_host(storage: Storage, staged: list[LocalLoad], options: dict[str, Any]) -> None:
+def _fill_through_host(storage: Storage, staged: list[LocalLoad], options: dict[str, Any], stage_bytes: int) -> None:
     """Read destinations that cannot be read into (on a GPU, or strided) through host buffers,
-    in batches of at most half of ``_STAGE_BYTES``. Copies to a GPU run on its current stream
-    from pinned memory while the next batch is read; a third batch is allocated only once the
-    first's copies are done, so at most two batches are in host memory."""
+    in batches of whole rows of at most half of ``stage_bytes``. Copies to a GPU run on its
+    current stream from pinned memory while the next batch is read; a third batch is allocated
+    only once the first's copies are done, so at most two batches are in host memory."""
     in_flight: list[list[torch.cuda.Event]] = []
-    batch: list[tuple[LocalLoad, torch.Tensor]] = []
+    batch: list[tuple[LocalLoad, torch.Tensor, torch.Tensor]] = []
     batch_bytes = 0
-    for load in staged + [None]:
+    half = stage_bytes // 2
+    parts = [(load.local.data[first:end] if load.local.data.dim() else load.local.data, part)
+             for load in staged for first, end, part in load.row_blocks(half)]
+    for dest, load in parts + [(None, None)]:  # type: ignore[list-item]
         if load is not None:
             if not batch and len(in_flight) == 2:  # a batch's buffers are reserved until its copies end
                 for event in in_flight.pop(0):
                     event.synchronize()
-            data = load.local.data
-            host = torch.empty(load.local.numel, dtype=data.dtype, pin_memory=data.is_cuda)
-            batch.append((load, host))
+            host = torch.empty(dest.numel(), dtype=dest.dtype, pin_memory=dest.is_cuda)
+            batch.append((load, dest, host))
             batch_bytes += host.numel() * host.element_size()
-        if batch and (load is None or batch_bytes >= _STAGE_BYTES // 2):
-            execute_reads(storage, [ld.job(host) for ld, host in batch], **options)
+        if batch and (load is None or batch_bytes >= half):
+            execute_reads(storage, [ld.job(host) for ld, _, host in batch], **options)
             devices = set()
-            for ld, host in batch:
-                copy_into(ld.key, ld.local.data, host, non_blocking=ld.local.data.is_cuda)
-                if ld.local.data.is_cuda:
-                    devices.add(ld.local.data.device)
+            for ld, dest_rows, host in batch:
+                copy_into(ld.key, dest_rows, host, non_blocking=dest_rows.is_cuda)
+                if dest_rows.is_cuda:
+                    devices.add(dest_rows.device)
             in_flight.append([_copies_done(device) for device in devices])
             batch, batch_bytes = [], 0
     for events in in_flight:

@@ -20,6 +20,7 @@ from ..planning.load_plan import ReadItem, TensorLoadPlan
 from ..planning.runs import RUNS_PER_SLICE, run_blocks, run_starts
 from ..storage.base import ReadRequest, Storage
 from ..storage.parallel import shared_pool
+from ..storage.scatter import RUNS_PER_CALL
 from .checks import HashedRun, HeaderCache, check_chunk, piece_start, read_hashed, read_with, verified_requests, verify_tasks
 from .rankfile import io_threads
 
@@ -215,8 +216,8 @@ def _strided_tasks(
     headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None, buffers: StagingBlocks, map_pages: bool
 ) -> list[tuple]:
     """The tasks of the strided items. Runs contiguous on both sides are read by scattered reads
-    where the storage has them. Any other item's span of its stored piece is read in blocks of at
-    most :data:`STRIDED_BLOCK` bytes (whole checksum chunks when verifying, each hashed once read),
+    where the storage has them and calls stay few (:func:`_few_calls`). Any other item's span of
+    its stored piece is read in blocks of at most :data:`STRIDED_BLOCK` bytes (whole checksum chunks when verifying, each hashed once read),
     each copied out as at most ``2 * ndim - 1`` strided boxes. Unverified, with ``map_pages``, a
     local file's span of :data:`_MAP_BYTES` or more is copied from its mapped pages, in blocks of
     about :data:`STRIDED_BLOCK` (cut between runs where read by runs), each read as above unless
@@ -234,7 +235,7 @@ def _strided_tasks(
             numel = job.numel_per_file[item.file]
             start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
             mapped = maps and (item.src_end - item.src_offset) * size >= _MAP_BYTES
-            if not verify_chunk_bytes and scattered and item.src_strides[-1] == item.dst_strides[-1] == 1:
+            if not verify_chunk_bytes and scattered and _few_calls(item, size):
                 runs = item.numel // item.sizes[-1]
                 if mapped:  # blocks of the stored span, cut between runs: uncached, a block is read by runs
                     bounds = run_blocks(item, max(1, STRIDED_BLOCK // size))
@@ -261,6 +262,13 @@ def _strided_tasks(
                         checks.append((c, c * chunk - a, min(b, (c + 1) * chunk) - a, crcs[c]))
                 tasks.append((_read_strided, storage, item.file, plan.key, start, size, item, job.dest, a, b, checks, buffers, mapped))
     return tasks
+
+
+def _few_calls(item: ReadItem, size: int) -> bool:
+    """Whether a strided item's runs (contiguous on both sides) take scattered reads: one call, or
+    calls of a staging block (:data:`STRIDED_BLOCK`) each; many short ones go through blocks."""
+    few = item.numel // item.sizes[-1] <= RUNS_PER_CALL or item.sizes[-1] * size * RUNS_PER_CALL >= STRIDED_BLOCK
+    return item.src_strides[-1] == item.dst_strides[-1] == 1 and few
 
 
 def _read_runs(

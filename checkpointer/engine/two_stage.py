@@ -41,7 +41,8 @@ from .reads import ReadJob, read_file_ranges, scatter_span, verify_reads
 __all__ = ["LoadStats", "load_two_stage", "prepare_two_stage"]
 
 log = logging.getLogger(__name__)
-_BATCH_BYTES = 64 << 20
+_BATCH_BYTES = 32 << 20
+"""Bytes read (and then received) at once: two batches stay within what a load may add (64 MiB)."""
 
 
 @dataclass

@@ -20,11 +20,12 @@ import numpy as np
 
 from . import libc
 
-__all__ = ["available", "preadv_runs", "MAX_GAP"]
+__all__ = ["available", "preadv_runs", "MAX_GAP", "RUNS_PER_CALL"]
 
 MAX_GAP = 256 << 10
 _IOV_MAX = 1024  # POSIX's minimum; Linux's own
-_RUNS_PER_CALL = (_IOV_MAX + 1) // 2
+RUNS_PER_CALL = (_IOV_MAX + 1) // 2
+"""The most runs one ``preadv`` takes (a run, then a gap, alternating)."""
 _EINTR = _errno.EINTR
 
 
@@ -50,8 +51,8 @@ def preadv_runs(fd: int, file_offsets: np.ndarray, addresses: np.ndarray, length
     scratch = np.empty(max(1, int(fitting.max()) if len(fitting) else 1), dtype=np.uint8)
     scratch_address = scratch.ctypes.data
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        for a in range(lo, hi, _RUNS_PER_CALL):
-            b = min(hi, a + _RUNS_PER_CALL)
+        for a in range(lo, hi, RUNS_PER_CALL):
+            b = min(hi, a + RUNS_PER_CALL)
             k = b - a
             iov = np.empty((2 * k - 1, 2), dtype=np.uint64)
             iov[0::2, 0] = addresses[a:b]

@@ -18,7 +18,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from checkpointer.checksums import ALGORITHM, CHUNK_BYTES, chunk_crcs
-from checkpointer.engine import reads
+from checkpointer.engine import load, reads
+from checkpointer.engine.checks import HeaderCache
 from checkpointer.engine.rankfile import write_rank_file
 from checkpointer.engine.reads import ReadJob, execute_reads
 from checkpointer.errors import CorruptCheckpointError
@@ -40,6 +41,7 @@ from checkpointer.planning.plan import Piece, PieceDesc, build_save_plan
 from checkpointer.planning.load_plan import build_load_plan
 from checkpointer.planning.pieces import whole
 from checkpointer.sharding import LocalTensor, dtensor_index_runs, runs_piece
+from checkpointer.storage import scatter
 from checkpointer.storage.local import LocalStorage
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +322,32 @@ def test_doubling_the_rows_doubles_neither_reads_nor_items(tmp_path, monkeypatch
     assert small_reads == large_reads == 2
 
 
+def _column_pieces_calls(tmp_path, rows: int, monkeypatch) -> int:
+    """System calls that read a ``[rows, 8]`` tensor saved as two column pieces (runs of 16
+    bytes) whole, from pages not in the page cache."""
+    full = torch.arange(rows * 8, dtype=torch.float32).reshape(rows, 8)
+    (tmp_path / str(rows)).mkdir()
+    storage = write_checkpoint(str(tmp_path / str(rows)), full, [Piece(local_shape=(rows, 4), global_offset=(0, 4 * r)) for r in range(2)])
+    calls = []
+    real_into, real_runs = LocalStorage.read_into, scatter._preadv_all
+    monkeypatch.setattr(LocalStorage, "read_into", lambda self, name, reqs: (calls.append(name), real_into(self, name, reqs))[1])
+    monkeypatch.setattr(scatter, "_preadv_all", lambda *args: (calls.append("runs"), real_runs(*args))[1])
+    got = load_piece(storage, whole(full.shape), torch.float32)
+    monkeypatch.setattr(LocalStorage, "read_into", real_into)
+    monkeypatch.setattr(scatter, "_preadv_all", real_runs)
+    assert torch.equal(got, full.reshape(-1))
+    return len(calls)
+
+
+def test_doubling_the_rows_of_short_runs_doubles_no_system_calls(tmp_path, monkeypatch):
+    """Many short runs (a column piece of a tall matrix) are read a staging block at a time,
+    not one ``preadv`` per 512 rows."""
+    monkeypatch.setattr(reads, "STRIDED_BLOCK", 1 << 20)
+    monkeypatch.setattr(reads, "_MAP_BYTES", 1 << 62)  # as for pages not in the page cache
+    assert _column_pieces_calls(tmp_path, 8192, monkeypatch) == 2  # 128 KiB a piece: one block each
+    assert _column_pieces_calls(tmp_path, 16384, monkeypatch) == 2
+
+
 def test_a_few_short_runs_are_one_scattered_read(tmp_path, monkeypatch):
     """A column block of a small matrix (64 runs of 64 bytes, with gaps) is one ``preadv`` of
     scattered runs on a local file, not one request, and one system call, per run."""
@@ -447,3 +475,65 @@ def test_a_layout_keeps_a_bounded_number_of_pieces(monkeypatch):
     for start in range(4):
         assert build_load_plan("a", meta, Piece(flat=((start * 6, start * 6 + 6),))).numel == 6
     assert len(meta.shard_spec_per_file.layout.memo["items"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Destinations that cannot be read into are staged a block of rows at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def _staged_fill(storage: LocalStorage, piece: Piece, dest: torch.Tensor, full: torch.Tensor) -> None:
+    metadata = parse_metadata(storage.read(METADATA_FILENAME, 0, storage.size(METADATA_FILENAME)), where="m")
+    meta = metadata.tensors["w"]
+    specs = meta.shard_spec_per_file
+    plan = build_load_plan("w", meta, piece)
+    lt = LocalTensor(dest, tuple(full.shape), code_from_dtype(full.dtype), True, piece)
+    numels = {f: specs[f].local_numel for f in plan.files}
+    crcs = {f: specs[f].checksums for f in plan.files}
+    load.fill_in_place_from([(HeaderCache(storage), [load.LocalLoad("w", lt, plan, numels, crcs, meta)])])
+
+
+@pytest.mark.parametrize("kind", ["box", "flat"])
+def test_a_strided_destination_is_staged_in_blocks_of_rows(tmp_path, monkeypatch, kind):
+    """A destination that cannot be read into (here transposed; on a GPU the same) goes
+    through host buffers of whole rows no larger than the staging budget allows, each with a
+    plan of its own, not one buffer the size of the tensor."""
+    full = torch.arange(48 * 40, dtype=torch.float32).reshape(48, 40)
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(48, 20), global_offset=(0, 20 * r)) for r in range(2)])
+    monkeypatch.setattr(load, "_STAGE_BYTES", 2 * 7 * 30 * 4)  # 7 rows of 30 a batch
+    monkeypatch.setattr(load, "_MIN_STAGE_BYTES", 0)
+    staged: list[int] = []
+    real = load.execute_reads
+    monkeypatch.setattr(load, "execute_reads", lambda storage, jobs, **kw: (staged.extend(j.dest.numel() for j in jobs), real(storage, jobs, **kw))[1])
+    if kind == "box":
+        piece, expected = Piece(local_shape=(45, 30), global_offset=(2, 5)), full[2:47, 5:35]
+    else:  # a flat piece: elements [65, 1415) of the flattened tensor, as rows of 30
+        piece, expected = Piece(flat=((65, 1415),)), full.reshape(-1)[65:1415].reshape(45, 30)
+    dest = torch.full((30, 45), -1.0).t()
+    _staged_fill(storage, piece, dest, full)
+    assert torch.equal(dest, expected)
+    assert staged == [7 * 30] * 6 + [3 * 30], staged
+
+
+def test_a_strided_destination_adds_at_most_the_memory_bound(tmp_path):
+    """Peak extra RSS while a 160 MiB tensor loads into a transposed destination stays within
+    10% of its bytes + 64 MiB (it was the whole tensor again)."""
+    full = torch.arange(8192 * 5120, dtype=torch.float32).reshape(8192, 5120)
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(8192, 5120), global_offset=(0, 0))])
+    dest = torch.zeros(5120, 8192).t()
+    piece = Piece(flat=((0, full.numel()),))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) from here
+    before = _status_kib("VmRSS")
+    _staged_fill(storage, piece, dest, full)
+    extra_mib = (_status_kib("VmHWM") - before) / 1024
+    assert torch.equal(dest, full)
+    assert extra_mib <= 0.1 * 160 + 64, extra_mib
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
