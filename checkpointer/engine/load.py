@@ -291,34 +291,44 @@ def fill_in_place_from(
 
 
 def _fill_through_host(storage: Storage, staged: list[LocalLoad], options: dict[str, Any], stage_bytes: int) -> None:
-    """Read destinations that cannot be read into (on a GPU, or strided) through host buffers,
-    in batches of whole rows of at most half of ``stage_bytes``. Copies to a GPU run on its
-    current stream from pinned memory while the next batch is read; a third batch is allocated
-    only once the first's copies are done, so at most two batches are in host memory."""
-    in_flight: list[list[torch.cuda.Event]] = []
-    batch: list[tuple[LocalLoad, torch.Tensor, torch.Tensor]] = []
+    """Read destinations that cannot be read into (on a GPU, or strided) through two reused host
+    buffers, in batches of whole rows of at most half of ``stage_bytes`` (a larger row alone).
+    Copies to a GPU run on its current stream from pinned memory while the next batch is read
+    into the other buffer; a buffer is read into again only once its copies are done."""
+    half = max(1, stage_bytes // 2)
+    buffers: list[torch.Tensor | None] = [None, None]  # reused: the allocator's churn would add to RSS
+    copying: list[list[torch.cuda.Event]] = [[], []]
+    turn = 0
+    batch: list[tuple[LocalLoad, torch.Tensor, int]] = []  # (load, its destination rows, offset in the buffer)
     batch_bytes = 0
-    half = stage_bytes // 2
-    parts = [(load.local.data[first:end] if load.local.data.dim() else load.local.data, part)
-             for load in staged for first, end, part in load.row_blocks(half)]
-    for dest, load in parts + [(None, None)]:  # type: ignore[list-item]
-        if load is not None:
-            if not batch and len(in_flight) == 2:  # a batch's buffers are reserved until its copies end
-                for event in in_flight.pop(0):
-                    event.synchronize()
-            host = torch.empty(dest.numel(), dtype=dest.dtype, pin_memory=dest.is_cuda)
-            batch.append((load, dest, host))
-            batch_bytes += host.numel() * host.element_size()
-        if batch and (load is None or batch_bytes >= half):
-            execute_reads(storage, [ld.job(host) for ld, _, host in batch], **options)
-            devices = set()
-            for ld, dest_rows, host in batch:
-                copy_into(ld.key, dest_rows, host, non_blocking=dest_rows.is_cuda)
-                if dest_rows.is_cuda:
-                    devices.add(dest_rows.device)
-            in_flight.append([_copies_done(device) for device in devices])
-            batch, batch_bytes = [], 0
-    for events in in_flight:
+
+    def flush() -> None:
+        nonlocal turn, batch, batch_bytes
+        for event in copying[turn]:
+            event.synchronize()
+        pinned = any(dest.is_cuda for _, dest, _ in batch)
+        buf = buffers[turn]
+        if buf is None or buf.numel() < batch_bytes or (pinned and not buf.is_pinned()):
+            buffers[turn] = buf = None
+            buf = buffers[turn] = torch.empty(batch_bytes, dtype=torch.uint8, pin_memory=pinned)
+        hosts = [buf[at : at + dest.numel() * dest.element_size()].view(dest.dtype) for _, dest, at in batch]
+        execute_reads(storage, [ld.job(host) for (ld, _, _), host in zip(batch, hosts)], **options)
+        for (ld, dest, _), host in zip(batch, hosts):
+            copy_into(ld.key, dest, host, non_blocking=dest.is_cuda)
+        copying[turn] = [_copies_done(device) for device in {dest.device for _, dest, _ in batch if dest.is_cuda}]
+        turn, batch, batch_bytes = 1 - turn, [], 0
+
+    for load in staged:
+        for first, end, part in load.row_blocks(half):
+            dest = load.local.data[first:end] if load.local.data.dim() else load.local.data
+            nbytes = -(-dest.numel() * dest.element_size() // 64) * 64  # each part aligned for its dtype
+            if batch and batch_bytes + nbytes > half:
+                flush()
+            batch.append((part, dest, batch_bytes))
+            batch_bytes += nbytes
+    if batch:
+        flush()
+    for events in copying:
         for event in events:
             event.synchronize()
 

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from dist_helpers import mesh, saved_once
+from peak_memory import peak_extra_mib
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from checkpointer import Checkpointer, lazy_load
@@ -97,23 +98,6 @@ def test_tp_boxes_unshard_and_lazy_load(run_distributed, saved):
 # ---------------------------------------------------------------------------------------------
 
 
-def _peak_extra_mib(fn):
-    """Run ``fn`` and return (its result, peak RSS above the start in MiB)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the current RSS
-    before = _status("VmRSS")
-    out = fn()
-    return out, (_status("VmHWM") - before) / 1024
-
-
-def _status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _save_shard2(rank, world_size, ckpt, rows):
     value = torch.arange(rows * 1024 * 2, dtype=torch.float32).reshape(rows, 1024, 2)
     Checkpointer().save(ckpt, {"w": distribute_tensor(value, mesh((2,)), [Shard(2)])})
@@ -151,9 +135,9 @@ def test_shard2_two_columns_unshards_and_loads_in_few_reads_and_little_memory(ru
     monkeypatch.setattr(LocalStorage, "read_runs", read_runs)
     monkeypatch.setattr(LocalStorage, "mapped", mapped)
     results = {
-        "unshard": _peak_extra_mib(lambda: Checkpointer().unshard(ckpt, no_dist=True)["w"]),
-        "load": _peak_extra_mib(lambda: Checkpointer().load(ckpt, {"w": dest}, no_dist=True) or dest),
-        "lazy_load": _peak_extra_mib(lambda: dict(lazy_load(ckpt))["w"]),
+        "unshard": peak_extra_mib(lambda: Checkpointer().unshard(ckpt, no_dist=True)["w"]),
+        "load": peak_extra_mib(lambda: Checkpointer().load(ckpt, {"w": dest}, no_dist=True) or dest),
+        "lazy_load": peak_extra_mib(lambda: dict(lazy_load(ckpt))["w"]),
     }
     nbytes_mib = want.numel() * 4 / (1 << 20)
     for what, (value, extra_mib) in results.items():

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from peak_memory import peak_extra_mib
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -522,18 +523,7 @@ def test_a_strided_destination_adds_at_most_the_memory_bound(tmp_path):
     storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(8192, 5120), global_offset=(0, 0))])
     dest = torch.zeros(5120, 8192).t()
     piece = Piece(flat=((0, full.numel()),))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) from here
-    before = _status_kib("VmRSS")
-    _staged_fill(storage, piece, dest, full)
-    extra_mib = (_status_kib("VmHWM") - before) / 1024
+    _, extra_mib = peak_extra_mib(lambda: _staged_fill(storage, piece, dest, full))
     assert torch.equal(dest, full)
     assert extra_mib <= 0.1 * 160 + 64, extra_mib
 
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
