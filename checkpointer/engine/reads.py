@@ -216,9 +216,9 @@ def _strided_tasks(
     headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None, buffers: StagingBlocks, map_pages: bool
 ) -> list[tuple]:
     """The tasks of the strided items. Runs contiguous on both sides are read by scattered reads
-    where the storage has them and calls stay few (:func:`_few_calls`). Any other item's span of
-    its stored piece is read in blocks of at most :data:`STRIDED_BLOCK` bytes (whole checksum chunks when verifying, each hashed once read),
-    each copied out as at most ``2 * ndim - 1`` strided boxes. Unverified, with ``map_pages``, a
+    where the storage has them and calls stay few (:func:`_few_calls`). Other items' spans are read
+    in blocks of at most :data:`STRIDED_BLOCK` bytes (whole checksum chunks when verifying, each
+    hashed once read), copied out as at most ``2 * ndim - 1`` strided boxes. Unverified, with ``map_pages``, a
     local file's span of :data:`_MAP_BYTES` or more is copied from its mapped pages, in blocks of
     about :data:`STRIDED_BLOCK` (cut between runs where read by runs), each read as above unless
     all its pages are cached."""
