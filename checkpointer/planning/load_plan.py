@@ -19,7 +19,7 @@ from ..format.metadata import TensorStorageMetadata
 from ..format.specs import Layout, ShardSpecs, box_run_count
 from .boxes import BoxCopy, TileIndex
 from .overlap import Range, SourceIndex, layout_ranges
-from .pieces import Piece, layout_tiles, piece_ranges, piece_tiles, spec_ranges, spec_tiles, whole
+from .pieces import Piece, layout_tiles, piece_ranges, piece_tiles, spec_ranges, spec_tiles, strided_runs, whole
 from .rule_reads import rule_copies
 
 __all__ = ["ReadItem", "TensorLoadPlan", "build_load_plan", "whole_file_plan", "stored_cover_exactly"]
@@ -104,9 +104,10 @@ def build_load_plan(key: str, meta: TensorStorageMetadata, wanted: Sequence[Rang
 def _build(
     key: str, meta: TensorStorageMetadata, piece: Piece, layout: Layout | None, files: Sequence[str], all_flat: bool
 ) -> TensorLoadPlan:
-    if piece.flat is None and all_flat and box_run_count(piece.local_shape, piece.global_offset, meta.shape) <= 1:
+    plain = all_flat and not _strided_layout(meta, layout, files)  # ranges best read as ranges
+    if piece.flat is None and plain and box_run_count(piece.local_shape, piece.global_offset, meta.shape) <= 1:
         piece = Piece(flat=tuple(piece_ranges(piece, meta.shape)))  # one run: the flattened ranges' own path
-    if not (piece.flat is not None and all_flat):
+    if not (piece.flat is not None and plain and strided_runs(piece, meta.shape) is None):
         rule = _box_rule(meta)
         if rule is not None:
             assert layout is not None
@@ -114,6 +115,8 @@ def _build(
         else:
             tiles = _tile_index(meta, layout, files)
             _refuse_conflict(key, tiles.conflict, files)
+            if piece.flat is not None and tiles.ok and (i := _file_holding(meta, layout, files, piece.flat)) is not None:
+                return TensorLoadPlan(key, meta.dtype, (ReadItem(files[i], 0, 0, piece.numel),) if piece.numel else ())
             copies = tiles.copies(piece_tiles(piece, meta.shape)) if tiles.ok else None
         if copies is not None:
             items = tuple(map(_read_item, [files[c.source] for c in copies], copies))
@@ -138,6 +141,41 @@ def _box_rule(meta: TensorStorageMetadata) -> dict | None:
     specs = meta.shard_spec_per_file
     rule = specs.rule if isinstance(specs, ShardSpecs) else None
     return rule if rule is not None and rule["form"] == "box" else None
+
+
+def _strided_layout(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> bool:
+    """Whether some stored piece is flattened ranges that are a product of index runs (read as tiles)."""
+    if layout is not None and "strided" in layout.memo:
+        return layout.memo["strided"]
+    strided = any(
+        flat is not None and strided_runs(Piece(flat=flat), meta.shape) is not None
+        for flat in _stored_flat(meta, layout, files)
+    )
+    if layout is not None:
+        layout.memo["strided"] = strided
+    return strided
+
+
+def _file_holding(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str], flat) -> int | None:
+    """The first file whose piece is exactly the ranges ``flat`` (the same layout saved and loaded:
+    one contiguous read, not one per tile)."""
+    held = layout.memo.get("held") if layout is not None else None
+    if held is None:
+        held = {}
+        for i, stored in enumerate(_stored_flat(meta, layout, files)):
+            if stored is not None:
+                held.setdefault(stored, i)
+        if layout is not None:
+            layout.memo["held"] = held
+    return held.get(tuple(map(tuple, flat)))
+
+
+def _stored_flat(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]):
+    """Each file's flattened ranges as a tuple of pairs (None for a box), in the order of ``files``."""
+    if layout is not None:
+        return (layout.form(i)[0] for i in range(len(files)))
+    specs = meta.shard_spec_per_file
+    return (None if (s := specs[f]).flattened_offsets is None else tuple(map(tuple, s.flattened_offsets)) for f in files)
 
 
 def _tile_index(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> TileIndex:

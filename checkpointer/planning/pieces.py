@@ -23,11 +23,12 @@ from ..errors import CheckpointError
 from ..format.metadata import TensorShardSpec
 from ..format.specs import Layout
 from .boxes import Tile, box_tile, range_tiles
+from .index_runs import ranges_as_runs, runs_tiles
 from .overlap import box_ranges
 
 __all__ = [
     "Range", "Piece", "PieceDesc", "Structure", "RankPieces", "BOX", "piece_ranges", "spec_ranges", "whole",
-    "piece_tiles", "layout_tiles", "spec_tiles", "pieces_payload", "parse_pieces", "descs_by_key", "check_agreement",
+    "piece_tiles", "strided_runs", "layout_tiles", "spec_tiles", "pieces_payload", "parse_pieces", "descs_by_key", "check_agreement",
 ]
 
 Range = tuple[int, int]
@@ -250,16 +251,30 @@ def whole(shape: Sequence[int]) -> Piece:
 
 
 def piece_tiles(piece: Piece, shape: Sequence[int]) -> list[Tile]:
-    """A piece as tiles: a box is one; each flattened range at most ``2 * ndim - 1``."""
+    """A piece as tiles: a box is one; flattened ranges that are a product of index runs (a
+    ``_StridedShard`` piece) one per combination of runs; other ranges at most ``2 * ndim - 1``
+    each."""
     if piece.flat is None:
         assert piece.local_shape is not None and piece.global_offset is not None
         return [box_tile(piece.local_shape, piece.global_offset)]
+    runs = strided_runs(piece, shape)
+    if runs is not None:
+        return runs_tiles(runs)
     out: list[Tile] = []
     offset = 0
     for start, end in piece.flat:
         out += range_tiles(shape, start, end, offset)
         offset += end - start
     return out
+
+
+def strided_runs(piece: Piece, shape: Sequence[int]) -> list[list[Range]] | None:
+    """The index runs per dim of a piece of flattened ranges that are their product, when that
+    makes fewer tiles than the ranges (see :mod:`~checkpointer.planning.index_runs`)."""
+    if piece.flat is None:
+        return None
+    runs = ranges_as_runs(shape, piece.flat)
+    return runs if runs is not None and math.prod(map(len, runs)) < len(piece.flat) else None
 
 
 def layout_tiles(layout: Layout, i: int) -> list[Tile]:
