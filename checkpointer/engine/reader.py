@@ -18,8 +18,8 @@ from ..format.dtypes import dtype_from_code
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..planning.overlap import SourceIndex
 from ..planning.pieces import Piece
-from ..planning.load_plan import TensorLoadPlan, build_load_plan, stored_cover_exactly
-from ..planning.pieces import spec_ranges, whole
+from ..planning.load_plan import TensorLoadPlan, build_load_plan, stored_cover_exactly, stored_ranges
+from ..planning.pieces import whole
 from ..storage.base import Storage
 from .checks import HeaderCache, check_files_hold, piece_files, verify_chunk_bytes
 from .reads import ReadJob, execute_reads
@@ -135,7 +135,7 @@ class CheckpointReader:
         if stored_cover_exactly(meta):
             return
         files = list(meta.shard_spec_per_file)
-        index = SourceIndex([spec_ranges(meta.shard_spec_per_file[f], meta.shape) for f in files])
+        index = SourceIndex(stored_ranges(key, meta))
         if index.conflict is not None:
             a, b = sorted(index.conflict)
             raise CorruptCheckpointError(f"tensor {key!r}: the pieces in {files[a]} and {files[b]} overlap")

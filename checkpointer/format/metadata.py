@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, m
 from .dtypes import DTYPE_CODES, LARGEST_ITEMSIZE, dtype_from_code
 from .layout import FORMAT_VERSION, check_filename
 from .shard_spec import TensorShardSpec
-from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, box_run_count, gc_paused
+from .specs import MAX_RUNS_PER_TENSOR, ShardSpecs, gc_paused
 
 __all__ = [
     "TensorShardSpec",
@@ -301,11 +301,11 @@ def _spec_json(spec: TensorShardSpec) -> dict[str, Any]:
 
 
 def _run_count(spec: TensorShardSpec, shape: tuple[int, ...]) -> int:
-    """How many contiguous runs a piece has (a box is one run per row of its leading dims)."""
+    """How many runs a piece lists: its flattened ranges, or one box (planned as a box; where it
+    must be expanded into ranges, ``planning.load_plan.stored_ranges`` bounds them)."""
     if spec.flattened_offsets is not None:
         return len(spec.flattened_offsets)
-    assert spec.local_shape is not None and spec.global_offset is not None
-    return box_run_count(spec.local_shape, spec.global_offset, shape)
+    return 1
 
 
 def new_metadata(

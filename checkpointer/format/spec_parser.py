@@ -17,7 +17,7 @@ import json
 
 from .layout import check_filename
 from .rules import MAX_RULE_CELLS, MAX_RULE_VALUES, check_rule, expand_rule, rule_values
-from .specs import FIELDS, MAX_RUNS_PER_TENSOR, Layout, ShardSpecs, box_run_count, shared_layout
+from .specs import FIELDS, MAX_RUNS_PER_TENSOR, Layout, ShardSpecs, shared_layout
 
 __all__ = ["SpecParser"]
 
@@ -189,18 +189,11 @@ class SpecParser:
         sizes_all, offsets_all = list(chain.from_iterable(ls)), list(chain.from_iterable(go))
         if not _all_ints(sizes_all) or not _all_ints(offsets_all) or min(sizes_all) < 0 or min(offsets_all) < 0:
             return False
-        all_full = True
         for d in range(ndim):
             sizes, offsets = sizes_all[d::ndim], offsets_all[d::ndim]
             if max(map(add, sizes, offsets)) > shape[d]:
                 return False
-            if d and (sizes.count(shape[d]) != n or offsets.count(0) != n):
-                all_full = False
-        if all_full:  # every box is one run (or empty)
-            runs = n
-        else:
-            runs = sum(box_run_count(s, o, shape) for s, o in zip(ls, go))
-        return runs <= MAX_RUNS_PER_TENSOR
+        return n <= MAX_RUNS_PER_TENSOR  # a box counts once (see ``metadata._run_count``)
 
     @staticmethod
     def _ranges_fit(numel: int, flat: Sequence[Any]) -> bool:
@@ -265,7 +258,7 @@ class SpecParser:
                         raise ValueError(f"local_shape {s} does not match shape {list(shape)}")
                     if any(off + size > full for size, off, full in zip(s, o, shape)):
                         raise ValueError(f"box {s} at {o} leaves {list(shape)}")
-                    runs += box_run_count(s, o, shape)
+                    runs += 1
                 else:
                     raise ValueError("a shard spec needs flattened_offsets, or local_shape and global_offset")
                 if runs > MAX_RUNS_PER_TENSOR:

@@ -16,13 +16,13 @@ from typing import Sequence
 
 from ..errors import CorruptCheckpointError
 from ..format.metadata import TensorStorageMetadata
-from ..format.specs import Layout, ShardSpecs, box_run_count
+from ..format.specs import MAX_RUNS_PER_TENSOR, Layout, ShardSpecs, box_run_count
 from .boxes import BoxCopy, TileIndex
-from .overlap import Range, SourceIndex, layout_ranges
-from .pieces import Piece, layout_tiles, piece_ranges, piece_tiles, spec_ranges, spec_tiles, strided_runs, whole
+from .overlap import Range, SourceIndex, box_ranges
+from .pieces import Piece, layout_tiles, piece_ranges, piece_tiles, spec_tiles, strided_runs, whole
 from .rule_reads import rule_copies
 
-__all__ = ["ReadItem", "TensorLoadPlan", "build_load_plan", "whole_file_plan", "stored_cover_exactly"]
+__all__ = ["ReadItem", "TensorLoadPlan", "build_load_plan", "whole_file_plan", "stored_cover_exactly", "stored_ranges"]
 
 _REMEMBERED_PIECES = 1024
 """Wanted pieces whose items a layout keeps (a model's ranks want a few each; a streaming read
@@ -120,8 +120,8 @@ def _build(
             copies = tiles.copies(piece_tiles(piece, meta.shape)) if tiles.ok else None
         if copies is not None:
             items = tuple(map(_read_item, [files[c.source] for c in copies], copies))
-            return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: _gaps(meta, layout, files))
-    index = _source_index(meta, layout, files)
+            return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: _gaps(key, meta, layout, files))
+    index = _source_index(key, meta, layout, files)
     _refuse_conflict(key, index.conflict, files)
     overlaps = index.overlaps(piece_ranges(piece, meta.shape))
     items = tuple(ReadItem(files[o.source], o.src_offset, o.dst_offset, o.numel) for o in overlaps)
@@ -189,15 +189,38 @@ def _tile_index(meta: TensorStorageMetadata, layout: Layout | None, files: Seque
     return index
 
 
-def _source_index(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> SourceIndex:
+def _source_index(key: str, meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> SourceIndex:
     """The stored pieces as flattened ranges, indexed once per distinct layout."""
-    if layout is None:
-        specs = meta.shard_spec_per_file
-        return SourceIndex([spec_ranges(specs[f], meta.shape) for f in files])
-    index = layout.memo.get("source_index")
+    index = layout.memo.get("source_index") if layout is not None else None
     if index is None:
-        index = layout.memo["source_index"] = SourceIndex([layout_ranges(layout, i) for i in range(len(files))])
+        index = SourceIndex(stored_ranges(key, meta))
+        if layout is not None:
+            layout.memo["source_index"] = index
     return index
+
+
+def stored_ranges(key: str, meta: TensorStorageMetadata) -> list[list[Range]]:
+    """Each file's piece of ``key`` as flattened ranges (the fallback for pieces not proven to
+    tile the tensor as boxes). A box is a range per row of its leading dims: refused, as a
+    :class:`CorruptCheckpointError`, once the pieces come to more than
+    :data:`~checkpointer.format.specs.MAX_RUNS_PER_TENSOR` ranges, before they are listed."""
+    specs = meta.shard_spec_per_file
+    layout = specs.layout if isinstance(specs, ShardSpecs) else None
+    forms = (
+        (layout.form(i) for i in range(len(layout.names)))
+        if layout is not None
+        else ((s.flattened_offsets, s.local_shape, s.global_offset) for s in specs.values())
+    )
+    out, runs = [], 0
+    for flat, local_shape, global_offset in forms:
+        runs += len(flat) if flat is not None else box_run_count(local_shape, global_offset, meta.shape)
+        if runs > MAX_RUNS_PER_TENSOR:
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: its pieces do not tile it as boxes, and as flattened ranges they are more than "
+                f"{MAX_RUNS_PER_TENSOR} of them: too many to check"
+            )
+        out.append([tuple(r) for r in flat] if flat is not None else box_ranges(meta.shape, local_shape, global_offset))
+    return out
 
 
 def stored_cover_exactly(meta: TensorStorageMetadata, *, replicas: bool = True) -> bool:
@@ -218,8 +241,8 @@ def _read_item(file: str, copy: BoxCopy) -> ReadItem:
     return ReadItem(file, copy.src_offset, copy.dst_offset, copy.numel, copy.sizes, copy.src_strides, copy.dst_strides)
 
 
-def _gaps(meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> list[Range]:
-    return _source_index(meta, layout, files).gaps(meta.numel)
+def _gaps(key: str, meta: TensorStorageMetadata, layout: Layout | None, files: Sequence[str]) -> list[Range]:
+    return _source_index(key, meta, layout, files).gaps(meta.numel)
 
 
 def _refuse_conflict(key: str, conflict: tuple[int, int] | None, files: Sequence[str]) -> None:

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Iterable, Sequence
 
-from ..format.specs import Layout
-
-__all__ = ["Range", "box_ranges", "layout_ranges", "merge_adjacent", "Segment", "SourceIndex", "Overlap"]
+__all__ = ["Range", "box_ranges", "merge_adjacent", "Segment", "SourceIndex", "Overlap"]
 
 Range = tuple[int, int]
 
@@ -43,15 +41,6 @@ def box_ranges(shape: Sequence[int], local_shape: Sequence[int], global_offset: 
         start = base + sum(i * s for i, s in zip(index, strides))
         ranges.append((start, start + run))
     return ranges
-
-
-def layout_ranges(layout: Layout, i: int) -> list[Range]:
-    """The flattened ranges file ``i`` of ``layout`` holds, in storage order."""
-    flat, local_shape, global_offset = layout.form(i)
-    if flat is not None:
-        return list(flat)
-    assert local_shape is not None and global_offset is not None
-    return box_ranges(layout.shape, local_shape, global_offset)
 
 
 def merge_adjacent(ranges: Iterable[Range]) -> list[Range]:

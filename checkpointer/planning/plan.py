@@ -21,7 +21,7 @@ from ..format.dtypes import itemsize
 from ..format.layout import FORMAT_VERSION, LEGACY_FORMAT_VERSION, rank_filename
 from ..format.rules import detect_rule
 from ..format.metadata import TensorStorageMetadata, new_metadata
-from ..format.specs import Layout, ShardSpecs, gc_paused, shared_layout
+from ..format.specs import MAX_RUNS_PER_TENSOR, Layout, ShardSpecs, box_run_count, gc_paused, shared_layout
 from .box_groups import box_groups
 from .boxes import TileIndex
 from .overlap import merge_adjacent
@@ -424,6 +424,9 @@ def check_tiling(key: str, shape: Sequence[int], pieces: Sequence[Piece]) -> Non
     index = TileIndex(shape, [piece_tiles(p, shape) for p in pieces])
     if index.ok and index.covered == numel and not index.replicas:
         return  # proven as boxes; the flattened ranges below only say what is wrong
+    runs = sum(len(p.flat) if p.flat is not None else box_run_count(p.local_shape, p.global_offset, shape) for p in pieces)
+    if runs > MAX_RUNS_PER_TENSOR:
+        raise ValueError(f"the pieces of tensor {key!r} held by the ranks neither tile it as boxes nor are few enough runs to check")
     ranges = sorted(r for p in pieces for r in merge_adjacent(piece_ranges(p, shape)))
     pos = 0
     for start, end in ranges:

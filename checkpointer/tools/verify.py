@@ -32,11 +32,10 @@ from ..checksums import ALGORITHM, crc32c
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..format.layout import CHECKSUMS_KEY, METADATA_FILENAME, is_rank_filename
-from ..format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
+from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..format.safetensors_header import SafetensorsHeader
 from ..planning.overlap import Range
-from ..planning.load_plan import stored_cover_exactly
-from ..planning.pieces import spec_ranges
+from ..planning.load_plan import stored_cover_exactly, stored_ranges
 from ..storage import open_storage
 from ..storage.base import Storage
 from ..engine.load import read_metadata
@@ -195,7 +194,6 @@ def _check_tensor(
     problems: list[str] = []
     size = itemsize(meta.dtype)
     chunk_bytes = metadata.checksum_chunk_bytes
-    pieces: list[tuple[str, TensorShardSpec]] = []
     all_held = True  # every piece's file holds as many elements as metadata.json says
     for name, spec in meta.shard_spec_per_file.items():
         header = headers.get(name)
@@ -211,8 +209,6 @@ def _check_tensor(
             continue
         if entry.numel != numel:
             all_held = False
-        else:  # bounded by the file: a box is a range per row, as many as the file holds rows
-            pieces.append((name, spec))
         if entry.dtype != meta.dtype or entry.numel != numel:
             problems.append(
                 f"{where}: tensor {key!r} is {entry.dtype} x {entry.numel} in the file "
@@ -238,8 +234,12 @@ def _check_tensor(
             hi = min(lo + step, nbytes)
             chunks.append(_Chunk(name, key, i, entry.start + lo, entry.start + hi, crcs[i] if crcs is not None else None))
     if all_held and not stored_cover_exactly(meta, replicas=False):  # else a line says why already
-        ranges = [(name, spec_ranges(spec, meta.shape)) for name, spec in pieces]
-        problems.extend(_coverage_problems(key, meta.numel, ranges))
+        try:
+            ranges = stored_ranges(key, meta)
+        except CorruptCheckpointError as ex:
+            problems.append(str(ex))
+        else:
+            problems.extend(_coverage_problems(key, meta.numel, list(zip(meta.shard_spec_per_file, ranges))))
     return problems
 
 

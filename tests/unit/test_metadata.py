@@ -21,6 +21,8 @@ from checkpointer.format.layout import (
 )
 from checkpointer.format.metadata import StorageMetadata, TensorShardSpec, TensorStorageMetadata
 from checkpointer.format.metadata_parse import parse_metadata
+from checkpointer.planning.load_plan import build_load_plan, stored_ranges
+from checkpointer.planning.pieces import whole
 
 WHERE = "ckpt/model/metadata.json"
 
@@ -454,9 +456,6 @@ _DOC_PATHS = list(_paths(valid_doc()))[1:] + [("aliases",), ("tensors", "new")]
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(_DOC_PATHS), _JSON), min_size=1, max_size=3))
 def test_fuzzed_metadata_is_parsed_or_corrupt(mutations):
-    from checkpointer.planning.load_plan import build_load_plan
-    from checkpointer.planning.pieces import spec_ranges
-
     doc = valid_doc()
     for path, value in mutations:
         node = doc
@@ -471,10 +470,13 @@ def test_fuzzed_metadata_is_parsed_or_corrupt(mutations):
     except CorruptCheckpointError:
         return
     for key, t in md.tensors.items():
-        for name, spec in t.shard_spec_per_file.items():
+        for name in t.shard_spec_per_file:
             assert check_filename(name) == name
-            for s, e in spec_ranges(spec, t.shape):
-                assert 0 <= s <= e <= t.numel
+        try:
+            for ranges in stored_ranges(key, t):
+                assert all(0 <= s <= e <= t.numel for s, e in ranges)
+        except CorruptCheckpointError:
+            continue
         try:
             plan = build_load_plan(key, t, [(0, t.numel)])
         except CorruptCheckpointError:
@@ -484,8 +486,10 @@ def test_fuzzed_metadata_is_parsed_or_corrupt(mutations):
         assert target in md.tensors and alias not in md.tensors
 
 
-def test_box_with_too_many_runs_is_refused_before_planning():
-    # A box one element wide over 2**31 rows would make the planner build 2**31 ranges.
+def test_a_box_of_many_rows_parses_and_is_refused_where_it_would_be_listed_as_ranges():
+    """A box one element wide over 2**31 rows is one box (a TP ``Shard(2)`` of ``[4096, 4096, 2]``
+    listed explicitly is 16M runs): it parses, and the fallback that lists stored pieces as
+    ranges refuses it, naming the tensor, before building 2**31 of them."""
     raw = {
         "tensors": {
             "w": {
@@ -498,8 +502,22 @@ def test_box_with_too_many_runs_is_refused_before_planning():
             }
         }
     }
-    with pytest.raises(CorruptCheckpointError, match="runs"):
-        parse_metadata(json.dumps(raw).encode(), where="metadata.json")
+    meta = parse_metadata(json.dumps(raw).encode(), where="metadata.json").tensors["w"]
+    with pytest.raises(CorruptCheckpointError, match="'w'.*too many to check"):
+        stored_ranges("w", meta)
+    with pytest.raises(CorruptCheckpointError, match="'w'"):
+        build_load_plan("w", meta, whole(meta.shape))  # half the tensor is in no file
+
+
+def test_an_explicit_shard2_layout_of_16m_runs_loads_as_boxes():
+    """``[4096, 4096, 2]`` saved as ``Shard(2)`` over 2 ranks, its boxes listed file by file
+    (format 1, or ``convert --to olmo``): 2 x 16M runs, planned as two boxes."""
+    shape = [4096, 4096, 2]
+    specs = {f"rank_{r}.safetensors": {"local_shape": [4096, 4096, 1], "global_offset": [0, 0, r]} for r in range(2)}
+    raw = {"tensors": {"w": {"shape": shape, "is_sharded": True, "dtype": "F32", "shard_spec_per_file": specs}}}
+    meta = parse_metadata(json.dumps(raw).encode(), where="metadata.json").tensors["w"]
+    plan = build_load_plan("w", meta, whole(shape))
+    assert plan.numel == 4096 * 4096 * 2 and len(plan.items) == 2
 
 
 def _wide_metadata(tensors: int, ranks: int) -> bytes:
