@@ -15,6 +15,7 @@ from .load import load_state_dict, load_state_dicts, read_metadata, read_metadat
 from .async_save import AsyncSaver, WatchedFuture, wait_for_writes_into
 from .save import SavePlanCache, describe_for_save, plan_ahead, save_state_dicts
 from .two_stage import LoadStats, load_two_stage, prepare_two_stage
+from .reader import CheckpointReader
 from .load import unshard_state_dict
 
 __all__ = ["Checkpointer"]
@@ -223,7 +224,7 @@ def _first(future: Future[list[Any]]) -> Future[Any]:
 
 def load_parts(
     storages: Sequence[Storage],
-    state_dicts: Callable[[list[StorageMetadata]], Sequence[Mapping[str, Any]]],
+    state_dicts: Callable[[list[CheckpointReader]], Sequence[Mapping[str, Any]]],
     *,
     finish: Callable[[], None] | None = None,
     strategy: Strategy = "default",
@@ -231,8 +232,8 @@ def load_parts(
     metadatas: Sequence[StorageMetadata] | None = None,
 ) -> None:
     """Load several checkpoints (a model's and its optimizer's) in place as one load, whatever the
-    strategy: ``state_dicts(metadatas)`` gives the state dict to fill from each (the one plan
-    function), ``finish()`` runs once every tensor is filled (the one finish function).
+    strategy: ``state_dicts(readers)`` gives the state dict to fill from each, given a reader of
+    each (its metadata and header cache, shared with the load: the one plan function), ``finish()`` runs once every tensor is filled (the one finish function).
     ``metadatas``: each storage's, when known already (the same on every rank: a Hugging Face
     checkpoint described as one), instead of its ``metadata.json``.
 
@@ -248,12 +249,12 @@ def load_parts(
         load_state_dicts(storages, state_dicts, metadatas=metadatas, finish=finish, verify=verify)
         return
     metadatas = list(metadatas) if metadatas is not None else read_metadatas(storages)
+    readers = [CheckpointReader(storage, metadata) for storage, metadata in zip(storages, metadatas, strict=True)]
     with dist.phase("load"), torch.no_grad():
-        planned = list(state_dicts(metadatas))
+        planned = list(state_dicts(readers))
     # every part planned on every rank before any is filled: a damaged optimizer checkpoint
     # found by its planning leaves the model as it was
-    runs = [prepare_two_stage(storage, state_dict, metadata, verify=verify)
-            for storage, metadata, state_dict in zip(storages, metadatas, planned, strict=True)]
+    runs = [prepare_two_stage(reader, state_dict, verify=verify) for reader, state_dict in zip(readers, planned, strict=True)]
     for run in runs:
         run()
     if finish is not None:

@@ -164,16 +164,12 @@ def _piece_rows(piece: Piece, first: int, end: int, per_row: int) -> Piece:
     return Piece(flat=tuple(ranges))
 
 
-def plan_local_loads(
-    storage: Storage, metadata: StorageMetadata, state_dict: Mapping[str, Any], headers: HeaderCache | None = None
-) -> list[LocalLoad]:
-    """Check every key against the metadata and plan its reads (keys sharing memory load once).
-
-    ``headers``: the load's header cache, which reads the checksums of a format-2 checkpoint
+def plan_local_loads(reader: CheckpointReader, state_dict: Mapping[str, Any]) -> list[LocalLoad]:
+    """Check every key against the reader's metadata and plan its reads (keys sharing memory
+    load once). The reader's header cache gives the checksums of a format-2 checkpoint, read
     from its files when the reads need them."""
+    storage, metadata, headers = reader.storage, reader.metadata, reader.headers
     described, _ = describe_state_dict(state_dict, action="load")
-    if headers is None and metadata.checksums_in_files:
-        headers = HeaderCache(storage, metadata.file_ids)
     out = []
     for key, lt in described.items():
         meta = _meta_for(metadata, key, storage)
@@ -187,7 +183,7 @@ def plan_local_loads(
         saved_key = key if key in metadata.tensors else metadata.aliases[key]  # type: ignore[index]
         plan = build_load_plan(saved_key, meta, lt.piece)
         # Only the files read: a tensor of a large job has thousands, most not this rank's.
-        numels, crcs = piece_files(headers, metadata, saved_key, plan.files)  # type: ignore[arg-type]
+        numels, crcs = piece_files(headers, metadata, saved_key, plan.files)
         out.append(LocalLoad(key, lt, plan, numels, crcs, meta))
     return out
 
@@ -208,7 +204,7 @@ def load_state_dict(
 
 def load_state_dicts(
     storages: Sequence[Storage],
-    state_dicts: Callable[[list[StorageMetadata]], Sequence[Mapping[str, Any]]],
+    state_dicts: Callable[[list[CheckpointReader]], Sequence[Mapping[str, Any]]],
     *,
     metadatas: Sequence[StorageMetadata | None] | None = None,
     finish: Callable[[], None] | None = None,
@@ -218,8 +214,9 @@ def load_state_dicts(
 ) -> None:
     """Load several checkpoints (a model's and its optimizer's) in place as one load.
 
-    ``state_dicts(metadatas)`` gives the state dict to fill from each storage (it may allocate,
-    or raise a mismatch). The metadata not given is shared in one broadcast; every rank plans
+    ``state_dicts(readers)`` gives the state dict to fill from each storage, given a reader of
+    each (its metadata, and its header cache, which the whole load shares); it may allocate,
+    or raise a mismatch. The metadata not given is shared in one broadcast; every rank plans
     everything and all ranks agree that planning succeeded before any tensor is written; then
     all reads share one thread pool, ``finish()`` runs, and all ranks agree again.
     """
@@ -227,14 +224,13 @@ def load_state_dicts(
     missing = [i for i, m in enumerate(given) if m is None]
     for i, meta in zip(missing, read_metadatas([storages[i] for i in missing], no_dist=no_dist) if missing else []):
         given[i] = meta
-    metas: list[StorageMetadata] = given  # type: ignore[assignment]
+    readers = [CheckpointReader(storage, meta) for storage, meta in zip(storages, given)]  # type: ignore[arg-type]
     parts: list[tuple[HeaderCache, list[LocalLoad]]] = []
     chunks: list[int | None] = []
     with dist.phase("load", no_dist=no_dist), torch.no_grad():
-        for storage, meta, state_dict in zip(storages, metas, state_dicts(metas), strict=True):
-            chunks.append(verify_chunk_bytes(storage, meta, verify))
-            headers = CheckpointReader(storage, meta).headers
-            parts.append((headers, plan_local_loads(storage, meta, state_dict, headers)))
+        for reader, state_dict in zip(readers, state_dicts(readers), strict=True):
+            chunks.append(verify_chunk_bytes(reader.storage, reader.metadata, verify))
+            parts.append((reader.headers, plan_local_loads(reader, state_dict)))
     with dist.phase("load", no_dist=no_dist), torch.no_grad():
         by_chunk: dict[int | None, list[tuple[HeaderCache, list[LocalLoad]]]] = {}
         for part, chunk in zip(parts, chunks):
@@ -246,17 +242,9 @@ def load_state_dicts(
 
 
 def fill_in_place(
-    storage: Storage,
-    loads: list[LocalLoad],
-    *,
-    num_threads: int | None = None,
-    verify_chunk_bytes: int | None = None,
-    file_ids: Mapping[str, str] | None = None,
-    headers: HeaderCache | None = None,
+    reader: CheckpointReader, loads: list[LocalLoad], *, num_threads: int | None = None, verify_chunk_bytes: int | None = None
 ) -> None:
-    fill_in_place_from(
-        [(headers or HeaderCache(storage, file_ids), loads)], num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes
-    )
+    fill_in_place_from([(reader.headers, loads)], num_threads=num_threads, verify_chunk_bytes=verify_chunk_bytes)
 
 
 def fill_in_place_from(
@@ -403,6 +391,5 @@ def read_full_onto(
         for key, meta in metadata.tensors.items()
     }
     with torch.no_grad():
-        loads = plan_local_loads(storage, metadata, out, reader.headers)
-        fill_in_place(storage, loads, num_threads=num_threads, verify_chunk_bytes=chunk, headers=reader.headers)
+        fill_in_place(reader, plan_local_loads(reader, out), num_threads=num_threads, verify_chunk_bytes=chunk)
     return out

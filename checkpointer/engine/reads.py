@@ -108,7 +108,7 @@ def execute_reads(
     storage: Storage,
     jobs: Sequence[ReadJob],
     *,
-    headers: HeaderCache | None = None,
+    headers: HeaderCache,
     num_threads: int | None = None,
     verify_chunk_bytes: int | None = None,
     map_pages: bool = False,
@@ -125,7 +125,7 @@ def execute_reads(
     mapped pages (see :func:`_strided_tasks`); only for files a save wrote, never changed in place.
     """
     execute_reads_from(
-        [(headers or HeaderCache(storage), jobs)],
+        [(headers, jobs)],
         num_threads=num_threads,
         verify_chunk_bytes=verify_chunk_bytes,
         map_pages=map_pages,

@@ -103,13 +103,12 @@ def load_two_stage(
     stats: LoadStats | None = None,
 ) -> LoadStats:
     """The whole recipe for one checkpoint."""
-    return prepare_two_stage(storage, state_dict, metadata, verify=verify, stats=stats)()
+    return prepare_two_stage(CheckpointReader(storage, metadata), state_dict, verify=verify, stats=stats)()
 
 
 def prepare_two_stage(
-    storage: Storage,
+    reader: CheckpointReader,
     state_dict: Mapping[str, Any],
-    metadata: StorageMetadata,
     *,
     verify: bool = False,
     stats: LoadStats | None = None,
@@ -117,6 +116,7 @@ def prepare_two_stage(
     """Steps 1-3 of the recipe, on every rank (a planning error on any rank raises on every
     rank, before anything is written); returns steps 4-5, which fill ``state_dict``. Several
     checkpoints loaded as one (a model's and its optimizer's) are all prepared first."""
+    storage, metadata = reader.storage, reader.metadata
     stats = stats or LoadStats()
     lap = _Laps(stats)
     error: BaseException | None = None
@@ -129,7 +129,7 @@ def prepare_two_stage(
     def plan() -> None:
         nonlocal chunk
         chunk = verify_chunk_bytes(storage, metadata, verify)
-        for load in plan_local_loads(storage, metadata, state_dict):
+        for load in plan_local_loads(reader, state_dict):
             if load.local.numel == 0:
                 continue
             data = load.local.data
@@ -155,7 +155,7 @@ def prepare_two_stage(
     sizes = {key: itemsize(meta.dtype) for key, meta in metadata.tensors.items()}
     # By key: the units of a tensor follow each other, so one staged tensor is in host memory at a time.
     units = sorted(_split(assign_readers(needs_per_rank, sizes), sizes), key=lambda u: (u.key, u.file, u.start))
-    headers = CheckpointReader(storage, metadata).headers
+    headers = reader.headers
     rank = dist.get_rank()
 
     def check_headers() -> None:  # the pieces this rank reads are in its files, as metadata.json says

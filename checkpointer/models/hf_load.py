@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from .. import dist
 from ..engine.checkpointer import load_parts
-from ..engine.reader import HEADER_BYTES_FIELD
+from ..engine.reader import HEADER_BYTES_FIELD, CheckpointReader
 from ..errors import CheckpointMismatchError, CorruptCheckpointError
 from ..format.dtypes import DTYPE_CODES, READABLE_CODES, itemsize
 from ..format.layout import METADATA_FILENAME
@@ -138,7 +138,7 @@ def load_hf(
     casts: list[tuple[str, Any, Any]] = []  # (key, destination, buffer of the stored dtype)
     batches: list[list[tuple[int, str, Any, str]]] = []  # tensors to cast, a load each after the first
 
-    def state_dicts(metadatas: list[StorageMetadata]) -> list[dict[str, Any]]:
+    def state_dicts(_readers: list[CheckpointReader]) -> list[dict[str, Any]]:
         result.missing_keys.clear()
         result.unexpected_keys.clear()
         casts.clear()

@@ -23,7 +23,7 @@ from ..engine.reader import CheckpointReader
 from ..errors import CheckpointMismatchError, CorruptCheckpointError
 from ..format.builtins_pickle import decode_builtins, encode_builtins
 from ..format.dtypes import dtype_from_code
-from ..format.metadata import StorageMetadata, TensorStorageMetadata
+from ..format.metadata import TensorStorageMetadata
 from ..sharding import describe, local_data, with_sharding_of
 from ..storage.base import Storage
 from .load_result import LoadResult
@@ -102,10 +102,10 @@ def load_model_and_optim(
     result = LoadResult()
     optim_dir = storages[1].url if optim is not None else ""
 
-    def state_dicts(metadatas: list[StorageMetadata]) -> list[dict[str, Any]]:
+    def state_dicts(readers: list[CheckpointReader]) -> list[dict[str, Any]]:
         result.missing_keys.clear()
         result.unexpected_keys.clear()
-        to_load, missing, unexpected = model_keys_to_load(model_state, metadatas[0])
+        to_load, missing, unexpected = model_keys_to_load(model_state, readers[0].metadata)
         if strict and (missing or unexpected):
             message = difference_message("model", storages[0].url, missing, unexpected, noun="model key")
             raise CheckpointMismatchError(message)
@@ -114,9 +114,7 @@ def load_model_and_optim(
         if optim is None:
             return [to_load]
         with malformed(optim_dir):
-            to_fill, torch_state["optim"], skipped = _plan_optim_load(
-                storages[1], metadatas[1], model, optim, model_state, strict=strict
-            )
+            to_fill, torch_state["optim"], skipped = _plan_optim_load(readers[1], model, optim, model_state, strict=strict)
         result.missing_keys.extend(OPTIM_PREFIX + name for name in skipped[0])
         result.unexpected_keys.extend(OPTIM_PREFIX + name for name in skipped[1])
         return [to_load, to_fill]
@@ -144,8 +142,7 @@ def malformed(where: str) -> Iterator[None]:
 
 
 def _plan_optim_load(
-    storage: Storage,
-    metadata: StorageMetadata,
+    reader: CheckpointReader,
     model: nn.Module,
     optim: torch.optim.Optimizer,
     model_state: dict[str, Any],
@@ -161,11 +158,11 @@ def _plan_optim_load(
     checkpoint's group that held its parameters, and keeps its own where they were in none, a new
     head's group, or in several). A parameter the checkpoint lacks keeps the state it has (none,
     for an optimizer just built)."""
-    dir = storage.url
+    metadata = reader.metadata
+    dir = reader.storage.url
     for key in ("num_param_groups", "state_keys"):
         if key not in metadata.tensors:
             raise CorruptCheckpointError(f"{dir}: optimizer checkpoint has no {key!r}")
-    reader = CheckpointReader(storage, metadata)
     small = reader.full_tensors([k for k in metadata.tensors if not k.startswith("state.")])
     num_groups = int(small["num_param_groups"].item())
     if strict and num_groups != len(optim.param_groups):

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from ..engine.checks import HeaderCache, read_with
 from ..engine.commit import check_directory, commit_metadata, refuse_existing, release_lock
 from ..engine.load import read_metadata
+from ..engine.reader import CheckpointReader
 from ..engine.locate import checkpoint_parts
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.layout import FILE_ID_KEY, FORMAT_VERSION, LEGACY_FORMAT_VERSION, METADATA_FILENAME
@@ -114,7 +115,7 @@ def _total_bytes(storage: Storage, metadata: StorageMetadata) -> int:
 
 
 def _convert_part(source: Storage, target: Storage, metadata: StorageMetadata, save_overwrite: bool, bar: Any) -> list[str]:
-    headers = HeaderCache(source, metadata.file_ids)
+    headers = CheckpointReader(source, metadata).headers
     try:
         converted, tied = _untie(olmo_metadata(metadata, headers))
         files = metadata.files()

@@ -40,6 +40,7 @@ from ..storage import open_storage
 from ..storage.base import Storage
 from ..engine.load import read_metadata
 from ..engine.checks import HeaderCache
+from ..engine.reader import CheckpointReader
 from ..engine.rankfile import io_threads
 
 __all__ = ["verify_checkpoint", "verify_hf_checkpoint"]
@@ -89,7 +90,7 @@ def verify_checkpoint(
             f"{storage.join(METADATA_FILENAME)}: unknown checksum algorithm {metadata.checksum_algorithm!r} "
             f"(expected {ALGORITHM!r}); checksums not checked"
         )
-    cache = HeaderCache(storage, metadata.file_ids)
+    cache = CheckpointReader(storage, metadata).headers
     headers = _read_headers(storage, metadata, problems, cache)
     chunks: list[_Chunk] = []
     in_files: dict[str, dict[str, tuple[int, ...]]] = {}  # format 2: each file's own checksums

@@ -153,7 +153,7 @@ def load_piece(
     dest = torch.full((piece.numel,), -1, dtype=dtype) if dtype.is_floating_point else torch.zeros(piece.numel, dtype=dtype)
     specs = meta.shard_spec_per_file
     job = ReadJob(plan, dest, {f: specs[f].local_numel for f in plan.files}, {f: specs[f].checksums for f in plan.files})
-    execute_reads(storage, [job], verify_chunk_bytes=metadata.checksum_chunk_bytes if verify else None, map_pages=map_pages)
+    execute_reads(storage, [job], headers=HeaderCache(storage), verify_chunk_bytes=metadata.checksum_chunk_bytes if verify else None, map_pages=map_pages)
     return dest
 
 
@@ -435,7 +435,7 @@ def test_tensors_sharing_items_read_their_own_bytes(tmp_path):
         for k, p in plans.items():
             specs = metadata.tensors[k].shard_spec_per_file
             jobs.append(ReadJob(p, torch.full((wanted.numel,), 7.0), {f: specs[f].local_numel for f in p.files}, {f: specs[f].checksums for f in p.files}))
-        execute_reads(storage, jobs)
+        execute_reads(storage, jobs, headers=HeaderCache(storage))
         for k, job in zip(plans, jobs):
             assert torch.equal(job.dest, extract(fulls[k], wanted)), k
 

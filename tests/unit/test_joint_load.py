@@ -42,8 +42,8 @@ def test_both_filled_in_place_then_finish_runs(two, verify):
     seen: list[list[str]] = []
     finished: list[bool] = []
 
-    def state_dicts(metas):
-        seen.append([sorted(m.tensors) for m in metas])
+    def state_dicts(readers):
+        seen.append([sorted(r.metadata.tensors) for r in readers])
         return targets
 
     load_state_dicts(storages, state_dicts, finish=lambda: finished.append(True), no_dist=True, verify=verify)
@@ -58,8 +58,8 @@ def test_a_given_metadata_is_not_read_again(two):
     given = read_metadata(storages[0], no_dist=True)
     got: list = []
 
-    def state_dicts(metas):
-        got.extend(metas)
+    def state_dicts(readers):
+        got.extend(r.metadata for r in readers)
         return [{k: torch.zeros_like(v) for k, v in s.items()} for s in states]
 
     load_state_dicts(storages, state_dicts, metadatas=[given, None], no_dist=True)
@@ -73,7 +73,7 @@ def test_nothing_is_written_when_the_second_does_not_plan(two):
     second = {k: torch.zeros_like(v) for k, v in states[1].items()}
     second["t4"] = torch.zeros(99, 5)
     with pytest.raises(CheckpointMismatchError, match="t4"):
-        load_state_dicts(storages, lambda metas: [first, second], no_dist=True)
+        load_state_dicts(storages, lambda readers: [first, second], no_dist=True)
     assert all(not v.any() for v in first.values())
 
 
@@ -85,4 +85,26 @@ def test_an_error_in_finish_is_raised(two):
 
     targets = [{k: torch.zeros_like(v) for k, v in s.items()} for s in states]
     with pytest.raises(CorruptCheckpointError, match="finish saw"):
-        load_state_dicts(storages, lambda metas: targets, finish=fail, no_dist=True)
+        load_state_dicts(storages, lambda readers: targets, finish=fail, no_dist=True)
+
+
+def test_a_model_and_optimizer_load_reads_each_header_once(tmp_path, monkeypatch):
+    """The optimizer's planning (its small tensors, its state's sizes) and the load share one
+    reader: each rank file's header is read and parsed once."""
+    import checkpointer
+    from checkpointer.engine import checks
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 6)).square().mean().backward()
+    optim.step()
+    ckpt = str(tmp_path / "ckpt")
+    checkpointer.save_model_and_optim_state(ckpt, model, optim)
+    parsed: list[str] = []
+    real = checks.parse_header
+    monkeypatch.setattr(checks, "parse_header", lambda data, *, where, **kw: (parsed.append(where), real(data, where=where, **kw))[1])
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    checkpointer.load_model_and_optim_state(ckpt, fresh, fresh_optim)
+    assert sorted(parsed) == sorted(set(parsed)) and len(parsed) == 2, parsed  # model/rank_0, optim/rank_0
+    assert torch.equal(fresh_optim.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
