@@ -4,17 +4,21 @@ Every reader of this library's checkpoints goes through a :class:`CheckpointRead
 plans and fills pieces with it, ``unshard`` and the export read full tensors, ``lazy_load``
 reads boxes, the optimizer load reads its small tensors. Each header is read once per reader,
 every read goes straight into its destination (strided boxes through bounded staging blocks),
+an export streams whole tensors block by block while it writes them,
 and nothing is allocated before the files are known to hold what ``metadata.json`` claims.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import queue
+import threading
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from ..buffers import memoryview_of
 from ..errors import CorruptCheckpointError
-from ..format.dtypes import dtype_from_code
+from ..format.dtypes import dtype_from_code, itemsize
 from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..planning.overlap import SourceIndex
 from ..planning.pieces import Piece
@@ -22,7 +26,7 @@ from ..planning.load_plan import TensorLoadPlan, build_load_plan, stored_cover_e
 from ..planning.pieces import whole
 from ..storage.base import Storage
 from .checks import HeaderCache, check_files_hold, piece_files, verify_chunk_bytes
-from .reads import ReadJob, execute_reads
+from .reads import ReadJob, check_chunk, execute_reads, verify_reads
 
 __all__ = ["CheckpointReader", "HEADER_BYTES_FIELD", "header_bytes_of"]
 
@@ -42,6 +46,9 @@ def header_bytes_of(metadata: StorageMetadata) -> dict[str, int] | None:
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """Memory for a whole tensor of a shape and dtype (a new tensor, or a reused buffer)."""
+
+
+_STREAM_BLOCK = 4 << 20
 
 
 def new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -124,6 +131,61 @@ class CheckpointReader:
             self.read(jobs, verify=verify)
         return result
 
+    def stream(
+        self, key: str, *, verify: bool = False, allocate: Allocate = new_tensor
+    ) -> tuple[torch.Tensor, Iterator[int]]:
+        """The whole tensor ``key``, read in blocks of 4 MiB on a thread: returns the tensor at
+        once and an iterator of how many of its bytes are ready, so that the caller writes them
+        out while the rest is read (an export). With ``verify``, every checksum is checked before
+        the iterator ends, which raises on a mismatch; a chunk as soon as its block is read where
+        each file's piece is one run of the tensor."""
+        key, meta = self.meta(key)
+        dtype = dtype_from_code(meta.dtype)
+        check_files_hold(self.headers, key, meta)
+        full = allocate(tuple(meta.shape), dtype)
+        if not meta.numel:
+            return full, iter(())
+        flat, size, chunk = full.view(-1), itemsize(meta.dtype), self._chunk(verify)
+        numels, crcs = piece_files(self.headers, self.metadata, key, list(meta.shard_spec_per_file))
+        step = max(1, _STREAM_BLOCK // size)
+        ready: queue.Queue[int | BaseException | None] = queue.Queue()
+        whole_plan = build_load_plan(key, meta, [(0, meta.numel)])
+        checks = _streamed_checks(self.storage, whole_plan, numels, crcs, size, chunk) if chunk else []
+        view = memoryview_of(flat)
+
+        def produce() -> None:
+            try:
+                checked = 0
+                for start in range(0, meta.numel, step):
+                    end = min(start + step, meta.numel)
+                    job = ReadJob(build_load_plan(key, meta, [(start, end)]), flat[start:end], numels, crcs)
+                    execute_reads(self.storage, [job], headers=self.headers, num_threads=self.num_threads, map_pages=True)
+                    ready.put(end * size)
+                    # Chunks that this block completed, hashed while they are recent in the cache.
+                    while checks and checked < len(checks) and checks[checked][0] <= end * size:
+                        hi, lo, expected, where = checks[checked]
+                        check_chunk(self.storage, where, view[lo:hi], expected)
+                        checked += 1
+                if checks is None:
+                    job = ReadJob(whole_plan, flat, numels, crcs)
+                    verify_reads(self.storage, [job], headers=self.headers, chunk_bytes=chunk)  # type: ignore[arg-type]
+                ready.put(None)
+            except BaseException as ex:  # noqa: BLE001 - raised by the consumer
+                ready.put(ex)
+
+        def progress() -> Iterator[int]:
+            worker = threading.Thread(target=produce, name="checkpointer-stream-read", daemon=True)
+            worker.start()
+            try:
+                while (item := ready.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                worker.join()
+
+        return full, progress()
+
     def check_whole(self, key: str, meta: TensorStorageMetadata) -> None:
         """Before a full ``key`` is allocated: the files hold its pieces, and the pieces cover it.
 
@@ -144,3 +206,30 @@ class CheckpointReader:
 
     def _chunk(self, verify: bool) -> int | None:
         return verify_chunk_bytes(self.storage, self.metadata, verify)
+
+
+def _streamed_checks(
+    storage: Storage, plan: TensorLoadPlan, numels: dict[str, int], crcs: Mapping, size: int, chunk: int
+) -> list[tuple[int, int, int, tuple[str, str, int]]] | None:
+    """The checksummed chunks of a whole-tensor read as ``(end, start, crc, where)`` in bytes of
+    the destination, by end; ``None`` when some file's piece is not one run of the destination
+    (box shards split along a later dimension): those are checked after the reads."""
+    per_file: dict[str, list] = {}
+    for item in plan.items:
+        per_file.setdefault(item.file, []).append(item)
+    checks = []
+    for name, items in per_file.items():
+        expected = crcs.get(name)
+        if expected is None:
+            continue
+        if len(items) != 1 or items[0].sizes or items[0].src_offset != 0 or items[0].numel != numels[name]:
+            return None
+        piece_bytes, d = numels[name] * size, items[0].dst_offset * size
+        count = -(-piece_bytes // chunk)
+        if len(expected) < count:
+            raise CorruptCheckpointError(f"{storage.join(name)}: tensor {plan.key!r} has too few checksums")
+        for c in range(count):
+            lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
+            checks.append((d + hi, d + lo, expected[c], (name, plan.key, c)))
+    checks.sort()
+    return checks
