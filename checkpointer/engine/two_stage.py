@@ -6,11 +6,15 @@ The recipe (after Megatron-core's two-stage strategy):
 2. All ranks exchange what they need: ``(file, key, element interval)`` lists (one all-gather).
 3. Every rank computes the same schedule (:func:`~checkpointer.planning.readers.assign_readers`):
    units of elements each needed by one set of ranks, each with one reader among them.
-4. Units, cut to at most a batch each, go in batches of bounded size. While batch ``k`` is
+4. Units, cut to at most a batch each, go in batches of bounded size (two reused buffers),
+   tensor by tensor, in the order of where they start in the tensor. While batch ``k`` is
    shared (one broadcast when every rank needs a unit, point-to-point sends otherwise), a
    thread reads batch ``k + 1``.
-5. Each rank copies the units it needs into its tensors. A rank whose read failed still
-   takes part in every exchange, then all ranks raise at the closing agreement.
+5. Each rank copies the units it needs into its tensors. A destination that cannot be read into
+   (on a GPU, or strided) is staged in blocks of rows, each in host memory from its first unit
+   to its last: units of such a tensor are cut to a block, so few blocks are open at once. A
+   rank whose read failed still takes part in every exchange, then all ranks raise at the
+   closing agreement.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any, Callable, Mapping
 
 import torch
@@ -29,7 +34,7 @@ from .. import dist
 from ..buffers import memoryview_of
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
-from ..format.metadata import StorageMetadata
+from ..format.metadata import StorageMetadata, TensorStorageMetadata
 from ..planning.load_plan import ReadItem
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
@@ -41,8 +46,13 @@ from .reads import ReadJob, read_file_ranges, scatter_span, verify_reads
 __all__ = ["LoadStats", "load_two_stage", "prepare_two_stage"]
 
 log = logging.getLogger(__name__)
-_BATCH_BYTES = 32 << 20
-"""Bytes read (and then received) at once: two batches stay within what a load may add (64 MiB)."""
+_BATCH_BYTES = 24 << 20
+"""Bytes read (and then received) at once: two batches, with the staged blocks below, stay within
+what a load may add (64 MiB + 10% of the rank's bytes)."""
+_STAGED_BYTES = 4 << 20
+"""A destination filled through host memory (on a GPU, or strided) is staged in blocks of its rows
+of about this size, and the units of a tensor some rank stages are cut this small: a few blocks
+are in host memory at once, not the whole tensor."""
 
 
 @dataclass
@@ -73,19 +83,44 @@ class _Laps:
         self.clock = time.perf_counter()
 
 
+class _Blocks:
+    """Host buffers of staged blocks, reused: fresh ones per block let the allocator's heap grow."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, buf in enumerate(self.free):
+            if buf.numel() >= nbytes:
+                return self.free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self.free.append(buf)
+
+
 @dataclass
 class _Staged:
-    """A destination read through host memory (on a device, or not contiguous): its buffer is
-    made when its first unit arrives, and copied into place and let go when its last one has."""
+    """Rows of a destination read through host memory (on a device, or not contiguous): its
+    buffer is made when its first unit arrives, and copied into place and let go when its last
+    one has. ``load`` plans just these rows."""
 
     load: LocalLoad
     missing: int  # elements not received yet
-    flat: torch.Tensor | None = None
+    rows: torch.Tensor  # the destination's rows this block fills
+    blocks: _Blocks
+    held: torch.Tensor | None = None  # bytes from ``blocks`` while the block is open
 
     def buffer(self) -> torch.Tensor:
-        if self.flat is None:
-            self.flat = torch.empty(self.load.local.numel, dtype=self.load.local.data.dtype)
-        return self.flat
+        nbytes = self.rows.numel() * self.rows.element_size()
+        if self.held is None:
+            self.held = self.blocks.take(nbytes)
+        return self.held[:nbytes].view(self.rows.dtype)
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.blocks.give(self.held)
+            self.held = None
 
 
 @dataclass
@@ -125,6 +160,8 @@ def prepare_two_stage(
     staged: list[_Staged] = []
     jobs: list[ReadJob] = []
     chunk: int | None = None
+    staged_keys: set[str] = set()
+    blocks = _Blocks()
 
     def plan() -> None:
         nonlocal chunk
@@ -133,28 +170,38 @@ def prepare_two_stage(
             if load.local.numel == 0:
                 continue
             data = load.local.data
-            flat: torch.Tensor | _Staged
             if data.device.type == "cpu" and data.is_contiguous():
-                flat = data.view(-1)
-                jobs.append(load.job(flat))
+                jobs.append(load.job(data.view(-1)))
+                parts: list[tuple[LocalLoad, torch.Tensor | _Staged]] = [(load, data.view(-1))]
             else:
-                flat = _Staged(load, load.local.numel)
-                staged.append(flat)
-            for item in load.plan.items:
-                needs.append(Need(item.file, load.plan.key, item.src_offset, item.src_end))
-                dests[(item.file, load.plan.key)].append(_Dest(item, flat))
+                staged_keys.add(load.plan.key)
+                parts = []
+                for first, end, part in load.row_blocks(_STAGED_BYTES):
+                    rows = data[first:end] if data.dim() else data
+                    staged.append(_Staged(part, part.plan.numel, rows, blocks))
+                    parts.append((part, staged[-1]))
+            for part, dest in parts:
+                for item in part.plan.items:
+                    needs.append(Need(item.file, part.plan.key, item.src_offset, item.src_end))
+                    dests[(item.file, part.plan.key)].append(_Dest(item, dest))
 
     _, error = dist.attempt(plan)  # reported to every rank with the needs
     lap("planning")
-    mine = json.dumps({"ok": error is None, "needs": [[n.file, n.key, n.start, n.end] for n in needs]})
+    mine = json.dumps({"ok": error is None, "needs": [[n.file, n.key, n.start, n.end] for n in needs],
+                       "staged": sorted(staged_keys)})
     gathered = [json.loads(b) for b in dist.all_gather_bytes(mine.encode())]
     lap("metadata exchange")
     if not all(g["ok"] for g in gathered):
         dist.agree(error, "two-stage load")
     needs_per_rank = [[Need(*n) for n in g["needs"]] for g in gathered]
     sizes = {key: itemsize(meta.dtype) for key, meta in metadata.tensors.items()}
-    # By key: the units of a tensor follow each other, so one staged tensor is in host memory at a time.
-    units = sorted(_split(assign_readers(needs_per_rank, sizes), sizes), key=lambda u: (u.key, u.file, u.start))
+    fine = {key for g in gathered for key in g["staged"]}
+    # By key, then by where each unit starts in the full tensor: all files move through a tensor's
+    # rows together, so a staged block's units follow each other and few blocks are open at once.
+    units = sorted(
+        _split(assign_readers(needs_per_rank, sizes), sizes, fine),
+        key=lambda u: (u.key, _global_index(metadata.tensors[u.key], u.file, u.start), u.file, u.start),
+    )
     headers = reader.headers
     rank = dist.get_rank()
 
@@ -180,9 +227,17 @@ def _run(
     storage = headers.storage
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
+    arenas: list[torch.Tensor | None] = [None, None]  # batch k in arena k % 2, reused: no allocator churn
 
-    def read_batch(batch: list[ReadUnit]) -> tuple[dict[ReadUnit, torch.Tensor], BaseException | None]:
-        bufs = {u: torch.empty((u.end - u.start) * sizes[u.key], dtype=torch.uint8) for u in batch}
+    def read_batch(k: int) -> tuple[dict[ReadUnit, torch.Tensor], BaseException | None]:
+        batch = batches[k]
+        nbytes = [(u.end - u.start) * sizes[u.key] for u in batch]
+        starts = [0, *accumulate(-(-n // 64) * 64 for n in nbytes[:-1])]  # aligned for any dtype
+        arena = arenas[k % 2]
+        if arena is None or arena.numel() < starts[-1] + nbytes[-1]:
+            arenas[k % 2] = None
+            arena = arenas[k % 2] = torch.empty(starts[-1] + nbytes[-1], dtype=torch.uint8)
+        bufs = {u: arena[at : at + n] for u, at, n in zip(batch, starts, nbytes)}
 
         def read() -> None:
             per_file: dict[str, list] = defaultdict(list)
@@ -198,13 +253,13 @@ def _run(
         return bufs, dist.attempt(read)[1]  # raised after the exchanges
 
     with ThreadPoolExecutor(1, thread_name_prefix="checkpointer-two-stage") as reader:
-        pending = reader.submit(read_batch, batches[0]) if batches else None
+        pending = reader.submit(read_batch, 0) if batches else None
         for i, batch in enumerate(batches):
             t = time.perf_counter()
             bufs, read_error = pending.result()  # type: ignore[union-attr]
             stats.seconds["reads"] += time.perf_counter() - t
             error = error or read_error
-            pending = reader.submit(read_batch, batches[i + 1]) if i + 1 < len(batches) else None
+            pending = reader.submit(read_batch, i + 1) if i + 1 < len(batches) else None
             lap.restart()
             for u in batch:
                 dist.share_tensor(bufs[u], u.reader, u.ranks, tag=tags[u])
@@ -223,7 +278,7 @@ def _run(
     if chunk and error is None:
         _, error = dist.attempt(lambda: verify_reads(storage, jobs, headers=headers, chunk_bytes=chunk))
         lap("verify")
-    unfilled = [s.load.key for s in staged if s.missing]
+    unfilled = list(dict.fromkeys(s.load.key for s in staged if s.missing))
     if unfilled and error is None:
         error = CheckpointError(f"two-stage load left {unfilled[:5]} unfilled ({len(unfilled)} tensors)")
     dist.agree(error, "two-stage load")
@@ -231,13 +286,32 @@ def _run(
     return stats
 
 
-def _split(units: list[ReadUnit], sizes: dict[str, int]) -> list[ReadUnit]:
-    """Units of at most a batch each: a large replicated tensor is staged a batch at a time."""
+def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str]) -> list[ReadUnit]:
+    """Units of at most a batch each (a large replicated tensor is read a batch at a time), and
+    of at most a staged block for the ``fine`` keys, which some rank stages."""
     out: list[ReadUnit] = []
     for u in units:
-        step = max(1, _BATCH_BYTES // sizes[u.key])
+        step = max(1, (_STAGED_BYTES if u.key in fine else _BATCH_BYTES) // sizes[u.key])
         out.extend(replace(u, start=lo, end=min(lo + step, u.end)) for lo in range(u.start, u.end, step))
     return out
+
+
+def _global_index(meta: TensorStorageMetadata, file: str, start: int) -> int:
+    """Where element ``start`` of ``file``'s piece is in the row-major full tensor."""
+    spec = meta.shard_spec_per_file[file]
+    if spec.flattened_offsets is not None:
+        for lo, hi in spec.flattened_offsets:
+            if start < hi - lo:
+                return lo + start
+            start -= hi - lo
+        return meta.numel
+    assert spec.local_shape is not None and spec.global_offset is not None
+    index, stride = 0, 1
+    for n, offset, full in zip(reversed(spec.local_shape), reversed(spec.global_offset), reversed(meta.shape)):
+        start, i = divmod(start, n) if n else (start, 0)
+        index += (offset + i) * stride
+        stride *= full
+    return index
 
 
 def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit]]:
@@ -282,7 +356,10 @@ def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: list[_Dest], size: i
 
 def _finish(storage: Storage, staged: _Staged, headers: HeaderCache, chunk: int | None) -> None:
     """Check a completed staged tensor's checksums (with ``chunk``), copy it into place, let it go."""
-    flat, staged.flat = staged.buffer(), None
-    if chunk:
-        verify_reads(storage, [staged.load.job(flat)], headers=headers, chunk_bytes=chunk)
-    copy_into(staged.load.key, staged.load.local.data, flat)
+    flat = staged.buffer()
+    try:
+        if chunk:
+            verify_reads(storage, [staged.load.job(flat)], headers=headers, chunk_bytes=chunk)
+        copy_into(staged.load.key, staged.rows, flat)
+    finally:
+        staged.release()
