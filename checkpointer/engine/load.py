@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -127,26 +128,46 @@ class LocalLoad:
     def job(self, dest: torch.Tensor) -> ReadJob:
         return ReadJob(self.plan, dest, self.numel_per_file, self.checksums_per_file)
 
-    def row_blocks(self, nbytes: int) -> list[tuple[int, int, LocalLoad]]:
-        """This load as loads of whole rows (dim 0) of its destination, ``(first, end, load)``,
-        of at most ``nbytes`` each (a row larger than that alone); itself, whole, where its
+    def blocks(self, nbytes: int) -> list[tuple[torch.Tensor, LocalLoad]]:
+        """This load as loads of blocks of its destination of at most ``nbytes`` each, ``(the
+        destination's block, its load)``: whole rows (dim 0); a row larger than ``nbytes`` of a
+        box, in slabs of dim 1 (one that is larger still, alone). Itself, whole, where its
         destination is that small or its piece is not laid out by those rows."""
         data = self.local.data
         rows = data.shape[0] if data.dim() else 1
         per_row = self.local.numel // max(1, rows)
-        step = max(1, nbytes // max(1, per_row * data.element_size()))
+        step = nbytes // max(1, per_row * data.element_size())
         piece = self.local.piece
-        splits = self.meta is not None and step < rows and data.numel() == self.local.numel and (
+        splits = self.meta is not None and max(1, step) < rows and data.numel() == self.local.numel and (
             piece.flat is not None or piece.local_shape == tuple(data.shape)
         )
+        if step == 0 and data.dim() >= 2 and piece.local_shape == tuple(data.shape) and self.meta is not None:
+            return self._slabs(nbytes)
         if not splits:
-            return [(0, rows, self)]
+            return [(data, self)]
         out = []
         for first in range(0, rows, step):
             end = min(rows, first + step)
             part = _piece_rows(piece, first, end, per_row)
-            out.append((first, end, replace(self, plan=build_load_plan(self.plan.key, self.meta, part))))  # type: ignore[arg-type]
+            out.append((data[first:end], self._planned(part)))
         return out
+
+    def _slabs(self, nbytes: int) -> list[tuple[torch.Tensor, LocalLoad]]:
+        """Each row of a box destination in slabs of dim 1 of at most ``nbytes`` (one larger alone)."""
+        data, offset = self.local.data, self.local.piece.global_offset
+        assert offset is not None
+        step = max(1, nbytes // max(1, math.prod(data.shape[2:]) * data.element_size()))
+        out = []
+        for row in range(data.shape[0]):
+            for first in range(0, data.shape[1], step):
+                end = min(data.shape[1], first + step)
+                origin = (offset[0] + row, offset[1] + first, *offset[2:])
+                part = Piece(local_shape=(1, end - first, *data.shape[2:]), global_offset=origin)
+                out.append((data[row : row + 1, first:end], self._planned(part)))
+        return out
+
+    def _planned(self, piece: Piece) -> LocalLoad:
+        return replace(self, plan=build_load_plan(self.plan.key, self.meta, piece))  # type: ignore[arg-type]
 
 
 def _piece_rows(piece: Piece, first: int, end: int, per_row: int) -> Piece:
@@ -307,8 +328,7 @@ def _fill_through_host(storage: Storage, staged: list[LocalLoad], options: dict[
         turn, batch, batch_bytes = 1 - turn, [], 0
 
     for load in staged:
-        for first, end, part in load.row_blocks(half):
-            dest = load.local.data[first:end] if load.local.data.dim() else load.local.data
+        for dest, part in load.blocks(half):
             nbytes = -(-dest.numel() * dest.element_size() // 64) * 64  # each part aligned for its dtype
             if batch and batch_bytes + nbytes > half:
                 flush()

@@ -176,8 +176,7 @@ def prepare_two_stage(
             else:
                 staged_keys.add(load.plan.key)
                 parts = []
-                for first, end, part in load.row_blocks(_STAGED_BYTES):
-                    rows = data[first:end] if data.dim() else data
+                for rows, part in load.blocks(_STAGED_BYTES):
                     staged.append(_Staged(part, part.plan.numel, rows, blocks))
                     parts.append((part, staged[-1]))
             for part, dest in parts:

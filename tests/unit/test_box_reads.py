@@ -516,6 +516,30 @@ def test_a_strided_destination_is_staged_in_blocks_of_rows(tmp_path, monkeypatch
     assert staged == [7 * 30] * 6 + [3 * 30], staged
 
 
+@pytest.mark.parametrize("shape", [(3, 600), (3, 150, 4)])
+def test_a_row_larger_than_the_staging_budget_is_staged_in_slabs(tmp_path, monkeypatch, shape):
+    """A destination whose rows are each larger than a staging batch (``[2, 100M]`` on a GPU)
+    goes through slabs of its second dim, each with a plan of its own, not whole rows."""
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    half = shape[1] // 2
+    stored = [Piece(local_shape=(shape[0], half, *shape[2:]), global_offset=(0, half * r, *[0] * (len(shape) - 2))) for r in range(2)]
+    storage = write_checkpoint(str(tmp_path), full, stored)
+    inner = math.prod(shape[2:])
+    monkeypatch.setattr(load, "_STAGE_BYTES", 2 * 100 * 4)  # batches of 100 elements: a row is 600
+    monkeypatch.setattr(load, "_MIN_STAGE_BYTES", 0)
+    staged: list[int] = []
+    real = load.execute_reads
+    monkeypatch.setattr(load, "execute_reads", lambda storage, jobs, **kw: (staged.extend(j.dest.numel() for j in jobs), real(storage, jobs, **kw))[1])
+    piece = Piece(local_shape=(2, shape[1] - 2, *shape[2:]), global_offset=(1, 1, *[0] * (len(shape) - 2)))
+    expected = full[1:3, 1:-1]
+    dest = torch.full(tuple(reversed(piece.local_shape)), -1.0).permute(*reversed(range(len(shape))))  # not contiguous
+    _staged_fill(storage, piece, dest, full)
+    assert torch.equal(dest, expected)
+    slab = 100 // inner * inner
+    per_row = [slab] * ((shape[1] - 2) * inner // slab) + ([(shape[1] - 2) * inner % slab] if (shape[1] - 2) * inner % slab else [])
+    assert staged == per_row * 2, staged
+
+
 def test_a_strided_destination_adds_at_most_the_memory_bound(tmp_path):
     """Peak extra RSS while a 160 MiB tensor loads into a transposed destination stays within
     10% of its bytes + 64 MiB (it was the whole tensor again)."""
