@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -131,24 +133,27 @@ class LocalLoad:
     def blocks(self, nbytes: int) -> list[tuple[torch.Tensor, LocalLoad]]:
         """This load as loads of blocks of its destination of at most ``nbytes`` each, ``(the
         destination's block, its load)``: whole rows (dim 0); a row larger than ``nbytes`` of a
-        box, in slabs of dim 1 (one that is larger still, alone). Itself, whole, where its
-        destination is that small or its piece is not laid out by those rows."""
+        box, in slabs of dim 1 (one that is larger still, alone); of flattened ranges, a row a
+        block. Itself, whole, where its destination is that small or its piece is not laid out
+        by those rows."""
         data = self.local.data
         rows = data.shape[0] if data.dim() else 1
         per_row = self.local.numel // max(1, rows)
-        step = nbytes // max(1, per_row * data.element_size())
+        fit = nbytes // max(1, per_row * data.element_size())  # rows to a block; 0: a row is larger
         piece = self.local.piece
-        splits = self.meta is not None and max(1, step) < rows and data.numel() == self.local.numel and (
+        if fit == 0 and data.dim() >= 2 and piece.local_shape == tuple(data.shape) and self.meta is not None:
+            return self._slabs(nbytes)
+        step = max(1, fit)
+        splits = self.meta is not None and step < rows and data.numel() == self.local.numel and (
             piece.flat is not None or piece.local_shape == tuple(data.shape)
         )
-        if step == 0 and data.dim() >= 2 and piece.local_shape == tuple(data.shape) and self.meta is not None:
-            return self._slabs(nbytes)
         if not splits:
             return [(data, self)]
         out = []
+        positions = list(accumulate((e - s for s, e in piece.flat), initial=0)) if piece.flat is not None else []
         for first in range(0, rows, step):
             end = min(rows, first + step)
-            part = _piece_rows(piece, first, end, per_row)
+            part = _piece_rows(piece, first, end, per_row, positions)
             out.append((data[first:end], self._planned(part)))
         return out
 
@@ -170,18 +175,20 @@ class LocalLoad:
         return replace(self, plan=build_load_plan(self.plan.key, self.meta, piece))  # type: ignore[arg-type]
 
 
-def _piece_rows(piece: Piece, first: int, end: int, per_row: int) -> Piece:
-    """The part of ``piece`` that rows ``[first, end)`` of its local tensor hold."""
+def _piece_rows(piece: Piece, first: int, end: int, per_row: int, positions: Sequence[int]) -> Piece:
+    """The part of ``piece`` that rows ``[first, end)`` of its local tensor hold (``positions``:
+    where each flattened range starts in the local tensor, then its size: found by bisection, so
+    cutting a piece of many ranges into blocks stays linear)."""
     if piece.flat is None:
         assert piece.local_shape is not None and piece.global_offset is not None
         shape = (end - first, *piece.local_shape[1:])
         return Piece(local_shape=shape, global_offset=(piece.global_offset[0] + first, *piece.global_offset[1:]))
-    lo, hi, pos, ranges = first * per_row, end * per_row, 0, []
-    for start, stop in piece.flat:
+    lo, hi, ranges = first * per_row, end * per_row, []
+    for i in range(max(0, bisect_right(positions, lo) - 1), min(len(piece.flat), bisect_left(positions, hi))):
+        (start, stop), pos = piece.flat[i], positions[i]
         a, b = max(lo, pos), min(hi, pos + stop - start)
         if a < b:
             ranges.append((start + a - pos, start + b - pos))
-        pos += stop - start
     return Piece(flat=tuple(ranges))
 
 

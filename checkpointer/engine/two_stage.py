@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ from .. import dist
 from ..buffers import memoryview_of
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
-from ..format.metadata import StorageMetadata, TensorStorageMetadata
+from ..format.metadata import StorageMetadata
 from ..planning.load_plan import ReadItem
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
@@ -197,9 +198,9 @@ def prepare_two_stage(
     fine = {key for g in gathered for key in g["staged"]}
     # By key, then by where each unit starts in the full tensor: all files move through a tensor's
     # rows together, so a staged block's units follow each other and few blocks are open at once.
+    where = _GlobalIndex(metadata)
     units = sorted(
-        _split(assign_readers(needs_per_rank, sizes), sizes, fine),
-        key=lambda u: (u.key, _global_index(metadata.tensors[u.key], u.file, u.start), u.file, u.start),
+        _split(assign_readers(needs_per_rank, sizes), sizes, fine), key=lambda u: (u.key, where(u), u.file, u.start)
     )
     headers = reader.headers
     rank = dist.get_rank()
@@ -211,12 +212,13 @@ def prepare_two_stage(
 
     dist.agree(dist.attempt(check_headers)[1], "two-stage load")
     lap("planning")
-    return lambda: _run(headers, metadata, units, sizes, dests, staged, jobs, chunk, stats)
+    index = {where: _DestIndex(ds) for where, ds in dests.items()}
+    return lambda: _run(headers, metadata, units, sizes, index, staged, jobs, chunk, stats)
 
 
 def _run(
     headers: HeaderCache, metadata: StorageMetadata, units: list[ReadUnit], sizes: dict[str, int],
-    dests: dict[tuple[str, str], list[_Dest]], staged: list[_Staged], jobs: list[ReadJob], chunk: int | None,
+    dests: dict[tuple[str, str], _DestIndex], staged: list[_Staged], jobs: list[ReadJob], chunk: int | None,
     stats: LoadStats,
 ) -> LoadStats:
     """Steps 4-5 of the recipe: read, share and copy the units this rank needs."""
@@ -269,7 +271,7 @@ def _run(
             lap("broadcasts")
             def scatter() -> None:
                 for u in batch:
-                    for done in _scatter_unit(u, bufs[u], dests[(u.file, u.key)], sizes[u.key]):
+                    for done in _scatter_unit(u, bufs[u], dests.get((u.file, u.key), _NO_DESTS), sizes[u.key]):
                         _finish(storage, done, headers, chunk)
 
             error = error or dist.attempt(scatter)[1]  # raised after the exchanges
@@ -295,22 +297,35 @@ def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str]) -> list
     return out
 
 
-def _global_index(meta: TensorStorageMetadata, file: str, start: int) -> int:
-    """Where element ``start`` of ``file``'s piece is in the row-major full tensor."""
-    spec = meta.shard_spec_per_file[file]
-    if spec.flattened_offsets is not None:
-        for lo, hi in spec.flattened_offsets:
-            if start < hi - lo:
-                return lo + start
-            start -= hi - lo
-        return meta.numel
-    assert spec.local_shape is not None and spec.global_offset is not None
-    index, stride = 0, 1
-    for n, offset, full in zip(reversed(spec.local_shape), reversed(spec.global_offset), reversed(meta.shape)):
-        start, i = divmod(start, n) if n else (start, 0)
-        index += (offset + i) * stride
-        stride *= full
-    return index
+class _GlobalIndex:
+    """Where a unit's first element is in the row-major full tensor (a piece's flattened ranges
+    indexed once, then found by bisection)."""
+
+    def __init__(self, metadata: StorageMetadata):
+        self.metadata = metadata
+        self.ranges: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+
+    def __call__(self, unit: ReadUnit) -> int:
+        meta = self.metadata.tensors[unit.key]
+        start = unit.start
+        spec = meta.shard_spec_per_file[unit.file]
+        if spec.flattened_offsets is not None:
+            found = self.ranges.get((unit.key, unit.file))
+            if found is None:
+                flat = spec.flattened_offsets
+                found = self.ranges[(unit.key, unit.file)] = (
+                    list(accumulate((hi - lo for lo, hi in flat), initial=0)), [lo for lo, _ in flat]
+                )
+            positions, firsts = found
+            i = bisect_right(positions, start) - 1
+            return firsts[i] + start - positions[i] if i < len(firsts) else meta.numel
+        assert spec.local_shape is not None and spec.global_offset is not None
+        index, stride = 0, 1
+        for n, offset, full in zip(reversed(spec.local_shape), reversed(spec.global_offset), reversed(meta.shape)):
+            start, i = divmod(start, n) if n else (start, 0)
+            index += (offset + i) * stride
+            stride *= full
+        return index
 
 
 def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit]]:
@@ -328,11 +343,27 @@ def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit
     return out
 
 
-def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: list[_Dest], size: int) -> list[_Staged]:
+class _DestIndex:
+    """The destinations of one stored piece, by where their items start in it: a unit meets
+    those found by bisection, not every block of the tensor."""
+
+    def __init__(self, dests: list[_Dest]):
+        self.dests = sorted(dests, key=lambda d: d.item.src_offset)
+        self.starts = [d.item.src_offset for d in self.dests]
+        self.longest = max((d.item.src_end - d.item.src_offset for d in self.dests), default=0)
+
+    def meeting(self, start: int, end: int) -> list[_Dest]:
+        return self.dests[bisect_left(self.starts, start - self.longest + 1) : bisect_left(self.starts, end)]
+
+
+_NO_DESTS = _DestIndex([])
+
+
+def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: _DestIndex, size: int) -> list[_Staged]:
     """Copy the parts of a unit this rank needs into its destinations; returns the staged
     destinations this unit completed."""
     done = []
-    for d in dests:
+    for d in dests.meeting(unit.start, unit.end):
         item = d.item
         lo, hi = max(unit.start, item.src_offset), min(unit.end, item.src_end)
         if hi <= lo:

@@ -7,8 +7,8 @@ the runs it came from, it is two tiles.
 
 The recipe (numpy over the ranges, a few Python steps per dim, never per range):
 
-1. Find the deepest dim whose every range bound is a multiple of its stride (the *split*):
-   dims after it are whole in every range.
+1. Find the outermost dim whose stride divides every range bound (the *split*): dims after it
+   are whole in every range.
 2. Cut the ranges at the ends of the split dim's rows (``merge_adjacent`` joined a run that
    ends a row to one that starts the next).
 3. Each row must hold the same runs, and the rows must be every combination of a set of

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import checkpointer
 from checkpointer import export_safetensors, unshard_model_state
 from checkpointer.tools import checkpoint_tensors
+from checkpointer.engine import reader as reader_module
 from checkpointer.tools import export as export_module
 from checkpointer.tools.convert import convert
 
@@ -193,7 +194,7 @@ def _flip_byte_of(path: str, key: str, at: float) -> None:
 @pytest.mark.parametrize("ws", [1, 3])
 def test_export_in_many_blocks_per_tensor_equals_the_checkpoint(ckpts, tmp_path, monkeypatch, ws, block):
     """Tensors streamed in several blocks each (the tests' tensors fit in one 4 MiB block)."""
-    monkeypatch.setattr(checkpoint_tensors, "_STREAM_BLOCK", block)
+    monkeypatch.setattr(reader_module, "_STREAM_BLOCK", block)
     out = str(tmp_path / "model.safetensors")
     export_safetensors(top_dir(ckpts, ws), out)
     assert_same_tensors(load_file(out), without(ckpts.ws1_full if ws == 1 else ckpts.ws3_full, TIED))
@@ -205,7 +206,7 @@ def test_export_catches_a_flipped_bit_while_streaming(ckpts, tmp_path, monkeypat
     import shutil
 
     if block is not None:
-        monkeypatch.setattr(checkpoint_tensors, "_STREAM_BLOCK", block)
+        monkeypatch.setattr(reader_module, "_STREAM_BLOCK", block)
 
     src = str(tmp_path / "ckpt")
     shutil.copytree(ckpts.ws3, src)
@@ -227,7 +228,7 @@ def test_export_and_inspect_of_format2_use_the_checksums_in_the_rank_files(ckpts
     import shutil
 
     if block is not None:
-        monkeypatch.setattr(checkpoint_tensors, "_STREAM_BLOCK", block)
+        monkeypatch.setattr(reader_module, "_STREAM_BLOCK", block)
     src = str(tmp_path / "ckpt")
     shutil.copytree(ckpts.ws3, src)
     meta = json.loads(open(os.path.join(src, "model", "metadata.json")).read())

@@ -540,6 +540,23 @@ def test_a_row_larger_than_the_staging_budget_is_staged_in_slabs(tmp_path, monke
     assert staged == per_row * 2, staged
 
 
+def test_a_row_of_flattened_ranges_larger_than_the_budget_is_staged_a_row_at_a_time(tmp_path, monkeypatch):
+    """A destination of flattened ranges whose one row exceeds a batch is read a row a block
+    (it raised ``range() arg 3 must not be zero``)."""
+    full = torch.arange(48 * 40, dtype=torch.float32).reshape(48, 40)
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(48, 20), global_offset=(0, 20 * r)) for r in range(2)])
+    monkeypatch.setattr(load, "_STAGE_BYTES", 2 * 20 * 4)  # 20 elements a batch: a row is 30
+    monkeypatch.setattr(load, "_MIN_STAGE_BYTES", 0)
+    staged: list[int] = []
+    real = load.execute_reads
+    monkeypatch.setattr(load, "execute_reads", lambda storage, jobs, **kw: (staged.extend(j.dest.numel() for j in jobs), real(storage, jobs, **kw))[1])
+    piece, expected = Piece(flat=((65, 1415),)), full.reshape(-1)[65:1415].reshape(45, 30)
+    dest = torch.full((30, 45), -1.0).t()
+    _staged_fill(storage, piece, dest, full)
+    assert torch.equal(dest, expected)
+    assert staged == [30] * 45, staged
+
+
 def test_a_strided_destination_adds_at_most_the_memory_bound(tmp_path):
     """Peak extra RSS while a 160 MiB tensor loads into a transposed destination stays within
     10% of its bytes + 64 MiB (it was the whole tensor again)."""

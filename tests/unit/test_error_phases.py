@@ -15,7 +15,7 @@ ALLOWED = {
     "storage/parallel.py": 1,  # on_idle_thread's future (the store requests of dist/arrivals.py)
     "engine/async_save.py": 1,
     "engine/reads.py": 1,  # a second interrupt while the read threads stop: raised once they have  # the background writer: its error goes to the save's future
-    "tools/checkpoint_tensors.py": 1,  # the export's reader thread: its error goes to the consumer
+    "engine/reader.py": 1,  # the streaming read thread (an export): its error goes to the consumer
     "tools/dcp.py": 1,  # DCP's own CheckpointException derives from BaseException
 }
 
