@@ -12,7 +12,9 @@ The recipe (after Megatron-core's two-stage strategy):
    thread reads batch ``k + 1``.
 5. Each rank copies the units it needs into its tensors. A destination that cannot be read into
    (on a GPU, or strided) is staged in blocks of rows, each in host memory from its first unit
-   to its last: units of such a tensor are cut to a block, so few blocks are open at once. A
+   to its last: units of such a tensor are cut to a block and go by where they start in the
+   tensor, so few blocks are open at once where the stored pieces are row-cut or a few column
+   pieces (many narrow column pieces still open every block of a tensor together). A
    rank whose read failed still takes part in every exchange, then all ranks raise at the
    closing agreement.
 """
@@ -48,8 +50,8 @@ __all__ = ["LoadStats", "load_two_stage", "prepare_two_stage"]
 
 log = logging.getLogger(__name__)
 _BATCH_BYTES = 24 << 20
-"""Bytes read (and then received) at once: two batches, with the staged blocks below, stay within
-what a load may add (64 MiB + 10% of the rank's bytes)."""
+"""A batch of units closes once it holds this many bytes (so it holds less than twice this); two
+are in memory, one read while the other is shared (52-60 MiB with staged blocks, measured)."""
 _STAGED_BYTES = 4 << 20
 """A destination filled through host memory (on a GPU, or strided) is staged in blocks of its rows
 of about this size, and the units of a tensor some rank stages are cut this small: a few blocks
