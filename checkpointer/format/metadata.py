@@ -103,7 +103,7 @@ class TensorStorageMetadata(BaseModel):
         numel = math.prod(self.shape)
         runs = 0
         for name, spec in self.shard_spec_per_file.items():
-            runs += _run_count(spec, self.shape)
+            runs += _run_count(spec)
             if runs > MAX_RUNS_PER_TENSOR:
                 raise ValueError(f"{name}: the pieces split into more than {MAX_RUNS_PER_TENSOR} runs")
             if spec.flattened_offsets is not None:
@@ -300,7 +300,7 @@ def _spec_json(spec: TensorShardSpec) -> dict[str, Any]:
     return out
 
 
-def _run_count(spec: TensorShardSpec, shape: tuple[int, ...]) -> int:
+def _run_count(spec: TensorShardSpec) -> int:
     """How many runs a piece lists: its flattened ranges, or one box (planned as a box; where it
     must be expanded into ranges, ``planning.load_plan.stored_ranges`` bounds them)."""
     if spec.flattened_offsets is not None:

@@ -21,6 +21,7 @@ from ..format.specs import MAX_RUNS_PER_TENSOR, Layout, ShardSpecs, box_run_coun
 from .boxes import BoxCopy, TileIndex
 from .overlap import Range, SourceIndex, box_ranges
 from .pieces import Piece, layout_tiles, piece_ranges, piece_tiles, spec_tiles, strided_runs, whole
+from .index_runs import runs_tiles
 from .rule_reads import rule_copies
 
 __all__ = ["ReadItem", "TensorLoadPlan", "build_load_plan", "whole_file_plan", "stored_cover_exactly", "stored_ranges"]
@@ -108,17 +109,19 @@ def _build(
     plain = all_flat and not _strided_layout(meta, layout, files)  # ranges best read as ranges
     if piece.flat is None and plain and box_run_count(piece.local_shape, piece.global_offset, meta.shape) <= 1:
         piece = Piece(flat=tuple(piece_ranges(piece, meta.shape)))  # one run: the flattened ranges' own path
-    if not (piece.flat is not None and plain and strided_runs(piece, meta.shape) is None):
+    runs = strided_runs(piece, meta.shape) if piece.flat is not None and plain else None
+    if not (piece.flat is not None and plain and runs is None):
+        wanted = runs_tiles(runs) if runs is not None else piece_tiles(piece, meta.shape)  # the runs found once
         rule = _box_rule(meta)
         if rule is not None:
             assert layout is not None
-            copies = rule_copies(layout, rule, piece_tiles(piece, meta.shape))
+            copies = rule_copies(layout, rule, wanted)
         else:
             tiles = _tile_index(meta, layout, files)
             _refuse_conflict(key, tiles.conflict, files)
             if piece.flat is not None and tiles.ok and (i := _file_holding(meta, layout, files, piece.flat)) is not None:
                 return TensorLoadPlan(key, meta.dtype, (ReadItem(files[i], 0, 0, piece.numel),) if piece.numel else ())
-            copies = tiles.copies(piece_tiles(piece, meta.shape)) if tiles.ok else None
+            copies = tiles.copies(wanted) if tiles.ok else None
         if copies is not None:
             items = tuple(map(_read_item, [files[c.source] for c in copies], copies))
             return _checked(key, meta, TensorLoadPlan(key, meta.dtype, items), piece.numel, lambda: _gaps(key, meta, layout, files))
