@@ -3,11 +3,12 @@ anything is allocated), the pieces they hold, and the CRC32C checksums of the by
 
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+import numpy as np
 
 from ..buffers import memoryview_of
 from ..checksums import ALGORITHM, crc32c, crc32c_extend
@@ -22,6 +23,7 @@ from ..storage.base import FileChangedError, ReadRequest, Storage
 __all__ = [
     "HeaderCache", "piece_start", "check_files_hold", "read_small_file", "read_with", "check_chunk", "HashedRun",
     "verified_requests", "read_hashed", "verify_tasks", "FileChecksums", "piece_files", "verify_chunk_bytes",
+    "ArrivingChunks",
 ]
 
 T = TypeVar("T")
@@ -75,17 +77,12 @@ class HeaderCache:
         data = read_with(self.storage, name, lambda: self.storage.read(name, entry.start, entry.end))
         if len(data) != entry.end - entry.start:
             raise CorruptCheckpointError(f"{where}: the checksums are cut short")
-        values = memoryview(bytes(data)).cast("I") if _LITTLE else None
+        values = np.frombuffer(data, dtype="<u4").tolist()
         out: dict[str, tuple[int, ...]] = {}
         at = 0
         for key in sorted(counts):
-            n = counts[key]
-            out[key] = (
-                tuple(values[at : at + n])
-                if values is not None
-                else tuple(int.from_bytes(data[4 * i : 4 * i + 4], "little") for i in range(at, at + n))
-            )
-            at += n
+            out[key] = tuple(values[at : at + counts[key]])
+            at += counts[key]
         with self._lock:
             self._checksums[name] = out
         return out
@@ -123,9 +120,6 @@ class HeaderCache:
         """Close the files this load keeps open (done anyway when the cache is dropped)."""
         if self.storage is not self._given:
             self.storage.close()
-
-
-_LITTLE = sys.byteorder == "little"
 
 
 class FileChecksums(Mapping):
@@ -309,9 +303,7 @@ def verified_requests(
         piece_bytes = numel * size
         for c in range(a // chunk, -(-b // chunk)):
             lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
-            where = (item.file, plan.key, c)
-            if c >= len(crcs):
-                raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {plan.key!r} has too few checksums")
+            where, expected = (item.file, plan.key, c), _nth(storage, item.file, plan.key, crcs, c)
             if a <= lo and hi <= b:
                 run = runs[-1] if runs else None
                 if (
@@ -322,15 +314,15 @@ def verified_requests(
                     and run.dest_hi - run.dest_lo < _SPLIT_BYTES
                 ):
                     run.dest_hi = d + hi  # the previous run of whole chunks goes on: one read for both
-                    run.expected.append((c, crcs[c]))
+                    run.expected.append((c, expected))
                 else:
-                    runs.append(HashedRun(item.file, plan.key, start + lo, d + lo, d + hi, [(c, crcs[c])], dest))
+                    runs.append(HashedRun(item.file, plan.key, start + lo, d + lo, d + hi, [(c, expected)], dest))
                 continue
             seg_lo, seg_hi = max(lo, a), min(hi, b)
             plain.setdefault(item.file, []).append((start + seg_lo, dest[d + seg_lo : d + seg_hi]))
             if (item.file, c) not in rechecked:
                 rechecked.add((item.file, c))
-                tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
+                tasks.append((_check_stored, storage, where, start + lo, start + hi, expected))
     return plain, tasks, runs
 
 
@@ -374,15 +366,13 @@ def verify_tasks(
             d = item.dst_offset * size
             for c in range(a // chunk, -(-b // chunk)):
                 lo, hi = c * chunk, min((c + 1) * chunk, piece_bytes)
-                where = (item.file, job.plan.key, c)
-                if c >= len(crcs):
-                    raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {job.plan.key!r} has too few checksums")
+                where, expected = (item.file, job.plan.key, c), _nth(storage, item.file, job.plan.key, crcs, c)
                 if a <= lo and hi <= b and not item.sizes:
-                    tasks.append((check_chunk, storage, where, dest[d + lo - a : d + hi - a], crcs[c]))
+                    tasks.append((check_chunk, storage, where, dest[d + lo - a : d + hi - a], expected))
                 elif where not in reread:
                     reread.add(where)
                     start = piece_start(headers, item.file, job.plan.key, job.plan.dtype, job.numel_per_file[item.file])
-                    tasks.append((_check_stored, storage, where, start + lo, start + hi, crcs[c]))
+                    tasks.append((_check_stored, storage, where, start + lo, start + hi, expected))
     return tasks
 
 
@@ -396,3 +386,65 @@ def check_chunk(storage: Storage, where: tuple[str, str, int], view: memoryview,
 def _check_stored(storage: Storage, where: tuple[str, str, int], start: int, end: int, expected: int) -> None:
     data = read_with(storage, where[0], lambda: storage.read(where[0], start, end))
     check_chunk(storage, where, memoryview(data), expected)
+
+
+class ArrivingChunks:
+    """Checksummed chunks checked from a piece's bytes as they arrive, in order (a two-stage load's
+    units): a chunk whose bytes all came, one after the other, is hashed from them as they come;
+    one that came in part, or out of order, is re-read from storage once (:meth:`rereads`)."""
+
+    def __init__(self, headers: HeaderCache, metadata: Any, chunk: int):
+        self.headers, self.metadata, self.chunk = headers, metadata, chunk
+        self.pieces: dict[tuple[str, str], tuple[int, int, Sequence[int] | None]] = {}  # numel, itemsize, CRCs
+        self.open: dict[tuple[str, str], tuple[int, int, int]] = {}  # (chunk, next byte, CRC so far)
+        self.partial: set[tuple[str, str, int]] = set()
+
+    def _piece(self, file: str, key: str) -> tuple[int, int, Sequence[int] | None]:
+        found = self.pieces.get((file, key))
+        if found is None:
+            numels, crcs = piece_files(self.headers, self.metadata, key, [file])
+            found = self.pieces[(file, key)] = (numels[file], itemsize(self.metadata.tensors[key].dtype), crcs.get(file))
+        return found
+
+    def take(self, file: str, key: str, at: int, data: memoryview) -> None:
+        """Bytes ``[at, at + len(data))`` of ``key``'s piece in ``file`` arrived."""
+        numel, size, crcs = self._piece(file, key)
+        if crcs is None:
+            return
+        pos, end, chunk = at, at + len(data), self.chunk
+        while pos < end:
+            c = pos // chunk
+            c_end, stop = min((c + 1) * chunk, numel * size), min(end, (c + 1) * chunk)
+            state = self.open.pop((file, key), None)
+            if state is not None and state[:2] == (c, pos):
+                crc = crc32c_extend(state[2], data[pos - at : stop - at])
+            else:
+                if state is not None:
+                    self.partial.add((file, key, state[0]))
+                if pos != c * chunk:
+                    self.partial.add((file, key, c))
+                    pos = stop
+                    continue
+                crc = crc32c(data[pos - at : stop - at])
+            if stop < c_end:
+                self.open[(file, key)] = (c, stop, crc)
+            elif crc != _nth(self.headers.storage, file, key, crcs, c):
+                raise CorruptCheckpointError(f"{self.headers.storage.join(file)}: checksum mismatch in tensor {key!r}, chunk {c}")
+            pos = stop
+
+    def rereads(self) -> list[tuple]:
+        """Checks from storage (``(fn, *args)``) of the chunks that arrived in part, each once."""
+        tasks: list[tuple] = []
+        for file, key, c in sorted(self.partial | {(f, k, c) for (f, k), (c, _, _) in self.open.items()}):
+            numel, size, crcs = self._piece(file, key)
+            expected = _nth(self.headers.storage, file, key, crcs, c)  # type: ignore[arg-type]
+            start = piece_start(self.headers, file, key, self.metadata.tensors[key].dtype, numel)
+            lo, hi = c * self.chunk, min((c + 1) * self.chunk, numel * size)
+            tasks.append((_check_stored, self.headers.storage, (file, key, c), start + lo, start + hi, expected))
+        return tasks
+
+
+def _nth(storage: Storage, file: str, key: str, crcs: Sequence[int], c: int) -> int:
+    if c >= len(crcs):
+        raise CorruptCheckpointError(f"{storage.join(file)}: tensor {key!r} has too few checksums")
+    return crcs[c]

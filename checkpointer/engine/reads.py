@@ -25,15 +25,8 @@ from .checks import HashedRun, HeaderCache, check_chunk, piece_start, read_hashe
 from .rankfile import io_threads
 
 __all__ = [
-    "ReadJob",
-    "execute_reads",
-    "execute_reads_from",
-    "check_chunk",
-    "read_file_ranges",
-    "verify_reads",
-    "scatter_span",
-    "StagingBlocks",
-    "STRIDED_BLOCK",
+    "ReadJob", "execute_reads", "execute_reads_from", "check_chunk", "read_file_ranges", "verify_reads", "run_checks",
+    "scatter_span", "StagingBlocks", "STRIDED_BLOCK",
 ]
 
 _SPLIT_BYTES = 32 << 20
@@ -373,7 +366,12 @@ def verify_reads(
     """Check the checksums of every chunk the jobs' reads touched (after the reads filled them).
     A strided item's chunks are read again from storage (``strided=False``: they were checked
     as they were read)."""
-    _run(num_threads, verify_tasks(storage, jobs, headers, chunk_bytes, strided))
+    run_checks(verify_tasks(storage, jobs, headers, chunk_bytes, strided), num_threads)
+
+
+def run_checks(tasks: list[tuple], num_threads: int | None = None) -> None:
+    """Run checks (``(fn, *args)``, each raising on a mismatch) on the I/O threads."""
+    _run(num_threads, tasks)
 
 
 def _run(num_threads: int | None, tasks: list[tuple], payload: int | None = None) -> None:

@@ -12,17 +12,19 @@ The recipe (after Megatron-core's two-stage strategy):
    thread reads batch ``k + 1``.
 5. Each rank copies the units it needs into its tensors. A destination that cannot be read into
    (on a GPU, or strided) is staged in blocks of rows, each in host memory from its first unit
-   to its last: units of such a tensor are cut to a block and go by where they start in the
-   tensor, so few blocks are open at once where the stored pieces are row-cut or a few column
-   pieces (many narrow column pieces still open every block of a tensor together). A
-   rank whose read failed still takes part in every exchange, then all ranks raise at the
-   closing agreement.
+   to its last: units of such a tensor are cut to a block, and to the rows of two blocks of the
+   full tensor, and go by where they start in it, so a few blocks are open at once whatever the
+   stored pieces (many narrow column pieces too). With ``verify``, each rank checks the
+   checksums of the bytes it receives as they come (a chunk it receives only in part is re-read
+   once). A rank whose read failed still takes part in every exchange, then all ranks raise at
+   the closing agreement.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
@@ -42,16 +44,16 @@ from ..planning.load_plan import ReadItem
 from ..planning.readers import Need, ReadUnit, assign_readers
 from ..storage.base import Storage
 from .load import LocalLoad, copy_into, plan_local_loads
-from .checks import HeaderCache, piece_start, verify_chunk_bytes
+from .checks import ArrivingChunks, HeaderCache, piece_start, verify_chunk_bytes
 from .reader import CheckpointReader
-from .reads import ReadJob, read_file_ranges, scatter_span, verify_reads
+from .reads import read_file_ranges, run_checks, scatter_span
 
 __all__ = ["LoadStats", "load_two_stage", "prepare_two_stage"]
 
 log = logging.getLogger(__name__)
 _BATCH_BYTES = 24 << 20
-"""A batch of units closes once it holds this many bytes (so it holds less than twice this); two
-are in memory, one read while the other is shared (52-60 MiB with staged blocks, measured)."""
+"""A batch of units holds at most this many bytes; two are in memory, one read while the other
+is shared."""
 _STAGED_BYTES = 4 << 20
 """A destination filled through host memory (on a GPU, or strided) is staged in blocks of its rows
 of about this size, and the units of a tensor some rank stages are cut this small: a few blocks
@@ -161,7 +163,6 @@ def prepare_two_stage(
     needs: list[Need] = []
     dests: dict[tuple[str, str], list[_Dest]] = defaultdict(list)
     staged: list[_Staged] = []
-    jobs: list[ReadJob] = []
     chunk: int | None = None
     staged_keys: set[str] = set()
     blocks = _Blocks()
@@ -174,7 +175,6 @@ def prepare_two_stage(
                 continue
             data = load.local.data
             if data.device.type == "cpu" and data.is_contiguous():
-                jobs.append(load.job(data.view(-1)))
                 parts: list[tuple[LocalLoad, torch.Tensor | _Staged]] = [(load, data.view(-1))]
             else:
                 staged_keys.add(load.plan.key)
@@ -202,7 +202,7 @@ def prepare_two_stage(
     # rows together, so a staged block's units follow each other and few blocks are open at once.
     where = _GlobalIndex(metadata)
     units = sorted(
-        _split(assign_readers(needs_per_rank, sizes), sizes, fine), key=lambda u: (u.key, where(u), u.file, u.start)
+        _split(assign_readers(needs_per_rank, sizes), sizes, fine, metadata), key=lambda u: (u.key, where(u), u.file, u.start)
     )
     headers = reader.headers
     rank = dist.get_rank()
@@ -215,21 +215,20 @@ def prepare_two_stage(
     dist.agree(dist.attempt(check_headers)[1], "two-stage load")
     lap("planning")
     index = {where: _DestIndex(ds) for where, ds in dests.items()}
-    return lambda: _run(headers, metadata, units, sizes, index, staged, jobs, chunk, stats)
+    return lambda: _run(headers, metadata, units, sizes, index, staged, chunk, stats)
 
 
 def _run(
     headers: HeaderCache, metadata: StorageMetadata, units: list[ReadUnit], sizes: dict[str, int],
-    dests: dict[tuple[str, str], _DestIndex], staged: list[_Staged], jobs: list[ReadJob], chunk: int | None,
-    stats: LoadStats,
+    dests: dict[tuple[str, str], _DestIndex], staged: list[_Staged], chunk: int | None, stats: LoadStats,
 ) -> LoadStats:
     """Steps 4-5 of the recipe: read, share and copy the units this rank needs."""
     rank = dist.get_rank()
     error: BaseException | None = None
     lap = _Laps(stats)
-    storage = headers.storage
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
+    arriving = ArrivingChunks(headers, metadata, chunk) if chunk else None
     arenas: list[torch.Tensor | None] = [None, None]  # batch k in arena k % 2, reused: no allocator churn
 
     def read_batch(k: int) -> tuple[dict[ReadUnit, torch.Tensor], BaseException | None]:
@@ -273,13 +272,15 @@ def _run(
             lap("broadcasts")
             def scatter() -> None:
                 for u in batch:
+                    if arriving is not None:
+                        arriving.take(u.file, u.key, u.start * sizes[u.key], memoryview_of(bufs[u]))
                     for done in _scatter_unit(u, bufs[u], dests.get((u.file, u.key), _NO_DESTS), sizes[u.key]):
-                        _finish(storage, done, headers, chunk)
+                        _finish(done)
 
             error = error or dist.attempt(scatter)[1]  # raised after the exchanges
             lap("copies")
-    if chunk and error is None:
-        _, error = dist.attempt(lambda: verify_reads(storage, jobs, headers=headers, chunk_bytes=chunk))
+    if arriving is not None and error is None:
+        _, error = dist.attempt(lambda: run_checks(arriving.rereads()))
         lap("verify")
     unfilled = list(dict.fromkeys(s.load.key for s in staged if s.missing))
     if unfilled and error is None:
@@ -289,12 +290,20 @@ def _run(
     return stats
 
 
-def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str]) -> list[ReadUnit]:
+def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str], metadata: StorageMetadata) -> list[ReadUnit]:
     """Units of at most a batch each (a large replicated tensor is read a batch at a time), and
-    of at most a staged block for the ``fine`` keys, which some rank stages."""
+    for the ``fine`` keys, which some rank stages, of at most a staged block, spanning the rows
+    of at most two blocks of the full tensor (a unit of a narrow column piece spans many rows)."""
     out: list[ReadUnit] = []
+    steps: dict[tuple[str, str], int] = {}
     for u in units:
-        step = max(1, (_STAGED_BYTES if u.key in fine else _BATCH_BYTES) // sizes[u.key])
+        step = steps.get((u.file, u.key))
+        if step is None:
+            step = steps[(u.file, u.key)] = max(1, (_STAGED_BYTES if u.key in fine else _BATCH_BYTES) // sizes[u.key])
+            spec, shape = metadata.tensors[u.key].shard_spec_per_file[u.file], metadata.tensors[u.key].shape
+            if u.key in fine and spec.flattened_offsets is None and spec.local_shape and len(shape) > 1:
+                rows = max(1, 2 * _STAGED_BYTES // (math.prod(shape[1:]) * sizes[u.key]))
+                step = steps[(u.file, u.key)] = max(1, min(step, rows * math.prod(spec.local_shape[1:])))
         out.extend(replace(u, start=lo, end=min(lo + step, u.end)) for lo in range(u.start, u.end, step))
     return out
 
@@ -335,11 +344,12 @@ def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit
     current: list[ReadUnit] = []
     nbytes = 0
     for u in units:
-        current.append(u)
-        nbytes += (u.end - u.start) * sizes[u.key]
-        if nbytes >= _BATCH_BYTES:
+        n = (u.end - u.start) * sizes[u.key]
+        if current and nbytes + n > _BATCH_BYTES:
             out.append(current)
             current, nbytes = [], 0
+        current.append(u)
+        nbytes += n
     if current:
         out.append(current)
     return out
@@ -386,12 +396,9 @@ def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: _DestIndex, size: in
     return done
 
 
-def _finish(storage: Storage, staged: _Staged, headers: HeaderCache, chunk: int | None) -> None:
-    """Check a completed staged tensor's checksums (with ``chunk``), copy it into place, let it go."""
-    flat = staged.buffer()
+def _finish(staged: _Staged) -> None:
+    """Copy a completed staged block into place and let its buffer go."""
     try:
-        if chunk:
-            verify_reads(storage, [staged.load.job(flat)], headers=headers, chunk_bytes=chunk)
-        copy_into(staged.load.key, staged.rows, flat)
+        copy_into(staged.load.key, staged.rows, staged.buffer())
     finally:
         staged.release()

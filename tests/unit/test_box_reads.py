@@ -9,6 +9,7 @@ destination pieces are loaded from it and compared element by element with the f
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -568,3 +569,124 @@ def test_a_strided_destination_adds_at_most_the_memory_bound(tmp_path):
     assert torch.equal(dest, full)
     assert extra_mib <= 0.1 * 160 + 64, extra_mib
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Two-stage loads in one process: staged blocks, units, and checksums as the bytes arrive
+# ---------------------------------------------------------------------------------------------
+
+
+def _flip_element(path: str, key: str, element: int, itemsize: int) -> None:
+    """Flip one bit of element ``element`` (local index) of ``key``'s piece in a rank file."""
+    import json
+    import struct
+
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n + json.loads(f.read(n))[key]["data_offsets"][0] + element * itemsize)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _two_stage(storage: LocalStorage, dest, verify: bool = False):
+    from checkpointer.engine.two_stage import load_two_stage
+
+    metadata = parse_metadata(storage.read(METADATA_FILENAME, 0, storage.size(METADATA_FILENAME)), where="m")
+    return load_two_stage(storage, {"w": dest}, metadata, verify=verify)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_two_stage_loads_against_the_oracle_and_verify_catches_any_flipped_element(tmp_path_factory, data, monkeypatch):
+    """Any saved layout into a contiguous, a transposed (staged) or a partial flat destination,
+    with staged blocks, batches and checksum chunks of a few elements: every element lands, and
+    with verify, a bit flipped in an element the load needs (in every file holding it) is caught."""
+    from checkpointer import FlatShardedTensor
+    from checkpointer.engine import two_stage
+
+    shape = data.draw(shapes(max_ndim=3))
+    saved = data.draw(layouts(shape))
+    if not _tiling_layout(saved, shape) or math.prod(shape) == 0:
+        return
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
+    full = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).reshape(shape).to(dtype)
+    chunk_bytes = data.draw(st.sampled_from([8, 24, 72, CHUNK_BYTES]))
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    storage = write_checkpoint(path, full, saved, chunk_bytes=chunk_bytes)
+    monkeypatch.setattr(two_stage, "_STAGED_BYTES", data.draw(st.sampled_from([8, 24, 64, 1 << 20])))
+    monkeypatch.setattr(two_stage, "_BATCH_BYTES", data.draw(st.sampled_from([16, 48, 1 << 20])))
+    kind = data.draw(st.sampled_from(["contiguous", "transposed", "flat"] if len(shape) > 1 else ["contiguous", "flat"]))
+    numel = math.prod(shape)
+    lo = data.draw(st.integers(0, numel - 1)) if kind == "flat" else 0
+    hi = data.draw(st.integers(lo + 1, numel)) if kind == "flat" else numel
+
+    def fresh():
+        if kind == "flat":
+            return FlatShardedTensor(torch.zeros(hi - lo, dtype=dtype), shape, ((lo, hi),))
+        if kind == "transposed":
+            return torch.zeros(tuple(reversed(shape)), dtype=dtype).permute(*reversed(range(len(shape))))
+        return torch.zeros(shape, dtype=dtype)
+
+    dest = fresh()
+    _two_stage(storage, dest, verify=data.draw(st.booleans()))
+    got = dest.local if kind == "flat" else dest
+    assert torch.equal(got, full.reshape(-1)[lo:hi] if kind == "flat" else full), (shape, saved, kind)
+    flipped = data.draw(st.integers(lo, hi - 1))  # a flat index the load needs
+    for rank, piece in enumerate(saved):
+        indices = piece_indices(piece, shape)
+        if flipped in indices and os.path.exists(os.path.join(path, rank_filename(rank))):
+            _flip_element(os.path.join(path, rank_filename(rank)), "w", indices.index(flipped), full.element_size())
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'w'"):
+        _two_stage(storage, fresh(), verify=True)
+
+
+def test_a_verified_two_stage_load_hashes_what_arrives_and_rereads_only_partial_chunks(tmp_path, monkeypatch):
+    """Staged in blocks smaller than a checksum chunk, a verified load read every chunk again for
+    each block it touched (four times the tensor); the bytes are now hashed as they arrive, and
+    only the two chunks a partial load touches in part are read again."""
+    from checkpointer import FlatShardedTensor
+    from checkpointer.engine import checks, two_stage
+
+    full = torch.randn(1024, 256, generator=torch.Generator().manual_seed(0))
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(1024, 256), global_offset=(0, 0))], chunk_bytes=64 << 10)
+    monkeypatch.setattr(two_stage, "_STAGED_BYTES", 16 << 10)
+    rereads: list[int] = []
+    real = checks._check_stored
+    monkeypatch.setattr(checks, "_check_stored", lambda storage, where, *args: (rereads.append(where[2]), real(storage, where, *args))[1])
+    dest = torch.zeros(256, 1024).t()
+    _two_stage(storage, dest, verify=True)
+    assert torch.equal(dest, full) and rereads == []
+    partial = FlatShardedTensor(torch.zeros(200_000 - 1000), (1024, 256), ((1000, 200_000),))
+    _two_stage(storage, partial, verify=True)
+    assert torch.equal(partial.local, full.reshape(-1)[1000:200_000])
+    assert sorted(rereads) == [0, 200_000 * 4 // (64 << 10)], rereads
+
+
+def test_narrow_column_pieces_open_a_few_staged_blocks_at_once(tmp_path, monkeypatch):
+    """32 column pieces loaded into a destination staged in blocks of 2 rows: a unit of a narrow
+    piece spanned 64 rows, so every file's first unit opened 32 blocks together; units now span
+    the rows of two blocks of the full tensor."""
+    from checkpointer.engine import two_stage
+
+    full = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(256, 16), global_offset=(0, 16 * r)) for r in range(32)])
+    monkeypatch.setattr(two_stage, "_STAGED_BYTES", 4096)
+    held, most = [0], [0]
+    real_take, real_give = two_stage._Blocks.take, two_stage._Blocks.give
+
+    def take(self, nbytes):
+        held[0] += 1
+        most[0] = max(most[0], held[0])
+        return real_take(self, nbytes)
+
+    def give(self, buf):
+        held[0] -= 1
+        real_give(self, buf)
+
+    monkeypatch.setattr(two_stage._Blocks, "take", take)
+    monkeypatch.setattr(two_stage._Blocks, "give", give)
+    dest = torch.zeros(512, 256).t()
+    _two_stage(storage, dest)
+    assert torch.equal(dest, full)
+    assert held[0] == 0 and most[0] <= 4, most
