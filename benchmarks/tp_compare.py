@@ -12,6 +12,11 @@ Cases (saved at world size 2, loaded at world size 4, unless stated):
   mesh; loaded with the same placements.
 * ``mix_swapped``: the same checkpoint, every placement swapped (Shard(0) <-> Shard(1)).
 * ``mesh2d``: the same checkpoint onto a 2x2 mesh as [Shard(0), Shard(1)].
+* ``fsdp_tp``: the same checkpoint onto a 2x2 mesh as FSDP2 over tensor parallelism lays a
+  weight out: ``[_StridedShard(d, split_factor=2), Shard(d)]``, d alternating 0 and 1.
+* ``interleaved``: the same checkpoint onto a 2x2 mesh as ``[Shard(1), _StridedShard(1,
+  split_factor=2)]``: every rank's piece is two runs of columns per row (stored as flattened
+  ranges when saved; here wanted as such).
 * ``moe_dim1`` / ``moe_dim2``: 4 MoE-like [8, 1024, 1024] fp32 weights, Shard(1) / Shard(2)
   at save and at load.
 * ``bf16``: ``mix_same`` in bfloat16.
@@ -85,9 +90,13 @@ from compare import (  # noqa: E402
 )
 
 MiB = 1 << 20
-LOAD_CASES = ("mix_same", "mix_swapped", "mesh2d", "moe_dim1", "moe_dim2", "bf16", "many_small")
+LOAD_CASES = ("mix_same", "mix_swapped", "mesh2d", "fsdp_tp", "interleaved", "moe_dim1", "moe_dim2", "bf16", "many_small")
 ALL_CASES = LOAD_CASES + ("save", "shard2_tiny")
 SYSTEMS = ("ours", "dcp")
+DCP_WRONG = {
+    "interleaved": "DCP returns wrong values here (torch 2.13: it places a _StridedShard after a Shard as a "
+                   "contiguous chunk); its time is shown, not counted as a failure",
+}
 
 
 # --------------------------------------------------------------------------- data
@@ -113,12 +122,26 @@ LOAD_LAYOUTS = {
     "mix_same": ("mix", [4], "alt01"),
     "mix_swapped": ("mix", [4], "alt10"),
     "mesh2d": ("mix", [2, 2], [0, 1]),
+    "fsdp_tp": ("mix", [2, 2], "fsdp_tp"),
+    "interleaved": ("mix", [2, 2], "interleaved"),
     "moe_dim1": ("moe1", [4], 1),
     "moe_dim2": ("moe2", [4], 2),
     "bf16": ("bf16", [4], "alt01"),
     "many_small": ("small", [4], "alt01"),
 }
 CASE_CKPTS = {"save": ["mix"], "shard2_tiny": ["shard2"], **{c: [v[0]] for c, v in LOAD_LAYOUTS.items()}}
+
+
+def placements_of(rule: Any, i: int, mesh_ndim: int) -> list[Any]:
+    """Placements (one per mesh dim) of key ``i`` under ``rule``."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if rule == "fsdp_tp":
+        return [_StridedShard(i % 2, split_factor=2), Shard(i % 2)]
+    if rule == "interleaved":
+        return [Shard(1), _StridedShard(1, split_factor=2)]
+    return [Shard(d) for d in dims_of(rule, i, mesh_ndim)]
 
 
 def dims_of(rule: Any, i: int, mesh_ndim: int) -> list[int]:
@@ -168,12 +191,12 @@ def synced(fn):
 def build_state(spec: dict, mesh, rule: Any) -> tuple[dict, dict]:
     """(state dict of DTensors holding the values, expected local tensors) on ``mesh``."""
     import torch
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     state, expected = {}, {}
     for i in range(spec["n"]):
         full = full_tensor(spec, i)
-        placements = [Shard(d) for d in dims_of(rule, i, mesh.ndim)]
+        placements = placements_of(rule, i, mesh.ndim)
         dt = distribute_tensor(full, mesh, placements, src_data_rank=None)  # no communication
         local = dt.to_local().contiguous().clone()  # own storage: no view keeps `full` alive
         state[key_name(i)] = DTensor.from_local(local, mesh, placements, run_check=False,
@@ -351,6 +374,8 @@ def run_load_group(cfg: dict, rank: int) -> None:
         bad = mismatches(cases[case]["targets"][system], cases[case]["expected"])
         any_bad = g.agree_failed(bool(bad))
         g.records[-1]["verified"] = not any_bad
+        if any_bad and system == "dcp" and case in DCP_WRONG:
+            return  # known: shown in the table, not a failure of this run
         if any_bad:
             msg = (f"VERIFY FAILED: {case} {system} round {rnd} rank {rank}: {len(bad)} keys differ, e.g. {bad[:3]}"
                    if bad else f"VERIFY FAILED: {case} {system} round {rnd} on another rank")
@@ -533,6 +558,8 @@ def build_report(meta: dict, rows: list[dict]) -> str:
         ver = [x.get("verified") for x in (o, d) if x and x.get("ok")]
         vtxt = "–" if not ver or all(v is None for v in ver) else ("yes" if all(v is not False for v in ver)
                                                                      else "**NO: WRONG VALUES**")
+        if r["case"] in DCP_WRONG and o and o.get("verified") is not False:
+            vtxt, r["notes"] = "ours yes; DCP no (known)", DCP_WRONG[r["case"]]
         goal = r.get("rss_goal_mib")
         gtxt = "–"
         if goal is not None and o and o.get("ok"):
@@ -679,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         "mix_same": "S0/S1 alternating @2 -> same @4",
         "mix_swapped": "S0/S1 alternating @2 -> swapped @4",
         "mesh2d": "S0/S1 alternating @2 -> [S0,S1] @2x2",
+        "fsdp_tp": "S0/S1 alternating @2 -> [_StridedShard(d,2),S(d)] @2x2",
+        "interleaved": "S0/S1 alternating @2 -> [S1,_StridedShard(1,2)] @2x2",
         "moe_dim1": "[E,d,f] S1 @2 -> S1 @4",
         "moe_dim2": "[E,d,f] S2 @2 -> S2 @4",
         "bf16": "bf16, S0/S1 alternating @2 -> same @4",

@@ -13,6 +13,7 @@ local tensor is described by the exact flattened ranges it holds, in its own row
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from collections.abc import Iterable, Mapping
@@ -130,7 +131,7 @@ def describe(value: Any) -> LocalTensor:
             sizes, offsets = dtensor_box(shape, value.placements, mesh_sizes, coord)
             piece = Piece(local_shape=sizes, global_offset=offsets)
         else:
-            sizes, piece = _strided_piece(value, shape, mesh_sizes, coord)
+            sizes, piece = _strided_piece(shape, tuple(value.placements), value.device_mesh, tuple(mesh_sizes), tuple(coord))
         if tuple(local.shape) != sizes:
             raise ValueError(f"DTensor local shape {tuple(local.shape)} is not the expected {sizes} for {value.placements}")
         layout = _layout(value.device_mesh, value.placements, mesh_sizes)
@@ -238,17 +239,18 @@ def dtensor_index_runs(
     return runs
 
 
-def _strided_piece(value: DTensor, shape: tuple[int, ...], mesh_sizes: list[int], coord: Sequence[int]) -> tuple[tuple[int, ...], Piece]:
+@functools.lru_cache(maxsize=4096)
+def _strided_piece(shape: tuple[int, ...], placements: tuple, mesh: Any, mesh_sizes: tuple[int, ...], coord: tuple[int, ...]) -> tuple[tuple[int, ...], Piece]:
     """Placements beyond Shard/Replicate: the exact indices held (see :func:`dtensor_index_runs`),
-    cross-checked against the local shape torch computes for them."""
+    cross-checked against the local shape torch computes (remembered: a millisecond a tensor)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    runs = dtensor_index_runs(shape, value.placements, mesh_sizes, coord)
+    runs = dtensor_index_runs(shape, placements, mesh_sizes, coord)
     sizes = tuple(_count(r) for r in runs)
-    torch_sizes, _ = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    torch_sizes, _ = compute_local_shape_and_global_offset(torch.Size(shape), mesh, list(placements))
     if tuple(torch_sizes) != sizes:
         raise ValueError(
-            f"DTensor placements {value.placements} on mesh {tuple(mesh_sizes)} at {tuple(coord)}: torch says the local "
+            f"DTensor placements {placements} on mesh {tuple(mesh_sizes)} at {tuple(coord)}: torch says the local "
             f"shape is {tuple(torch_sizes)}, the checkpointer's reading of the placements gives {sizes}; refusing to guess"
         )
     return sizes, runs_piece(shape, runs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
 from typing import Any, Mapping, Sequence
@@ -51,13 +51,17 @@ class Piece:
     flat: tuple[Range, ...] | None = None
     local_shape: tuple[int, ...] | None = None
     global_offset: tuple[int, ...] | None = None
+    _numel: int = field(default=-1, init=False, compare=False, repr=False)  # counted once: ranges may be many
 
     @property
     def numel(self) -> int:
-        if self.flat is not None:
-            return sum(e - s for s, e in self.flat)
-        assert self.local_shape is not None
-        return math.prod(self.local_shape)
+        if self._numel < 0:
+            if self.flat is not None:
+                object.__setattr__(self, "_numel", sum(e - s for s, e in self.flat))
+            else:
+                assert self.local_shape is not None
+                object.__setattr__(self, "_numel", math.prod(self.local_shape))
+        return self._numel
 
     def to_spec(self) -> TensorShardSpec:
         if self.flat is not None:
