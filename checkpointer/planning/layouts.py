@@ -29,14 +29,13 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from itertools import product
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ..format.layout import rank_filename
 from ..format.specs import Layout, gc_paused
-from .overlap import Range, merge_adjacent
+from .overlap import Range
 from .pieces import BOX, Piece
 from .plan import SavePlan, _analyse, _assign, _mixed, _Planned
 
@@ -278,9 +277,12 @@ def runs_piece(shape: Sequence[int], runs: Sequence[Sequence[Range]]) -> Piece:
     while split > 0 and list(runs[split]) == [(0, shape[split])]:
         split -= 1
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    outer = [[i for s, e in runs[d] for i in range(s, e)] for d in range(split)]
-    ranges: list[Range] = []
-    for index in product(*outer):
-        base = sum(i * st for i, st in zip(index, strides))
-        ranges.extend((base + s * strides[split], base + e * strides[split]) for s, e in runs[split])
-    return Piece(flat=tuple(merge_adjacent(ranges)))
+    base = np.zeros(1, dtype=np.int64)  # flat offset of each outer index, in row-major order
+    for d in range(split):
+        held = np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in runs[d]])
+        base = (base[:, None] + held[None, :] * strides[d]).reshape(-1)
+    inner = np.array([r for r in runs[split] if r[1] > r[0]], dtype=np.int64).reshape(-1, 2) * strides[split]
+    starts, ends = (base[:, None] + inner[None, :, 0]).reshape(-1), (base[:, None] + inner[None, :, 1]).reshape(-1)
+    apart = starts[1:] != ends[:-1]  # a range that starts where the previous one ends joins it
+    starts, ends = starts[np.concatenate(([True], apart))], ends[np.concatenate((apart, [True]))]
+    return Piece(flat=tuple(zip(starts.tolist(), ends.tolist())))
