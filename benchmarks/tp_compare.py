@@ -558,7 +558,7 @@ def build_report(meta: dict, rows: list[dict]) -> str:
         ver = [x.get("verified") for x in (o, d) if x and x.get("ok")]
         vtxt = "–" if not ver or all(v is None for v in ver) else ("yes" if all(v is not False for v in ver)
                                                                      else "**NO: WRONG VALUES**")
-        if r["case"] in DCP_WRONG and o and o.get("verified") is not False:
+        if r["case"] in DCP_WRONG and o and o.get("ok") and o.get("verified") is True and d and d.get("verified") is False:
             vtxt, r["notes"] = "ours yes; DCP no (known)", DCP_WRONG[r["case"]]
         goal = r.get("rss_goal_mib")
         gtxt = "–"

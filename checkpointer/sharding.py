@@ -37,16 +37,8 @@ except ImportError:  # pragma: no cover - torch builds without it
     _StridedShard = None  # type: ignore[assignment,misc]
 
 __all__ = [
-    "FlatShardedTensor",
-    "LocalTensor",
-    "describe",
-    "describe_state_dict",
-    "dtensor_box",
-    "dtensor_index_runs",
-    "runs_piece",
-    "with_sharding_of",
-    "local_data",
-    "get_shard_dims",
+    "FlatShardedTensor", "LocalTensor", "describe", "describe_state_dict", "dtensor_box", "dtensor_index_runs",
+    "runs_piece", "with_sharding_of", "local_data", "get_shard_dims",
 ]
 
 
@@ -130,8 +122,10 @@ def describe(value: Any) -> LocalTensor:
         if all(type(p) is Shard or isinstance(p, Replicate) for p in value.placements):
             sizes, offsets = dtensor_box(shape, value.placements, mesh_sizes, coord)
             piece = Piece(local_shape=sizes, global_offset=offsets)
-        else:
-            sizes, piece = _strided_piece(shape, tuple(value.placements), value.device_mesh, tuple(mesh_sizes), tuple(coord))
+        else:  # remembered for the placements it knows; others are refused by name, uncached
+            known = all(isinstance(p, (Shard, Replicate)) or (_StridedShard and isinstance(p, _StridedShard)) for p in value.placements)
+            find = _strided_piece if known else _strided_piece.__wrapped__
+            sizes, piece = find(shape, tuple(value.placements), value.device_mesh, tuple(mesh_sizes), tuple(coord))
         if tuple(local.shape) != sizes:
             raise ValueError(f"DTensor local shape {tuple(local.shape)} is not the expected {sizes} for {value.placements}")
         layout = _layout(value.device_mesh, value.placements, mesh_sizes)

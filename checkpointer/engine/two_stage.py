@@ -12,9 +12,9 @@ The recipe (after Megatron-core's two-stage strategy):
    thread reads batch ``k + 1``.
 5. Each rank copies the units it needs into its tensors. A destination that cannot be read into
    (on a GPU, or strided) is staged in blocks of rows, each in host memory from its first unit
-   to its last: units of such a tensor are cut to a block, and to the rows of two blocks of the
-   full tensor, and go by where they start in it, so a few blocks are open at once whatever the
-   stored pieces (many narrow column pieces too). With ``verify``, each rank checks the
+   to its last: units of such a tensor are cut to a block, and to the rows of about two blocks
+   of the full tensor, and go by where they start in it, so a few blocks are open at once
+   whatever the stored pieces (many narrow column pieces too, boxes or flattened ranges). With ``verify``, each rank checks the
    checksums of the bytes it receives as they come (a chunk it receives only in part is re-read
    once). A rank whose read failed still takes part in every exchange, then all ranks raise at
    the closing agreement.
@@ -52,8 +52,8 @@ __all__ = ["LoadStats", "load_two_stage", "prepare_two_stage"]
 
 log = logging.getLogger(__name__)
 _BATCH_BYTES = 24 << 20
-"""A batch of units holds at most this many bytes; two are in memory, one read while the other
-is shared."""
+"""A batch of units holds at most this many bytes (or one unit); two are in memory, one read
+while the other is shared."""
 _STAGED_BYTES = 4 << 20
 """A destination filled through host memory (on a GPU, or strided) is staged in blocks of its rows
 of about this size, and the units of a tensor some rank stages are cut this small: a few blocks
@@ -202,7 +202,7 @@ def prepare_two_stage(
     # rows together, so a staged block's units follow each other and few blocks are open at once.
     where = _GlobalIndex(metadata)
     units = sorted(
-        _split(assign_readers(needs_per_rank, sizes), sizes, fine, metadata), key=lambda u: (u.key, where(u), u.file, u.start)
+        _split(assign_readers(needs_per_rank, sizes), sizes, fine, where), key=lambda u: (u.key, where(u), u.file, u.start)
     )
     headers = reader.headers
     rank = dist.get_rank()
@@ -290,21 +290,30 @@ def _run(
     return stats
 
 
-def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str], metadata: StorageMetadata) -> list[ReadUnit]:
+def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str], where: _GlobalIndex) -> list[ReadUnit]:
     """Units of at most a batch each (a large replicated tensor is read a batch at a time), and
     for the ``fine`` keys, which some rank stages, of at most a staged block, spanning the rows
-    of at most two blocks of the full tensor (a unit of a narrow column piece spans many rows)."""
+    of about two blocks of the full tensor (a unit of a narrow column piece spans many rows)."""
     out: list[ReadUnit] = []
     steps: dict[tuple[str, str], int] = {}
     for u in units:
         step = steps.get((u.file, u.key))
+        meta = where.metadata.tensors[u.key]
+        spec = meta.shard_spec_per_file[u.file]
         if step is None:
             step = steps[(u.file, u.key)] = max(1, (_STAGED_BYTES if u.key in fine else _BATCH_BYTES) // sizes[u.key])
-            spec, shape = metadata.tensors[u.key].shard_spec_per_file[u.file], metadata.tensors[u.key].shape
-            if u.key in fine and spec.flattened_offsets is None and spec.local_shape and len(shape) > 1:
-                rows = max(1, 2 * _STAGED_BYTES // (math.prod(shape[1:]) * sizes[u.key]))
+            if u.key in fine and spec.flattened_offsets is None and spec.local_shape and len(meta.shape) > 1:
+                rows = max(1, 2 * _STAGED_BYTES // (math.prod(meta.shape[1:]) * sizes[u.key]))
                 step = steps[(u.file, u.key)] = max(1, min(step, rows * math.prod(spec.local_shape[1:])))
-        out.extend(replace(u, start=lo, end=min(lo + step, u.end)) for lo in range(u.start, u.end, step))
+        if u.key not in fine or spec.flattened_offsets is None:
+            out.extend(replace(u, start=lo, end=min(lo + step, u.end)) for lo in range(u.start, u.end, step))
+            continue
+        span = max(1, 2 * _STAGED_BYTES // sizes[u.key])  # elements of the full tensor a unit may span
+        lo = u.start
+        while lo < u.end:
+            hi = min(u.end, lo + step, max(lo + 1, where.local_at(u, where(replace(u, start=lo)) + span)))
+            out.append(replace(u, start=lo, end=hi))
+            lo = hi
     return out
 
 
@@ -314,20 +323,34 @@ class _GlobalIndex:
 
     def __init__(self, metadata: StorageMetadata):
         self.metadata = metadata
-        self.ranges: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        self.ranges: dict[tuple[str, str], tuple[list[int], list[int], bool]] = {}
+
+    def _ranges(self, unit: ReadUnit) -> tuple[list[int], list[int], bool]:
+        """Where each flattened range starts in the piece, and in the full tensor; whether in order."""
+        found = self.ranges.get((unit.key, unit.file))
+        if found is None:
+            flat = self.metadata.tensors[unit.key].shard_spec_per_file[unit.file].flattened_offsets
+            firsts = [lo for lo, _ in flat]
+            found = self.ranges[(unit.key, unit.file)] = (
+                list(accumulate((hi - lo for lo, hi in flat), initial=0)), firsts, all(a < b for a, b in zip(firsts, firsts[1:]))
+            )
+        return found
+
+    def local_at(self, unit: ReadUnit, index: int) -> int:
+        """Of a piece of flattened ranges in order, the position of the first element at or past
+        full-tensor ``index``; of one whose ranges are out of order, the piece's end."""
+        positions, firsts, ordered = self._ranges(unit)
+        if not ordered:
+            return positions[-1]
+        i = bisect_right(firsts, index) - 1
+        return 0 if i < 0 else min(positions[i + 1], positions[i] + index - firsts[i])
 
     def __call__(self, unit: ReadUnit) -> int:
         meta = self.metadata.tensors[unit.key]
         start = unit.start
         spec = meta.shard_spec_per_file[unit.file]
         if spec.flattened_offsets is not None:
-            found = self.ranges.get((unit.key, unit.file))
-            if found is None:
-                flat = spec.flattened_offsets
-                found = self.ranges[(unit.key, unit.file)] = (
-                    list(accumulate((hi - lo for lo, hi in flat), initial=0)), [lo for lo, _ in flat]
-                )
-            positions, firsts = found
+            positions, firsts, _ = self._ranges(unit)
             i = bisect_right(positions, start) - 1
             return firsts[i] + start - positions[i] if i < len(firsts) else meta.numel
         assert spec.local_shape is not None and spec.global_offset is not None
@@ -344,7 +367,7 @@ def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit
     current: list[ReadUnit] = []
     nbytes = 0
     for u in units:
-        n = (u.end - u.start) * sizes[u.key]
+        n = -(-(u.end - u.start) * sizes[u.key] // 64) * 64  # as placed in the arena
         if current and nbytes + n > _BATCH_BYTES:
             out.append(current)
             current, nbytes = [], 0

@@ -431,6 +431,17 @@ def _strided_pieces_are_worked_out_once_per_layout(placements):
     finally:
         dtensor_utils.compute_local_shape_and_global_offset = real
     assert len(pieces) == 1 and len(calls) == 1, (pieces, calls)
+    # Placements it cannot read are refused by name (the cache must not hash them first).
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import Placement
+
+    class Unhashable(Placement):
+        __hash__ = None  # type: ignore[assignment]
+
+    for odd, message in ((Partial(), "holds partial sums"), (Unhashable(), "is not supported in checkpoints")):
+        value = DTensor.from_local(local.clone(), mesh((2, 2)), [odd, placements[1]], run_check=False, shape=shape, stride=(2, 1))
+        with pytest.raises(TypeError, match=message):
+            describe(value)
 
 
 def _load_strided_shard0(rank, world_size, ckpt):

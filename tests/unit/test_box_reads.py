@@ -663,14 +663,22 @@ def test_a_verified_two_stage_load_hashes_what_arrives_and_rereads_only_partial_
     assert sorted(rereads) == [0, 200_000 * 4 // (64 << 10)], rereads
 
 
-def test_narrow_column_pieces_open_a_few_staged_blocks_at_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stored", ["boxes", "interleaved"])
+def test_narrow_column_pieces_open_a_few_staged_blocks_at_once(tmp_path, monkeypatch, stored):
     """32 column pieces loaded into a destination staged in blocks of 2 rows: a unit of a narrow
     piece spanned 64 rows, so every file's first unit opened 32 blocks together; units now span
-    the rows of two blocks of the full tensor."""
+    the rows of two blocks of the full tensor. The same for pieces of two column runs a row,
+    stored as flattened ranges."""
     from checkpointer.engine import two_stage
 
     full = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
-    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(256, 16), global_offset=(0, 16 * r)) for r in range(32)])
+    if stored == "boxes":
+        pieces = [Piece(local_shape=(256, 16), global_offset=(0, 16 * r)) for r in range(32)]
+    else:
+        placements = [Shard(1), _StridedShard(1, split_factor=2)]
+        pieces = [runs_piece((256, 512), dtensor_index_runs((256, 512), placements, (16, 2), (i, j))) for i in range(16) for j in range(2)]
+        assert all(p.flat is not None and len(p.flat) == 512 for p in pieces)
+    storage = write_checkpoint(str(tmp_path), full, pieces)
     monkeypatch.setattr(two_stage, "_STAGED_BYTES", 4096)
     held, most = [0], [0]
     real_take, real_give = two_stage._Blocks.take, two_stage._Blocks.give
