@@ -225,6 +225,7 @@ def _run(
     """Steps 4-5 of the recipe: read, share and copy the units this rank needs."""
     rank = dist.get_rank()
     error: BaseException | None = None
+    failed_read: BaseException | None = None  # then the bytes this rank sent are not the file's
     lap = _Laps(stats)
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
@@ -260,7 +261,7 @@ def _run(
             t = time.perf_counter()
             bufs, read_error = pending.result()  # type: ignore[union-attr]
             stats.seconds["reads"] += time.perf_counter() - t
-            error = error or read_error
+            failed_read = failed_read or read_error
             pending = reader.submit(read_batch, i + 1) if i + 1 < len(batches) else None
             lap.restart()
             for u in batch:
@@ -279,6 +280,7 @@ def _run(
 
             error = error or dist.attempt(scatter)[1]  # raised after the exchanges
             lap("copies")
+    dist.agree(failed_read, "two-stage load")  # every rank names the failed read, not what it left in the buffers
     if arriving is not None and error is None:
         _, error = dist.attempt(lambda: run_checks(arriving.rereads()))
         lap("verify")

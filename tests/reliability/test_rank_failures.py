@@ -41,10 +41,11 @@ def _fail_writes(rank: int) -> mock._patch:
 
 
 def _fail_reads(rank: int) -> mock._patch:
-    def read_into(self, name, requests):
+    """Every read of tensor bytes fails: into destinations, and in hashed blocks (verified)."""
+    def fail(self, name, *args, **kwargs):
         raise OSError(errno.EIO, f"injected I/O error while reading {name} on rank {rank}")
 
-    return mock.patch("checkpointer.storage.local.LocalStorage.read_into", read_into)
+    return mock.patch.multiple("checkpointer.storage.local.LocalStorage", read_into=fail, read_blocks=fail)
 
 
 def _die_mid_write(self, buffers, _real=None):
@@ -76,14 +77,14 @@ def _save_task(rank, world_size, path, failing, how):
         return "did not die"
 
 
-def _load_task(rank, world_size, path, failing, how, strategy):
+def _load_task(rank, world_size, path, failing, how, strategy, verify=False):
     with mock.patch.dict(os.environ, {"CHECKPOINTER_TIMEOUT_S": str(TIMEOUT_S)}):
         state = rel_helpers.zeros_local(rank, world_size)
         if rank != failing:
-            return catch(Checkpointer().load, path, state, strategy=strategy)
+            return catch(Checkpointer().load, path, state, strategy=strategy, verify=verify)
         if how == "raise":
             with _fail_reads(rank):
-                return catch(Checkpointer().load, path, state, strategy=strategy)
+                return catch(Checkpointer().load, path, state, strategy=strategy, verify=verify)
         with mock.patch("checkpointer.storage.local.LocalStorage.read_into", _die_mid_read):
             Checkpointer().load(path, state, strategy=strategy)
         return "did not die"
@@ -220,9 +221,12 @@ def test_save_with_a_rank_that_raises(run_distributed, tmp_path, failing):
     check_incomplete(path)
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["", "verify"])
 @pytest.mark.parametrize("strategy", ["default", "two_stage"])
-def test_load_with_a_rank_that_raises(run_distributed, saved_flat, strategy):
-    results = run_distributed(_load_task, 3, saved_flat, 2, "raise", strategy, timeout=120)
+def test_load_with_a_rank_that_raises(run_distributed, saved_flat, strategy, verify):
+    """With verify, the ranks that received what the failing rank could not read name its error,
+    not a checksum mismatch of the bytes it sent them (two-stage)."""
+    results = run_distributed(_load_task, 3, saved_flat, 2, "raise", strategy, verify, timeout=120)
     check_raised_rank(results, 2, "injected I/O error")
 
 
