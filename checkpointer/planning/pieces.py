@@ -27,7 +27,7 @@ from .index_runs import ranges_as_runs, runs_tiles
 from .overlap import box_ranges
 
 __all__ = [
-    "Range", "Piece", "PieceDesc", "Structure", "RankPieces", "BOX", "piece_ranges", "spec_ranges", "whole",
+    "Range", "Piece", "PieceDesc", "Structure", "RankPieces", "BOX", "piece_ranges", "whole",
     "piece_tiles", "strided_runs", "layout_tiles", "spec_tiles", "pieces_payload", "parse_pieces", "descs_by_key", "check_agreement",
 ]
 
@@ -238,13 +238,6 @@ def piece_ranges(piece: Piece, shape: Sequence[int]) -> list[Range]:
         return list(piece.flat)
     assert piece.local_shape is not None and piece.global_offset is not None
     return box_ranges(shape, piece.local_shape, piece.global_offset)
-
-
-def spec_ranges(spec: TensorShardSpec, shape: Sequence[int]) -> list[Range]:
-    if spec.flattened_offsets is not None:
-        return [tuple(r) for r in spec.flattened_offsets]  # type: ignore[misc]
-    assert spec.local_shape is not None and spec.global_offset is not None
-    return box_ranges(shape, spec.local_shape, spec.global_offset)
 
 
 def whole(shape: Sequence[int]) -> Piece:

@@ -22,7 +22,7 @@ from checkpointer.format.layout import rank_filename
 from checkpointer.format.metadata_parse import parse_metadata
 from checkpointer.planning.plan import Piece, PieceDesc, build_save_plan
 from checkpointer.planning.load_plan import build_load_plan
-from checkpointer.planning.pieces import piece_ranges, spec_ranges
+from checkpointer.planning.pieces import piece_ranges
 
 # ---------------------------------------------------------------------------------------------
 # Topologies: the piece each rank holds
@@ -324,7 +324,8 @@ def independent_bytes_per_rank(plan) -> list[int]:
     for key, meta in plan.metadata.tensors.items():
         for name, spec in meta.shard_spec_per_file.items():
             rank = int(name[len("rank_") : -len(".safetensors")])
-            out[rank] += len([g for s, e in spec_ranges(spec, meta.shape) for g in range(s, e)]) * itemsize(meta.dtype)
+            held = sum(e - s for s, e in spec.flattened_offsets) if spec.flattened_offsets is not None else math.prod(spec.local_shape)
+            out[rank] += held * itemsize(meta.dtype)
     return out
 
 
