@@ -14,10 +14,10 @@ The recipe (after Megatron-core's two-stage strategy):
    (on a GPU, or strided) is staged in blocks of rows, each in host memory from its first unit
    to its last: units of such a tensor are cut to a block, and to the rows of about two blocks
    of the full tensor, and go by where they start in it, so a few blocks are open at once
-   whatever the stored pieces (many narrow column pieces too, boxes or flattened ranges). With ``verify``, each rank checks the
-   checksums of the bytes it receives as they come (a chunk it receives only in part is re-read
-   once). A rank whose read failed still takes part in every exchange, then all ranks raise at
-   the closing agreement.
+   whatever the stored pieces (many narrow column pieces too, boxes or flattened ranges).
+   With ``verify``, each rank checks the checksums of the bytes it receives as they come (a
+   chunk it receives only in part is re-read once). A rank whose read failed still takes part
+   in every exchange, then all ranks raise at the closing agreement, naming it.
 """
 
 from __future__ import annotations
@@ -297,17 +297,19 @@ def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str], where: 
     for the ``fine`` keys, which some rank stages, of at most a staged block, spanning the rows
     of about two blocks of the full tensor (a unit of a narrow column piece spans many rows)."""
     out: list[ReadUnit] = []
-    steps: dict[tuple[str, str], int] = {}
+    steps: dict[tuple[str, str], tuple[int, bool]] = {}  # elements a unit, whether cut by where it spans
     for u in units:
-        step = steps.get((u.file, u.key))
-        meta = where.metadata.tensors[u.key]
-        spec = meta.shard_spec_per_file[u.file]
-        if step is None:
-            step = steps[(u.file, u.key)] = max(1, (_STAGED_BYTES if u.key in fine else _BATCH_BYTES) // sizes[u.key])
+        found = steps.get((u.file, u.key))
+        if found is None:
+            meta = where.metadata.tensors[u.key]
+            spec = meta.shard_spec_per_file[u.file]
+            step = max(1, (_STAGED_BYTES if u.key in fine else _BATCH_BYTES) // sizes[u.key])
             if u.key in fine and spec.flattened_offsets is None and spec.local_shape and len(meta.shape) > 1:
                 rows = max(1, 2 * _STAGED_BYTES // (math.prod(meta.shape[1:]) * sizes[u.key]))
-                step = steps[(u.file, u.key)] = max(1, min(step, rows * math.prod(spec.local_shape[1:])))
-        if u.key not in fine or spec.flattened_offsets is None:
+                step = max(1, min(step, rows * math.prod(spec.local_shape[1:])))
+            found = steps[(u.file, u.key)] = (step, u.key in fine and spec.flattened_offsets is not None)
+        step, by_span = found
+        if not by_span:
             out.extend(replace(u, start=lo, end=min(lo + step, u.end)) for lo in range(u.start, u.end, step))
             continue
         span = max(1, 2 * _STAGED_BYTES // sizes[u.key])  # elements of the full tensor a unit may span
