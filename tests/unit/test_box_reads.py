@@ -698,3 +698,27 @@ def test_narrow_column_pieces_open_a_few_staged_blocks_at_once(tmp_path, monkeyp
     _two_stage(storage, dest)
     assert torch.equal(dest, full)
     assert held[0] == 0 and most[0] <= 4, most
+
+
+
+@given(sizes=st.lists(st.integers(1, 5000), max_size=40), itemsize=st.sampled_from([1, 2, 4, 8]))
+def test_two_stage_batches_never_pass_their_size_as_placed_in_the_arena(sizes, itemsize):
+    """A batch closed only once it had passed its size: up to twice it, with a large last unit.
+    Now a batch holds at most its size, counted with each unit's 64-byte alignment in the arena,
+    or one unit alone; the units keep their order."""
+    from checkpointer.engine import two_stage
+    from checkpointer.planning.readers import ReadUnit
+
+    units, at = [], 0
+    for n in sizes:
+        units.append(ReadUnit("rank_0.safetensors", "w", at, at + n, 0, (0,)))
+        at += n
+    limit, two_stage._BATCH_BYTES = two_stage._BATCH_BYTES, 16 << 10
+    try:
+        batches = two_stage._batches(units, {"w": itemsize})
+    finally:
+        two_stage._BATCH_BYTES = limit
+    assert [u for b in batches for u in b] == units
+    for batch in batches:
+        placed = sum(-(-(u.end - u.start) * itemsize // 64) * 64 for u in batch)
+        assert len(batch) == 1 or placed <= 16 << 10, [u.end - u.start for u in batch]
