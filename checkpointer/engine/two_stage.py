@@ -315,7 +315,7 @@ def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str], where: 
         span = max(1, 2 * _STAGED_BYTES // sizes[u.key])  # elements of the full tensor a unit may span
         lo = u.start
         while lo < u.end:
-            hi = min(u.end, lo + step, max(lo + 1, where.local_at(u, where(replace(u, start=lo)) + span)))
+            hi = min(u.end, lo + step, max(lo + 1, where.local_at(u, where.at(u.key, u.file, lo) + span)))
             out.append(replace(u, start=lo, end=hi))
             lo = hi
     return out
@@ -329,13 +329,13 @@ class _GlobalIndex:
         self.metadata = metadata
         self.ranges: dict[tuple[str, str], tuple[list[int], list[int], bool]] = {}
 
-    def _ranges(self, unit: ReadUnit) -> tuple[list[int], list[int], bool]:
+    def _ranges(self, key: str, file: str) -> tuple[list[int], list[int], bool]:
         """Where each flattened range starts in the piece, and in the full tensor; whether in order."""
-        found = self.ranges.get((unit.key, unit.file))
+        found = self.ranges.get((key, file))
         if found is None:
-            flat = self.metadata.tensors[unit.key].shard_spec_per_file[unit.file].flattened_offsets
+            flat = self.metadata.tensors[key].shard_spec_per_file[file].flattened_offsets
             firsts = [lo for lo, _ in flat]
-            found = self.ranges[(unit.key, unit.file)] = (
+            found = self.ranges[(key, file)] = (
                 list(accumulate((hi - lo for lo, hi in flat), initial=0)), firsts, all(a < b for a, b in zip(firsts, firsts[1:]))
             )
         return found
@@ -343,18 +343,21 @@ class _GlobalIndex:
     def local_at(self, unit: ReadUnit, index: int) -> int:
         """Of a piece of flattened ranges in order, the position of the first element at or past
         full-tensor ``index``; of one whose ranges are out of order, the piece's end."""
-        positions, firsts, ordered = self._ranges(unit)
+        positions, firsts, ordered = self._ranges(unit.key, unit.file)
         if not ordered:
             return positions[-1]
         i = bisect_right(firsts, index) - 1
         return 0 if i < 0 else min(positions[i + 1], positions[i] + index - firsts[i])
 
     def __call__(self, unit: ReadUnit) -> int:
-        meta = self.metadata.tensors[unit.key]
-        start = unit.start
-        spec = meta.shard_spec_per_file[unit.file]
+        return self.at(unit.key, unit.file, unit.start)
+
+    def at(self, key: str, file: str, start: int) -> int:
+        """Where element ``start`` of ``file``'s piece of ``key`` is in the full tensor."""
+        meta = self.metadata.tensors[key]
+        spec = meta.shard_spec_per_file[file]
         if spec.flattened_offsets is not None:
-            positions, firsts, _ = self._ranges(unit)
+            positions, firsts, _ = self._ranges(key, file)
             i = bisect_right(positions, start) - 1
             return firsts[i] + start - positions[i] if i < len(firsts) else meta.numel
         assert spec.local_shape is not None and spec.global_offset is not None

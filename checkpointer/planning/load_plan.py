@@ -5,8 +5,9 @@ stays a box: the stored pieces are indexed as tiles once per distinct layout
 (:class:`~checkpointer.planning.boxes.TileIndex`) and each read is a strided box on both sides,
 a few per stored piece it meets, however many rows it has. Flattened ranges that are a product
 of index runs (``_StridedShard``) are tiles too, and a wanted piece equal to a stored one is one
-contiguous read. Other flattened ranges read from flattened ranges keep their own 1-D path (:class:`~checkpointer.planning.overlap.SourceIndex`),
-which also serves any layout the tile index cannot prove disjoint. Pieces a box shard rule
+contiguous read. Other flattened ranges read from flattened ranges keep their own 1-D path
+(:class:`~checkpointer.planning.overlap.SourceIndex`), which also serves any layout the tile
+index cannot prove disjoint. Pieces a box shard rule
 describes are found from the rule (:mod:`~checkpointer.planning.rule_reads`), without the index.
 """
 

@@ -188,3 +188,21 @@ def test_payload_is_never_taken_for_an_error_report():
         pytest.fail("no header length ending in 0x7b")
     assert payload[:1] == b"P"
     assert json.loads(payload[9 : 9 + int.from_bytes(payload[1:9], "little")])["aliases"] == {"a" * n: "w"}
+
+
+def test_a_piece_counts_its_elements_once():
+    """A _StridedShard piece of 2,048 ranges summed them on every ``numel`` (143 ms of a load of
+    64 such tensors); counted once now, and equality, hashing and ``replace`` ignore the count."""
+    from dataclasses import replace
+
+    class Walked(tuple):
+        walks = 0
+
+        def __iter__(self):
+            type(self).walks += 1
+            return super().__iter__()
+
+    piece = Piece(flat=Walked(((0, 2), (4, 7))))
+    assert piece.numel == 5 and piece.numel == 5 and Walked.walks == 1
+    assert piece == Piece(flat=((0, 2), (4, 7))) and hash(piece) == hash(Piece(flat=((0, 2), (4, 7))))
+    assert replace(piece, flat=((0, 1),)).numel == 1
