@@ -396,12 +396,13 @@ def run_load_group(cfg: dict, rank: int) -> None:
                 if not rec["any_failed"]:
                     verify(case, s, r)
 
-    if cfg.get("profile") and "mix_same" in cases and "ours" in dirs.get("mix", {}):
+    profiled = cfg.get("profile")
+    if profiled and profiled in cases and "ours" in dirs.get(LOAD_LAYOUTS[profiled][0], {}):
         import cProfile
         import io
         import pstats
 
-        target = cases["mix_same"]["targets"]["ours"]
+        target = cases[profiled]["targets"]["ours"]
         for v in target.values():
             v.to_local().zero_()
         g.barrier()
@@ -409,11 +410,11 @@ def run_load_group(cfg: dict, rank: int) -> None:
         t0 = time.perf_counter()
         if prof:
             prof.enable()
-        load_ours(dirs["mix"]["ours"], target)
+        load_ours(dirs[LOAD_LAYOUTS[profiled][0]]["ours"], target)
         if prof:
             prof.disable()
         dt = time.perf_counter() - t0
-        verify("mix_same", "ours", -1)
+        verify(profiled, "ours", -1)
         if prof:
             out = io.StringIO()
             stats = pstats.Stats(prof, stream=out)
@@ -593,8 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full-shard2", action="store_true", help="shard2_tiny at [1024,1024,2] instead of [256,256,2]")
     ap.add_argument("--case-timeout-s", type=float, default=120, help="limit per shard2_tiny op (default 120)")
     ap.add_argument("--group-timeout-s", type=float, default=900, help="limit per save/load process group (default 900)")
-    ap.add_argument("--profile", action="store_true",
-                    help="after the rounds, cProfile rank 0 of one extra (untimed) load of mix_same")
+    ap.add_argument("--profile", nargs="?", const="mix_same", default=None, metavar="CASE",
+                    help="after the rounds, cProfile rank 0 of one extra (untimed) load of CASE (default mix_same)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the DTensors live (default cpu; cuda: every rank on GPU 0, gloo)")
     ap.add_argument("--out", default=str(HERE / "results"), help="output directory (default benchmarks/results)")
@@ -766,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report = build_report(meta, rows)
     if profile:
-        report += (f"\n## cProfile of rank 0's load of mix_same (one extra untimed load, {profile['wall_s']:.2f} s "
+        report += (f"\n## cProfile of rank 0's load of {args.profile} (one extra untimed load, {profile['wall_s']:.2f} s "
                    f"under the profiler), top entries by cumulative time\n\n```\n{profile['cumulative']}\n```\n")
     (out_dir / f"{args.name}.md").write_text(report)
     with open(out_dir / f"{args.name}.json", "w") as f:
