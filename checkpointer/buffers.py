@@ -1,12 +1,13 @@
-"""Raw bytes of tensors, without copies."""
+"""Raw bytes of tensors, without copies, and reusable host buffers."""
 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
-__all__ = ["memoryview_of"]
+__all__ = ["memoryview_of", "StagingBlocks"]
 
 
 def memoryview_of(t: torch.Tensor) -> memoryview:
@@ -20,3 +21,24 @@ def memoryview_of(t: torch.Tensor) -> memoryview:
     raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
     raw.owner = t
     return memoryview(raw).cast("B")
+
+
+class StagingBlocks:
+    """Host buffers of at least ``block_bytes`` each (more where a read asks for more), one per
+    thread reading at once, reused: the only memory a strided read adds."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self._block_bytes = block_bytes
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self._block_bytes), dtype=torch.uint8)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import product
@@ -12,12 +11,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..buffers import memoryview_of
+from ..buffers import StagingBlocks, memoryview_of
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize
 from ..planning.boxes import span_boxes
 from ..planning.load_plan import ReadItem, TensorLoadPlan
-from ..planning.runs import RUNS_PER_SLICE, run_blocks, run_starts
+from ..planning.runs import RUNS_PER_SLICE, overlapping, run_blocks, run_starts
 from ..storage.base import ReadRequest, Storage
 from ..storage.parallel import shared_pool
 from ..storage.scatter import RUNS_PER_CALL
@@ -26,7 +25,7 @@ from .rankfile import io_threads
 
 __all__ = [
     "ReadJob", "execute_reads", "execute_reads_from", "check_chunk", "read_file_ranges", "verify_reads", "run_checks",
-    "scatter_span", "StagingBlocks", "STRIDED_BLOCK",
+    "scatter_span", "STRIDED_BLOCK",
 ]
 
 _SPLIT_BYTES = 32 << 20
@@ -136,7 +135,7 @@ def execute_reads_from(
     cache of its storage), in one thread pool: a model's and its optimizer's reads overlap."""
     tasks: list[tuple] = []
     checked_after: list[tuple[HeaderCache, Sequence[ReadJob]]] = []
-    buffers = StagingBlocks()
+    buffers = StagingBlocks(STRIDED_BLOCK)
     for headers, jobs in sources:
         tasks += _strided_tasks(headers, jobs, verify_chunk_bytes, buffers, map_pages)
         tasks += _read_tasks(headers, jobs, verify_chunk_bytes)
@@ -185,36 +184,18 @@ def _read_tasks(headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_byte
     return checks + hashed + tasks
 
 
-class StagingBlocks:
-    """Host buffers of at most :data:`STRIDED_BLOCK` bytes (or one checksum chunk), one per
-    thread reading at once, reused: the only memory a strided read adds."""
-
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            buf = self._free.pop() if self._free else None
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, STRIDED_BLOCK), dtype=torch.uint8)
-        return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-
 def _strided_tasks(
     headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None, buffers: StagingBlocks, map_pages: bool
 ) -> list[tuple]:
-    """The tasks of the strided items. Runs contiguous on both sides are read by scattered reads
-    where the storage has them and calls stay few (:func:`_few_calls`). Other items' spans are read
-    in blocks of at most :data:`STRIDED_BLOCK` bytes (whole checksum chunks when verifying, each
-    hashed once read), copied out as at most ``2 * ndim - 1`` strided boxes. Unverified, with ``map_pages``, a
-    local file's span of :data:`_MAP_BYTES` or more is copied from its mapped pages, in blocks of
-    about :data:`STRIDED_BLOCK` (cut between runs where read by runs), each read as above unless
-    all its pages are cached."""
+    """The tasks of the strided items. Items of one stored piece whose spans overlap (column blocks
+    of the same rows) share their reads (:func:`overlapping`). A lone item whose runs are contiguous
+    on both sides takes scattered reads where the storage has them and calls stay few
+    (:func:`_few_calls`). Other spans are read in blocks of at most :data:`STRIDED_BLOCK` bytes
+    (whole checksum chunks when verifying, each hashed once read), copied out as at most
+    ``2 * ndim - 1`` strided boxes per item. Unverified, with ``map_pages``, a local file's span of
+    :data:`_MAP_BYTES` or more is copied from its mapped pages, in blocks of about
+    :data:`STRIDED_BLOCK` (cut between runs where read by runs), each read as above unless all its
+    pages are cached."""
     tasks: list[tuple] = []
     storage = headers.storage
     scattered = storage.reads_runs()
@@ -222,38 +203,38 @@ def _strided_tasks(
     for job in jobs:
         plan = job.plan
         size = itemsize(plan.dtype)
+        per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            if not item.sizes or (not verify_chunk_bytes and _by_runs(item, size, scattered)):
-                continue
-            numel = job.numel_per_file[item.file]
-            start = piece_start(headers, item.file, plan.key, plan.dtype, numel)
-            mapped = maps and (item.src_end - item.src_offset) * size >= _MAP_BYTES
-            if not verify_chunk_bytes and scattered and _few_calls(item, size):
-                runs = item.numel // item.sizes[-1]
-                if mapped:  # blocks of the stored span, cut between runs: uncached, a block is read by runs
-                    bounds = run_blocks(item, max(1, STRIDED_BLOCK // size))
-                else:
-                    bounds = range(0, runs, max(1, STRIDED_BLOCK // (item.sizes[-1] * size)))
-                for r, r_end in zip(bounds, [*bounds[1:], runs]):
-                    tasks.append((_read_runs, storage, item.file, start, size, item, job.dest, int(r), int(r_end), mapped))
-                continue
-            lo, hi = item.src_offset, item.src_end
-            crcs = (job.checksums_per_file or {}).get(item.file) if verify_chunk_bytes else None
-            if crcs is not None:
-                chunk = verify_chunk_bytes // size  # type: ignore[operator]
-                lo, hi = lo - lo % chunk, min(numel, -(-hi // chunk) * chunk)
-                step = chunk * max(1, STRIDED_BLOCK // verify_chunk_bytes)  # type: ignore[operator]
-            else:
-                chunk, step = 0, max(1, STRIDED_BLOCK // size)
-            for a in range(lo, hi, step):
-                b = min(hi, a + step)
-                checks = []
-                if crcs is not None:
-                    for c in range(a // chunk, -(-b // chunk)):
-                        if c >= len(crcs):
-                            raise CorruptCheckpointError(f"{storage.join(item.file)}: tensor {plan.key!r} has too few checksums")
-                        checks.append((c, c * chunk - a, min(b, (c + 1) * chunk) - a, crcs[c]))
-                tasks.append((_read_strided, storage, item.file, plan.key, start, size, item, job.dest, a, b, checks, buffers, mapped))
+            if item.sizes and (verify_chunk_bytes or not _by_runs(item, size, scattered)):
+                per_file.setdefault(item.file, []).append(item)
+        for name, items in per_file.items():
+            numel = job.numel_per_file[name]
+            start = piece_start(headers, name, plan.key, plan.dtype, numel)
+            crcs = (job.checksums_per_file or {}).get(name) if verify_chunk_bytes else None
+            chunk = verify_chunk_bytes // size if crcs is not None else 1  # type: ignore[operator]
+            step = chunk * max(1, STRIDED_BLOCK // verify_chunk_bytes) if crcs is not None else max(1, STRIDED_BLOCK // size)  # type: ignore[operator]
+            for lo, hi, group in overlapping(items, chunk):
+                hi = min(hi, numel)
+                mapped = maps and (hi - lo) * size >= _MAP_BYTES
+                if len(group) == 1 and not verify_chunk_bytes and scattered and _few_calls(group[0], size):
+                    item = group[0]
+                    runs = item.numel // item.sizes[-1]
+                    if mapped:  # blocks of the stored span, cut between runs: uncached, a block is read by runs
+                        bounds = run_blocks(item, max(1, STRIDED_BLOCK // size))
+                    else:
+                        bounds = range(0, runs, max(1, STRIDED_BLOCK // (item.sizes[-1] * size)))
+                    for r, r_end in zip(bounds, [*bounds[1:], runs]):
+                        tasks.append((_read_runs, storage, name, start, size, item, job.dest, int(r), int(r_end), mapped))
+                    continue
+                for a in range(lo, hi, step):
+                    b = min(hi, a + step)
+                    checks = []
+                    if crcs is not None:
+                        for c in range(a // chunk, -(-b // chunk)):
+                            if c >= len(crcs):
+                                raise CorruptCheckpointError(f"{storage.join(name)}: tensor {plan.key!r} has too few checksums")
+                            checks.append((c, c * chunk - a, min(b, (c + 1) * chunk) - a, crcs[c]))
+                    tasks.append((_read_strided, storage, name, plan.key, start, size, group, job.dest, a, b, checks, buffers, mapped))
     return tasks
 
 
@@ -275,7 +256,7 @@ def _read_runs(
     if mapped:
         first = int(run_starts(item, lo, lo + 1, dest=False)[0][0])
         end = int(run_starts(item, hi - 1, hi, dest=False)[0][0]) + item.sizes[-1]
-        if _copied_mapped(storage, name, piece_start_byte + first * size, item, dest, first, end):
+        if _copied_mapped(storage, name, piece_start_byte + first * size, (item,), dest, first, end):
             return
     for a in range(lo, hi, RUNS_PER_SLICE):
         src, dst = run_starts(item, a, min(hi, a + RUNS_PER_SLICE))
@@ -284,9 +265,11 @@ def _read_runs(
         read_with(storage, name, lambda: storage.read_runs(name, offsets, addresses, item.sizes[-1] * size))
 
 
-def _copied_mapped(storage: Storage, name: str, start_byte: int, item: ReadItem, dest: torch.Tensor, lo: int, hi: int) -> bool:
-    """Copy the item's elements among stored elements ``[lo, hi)`` (from byte ``start_byte`` of the
-    file) into ``dest`` straight from the file's mapped pages: the gaps between its runs are
+def _copied_mapped(
+    storage: Storage, name: str, start_byte: int, items: Sequence[ReadItem], dest: torch.Tensor, lo: int, hi: int
+) -> bool:
+    """Copy the items' elements among stored elements ``[lo, hi)`` (from byte ``start_byte`` of the
+    file) into ``dest`` straight from the file's mapped pages: the gaps between their runs are
     neither read nor copied. False where the storage cannot map them now (not all in the page cache)."""
     size = dest.element_size()
 
@@ -294,7 +277,9 @@ def _copied_mapped(storage: Storage, name: str, start_byte: int, item: ReadItem,
         with storage.mapped(name, start_byte, (hi - lo) * size) as view:
             if view is None:
                 return False
-            scatter_span(item, torch.frombuffer(view, dtype=dest.dtype), lo, dest)
+            span = torch.frombuffer(view, dtype=dest.dtype)
+            for item in items:
+                scatter_span(item, span, lo, dest)
             return True
 
     return read_with(storage, name, copy)
@@ -306,7 +291,7 @@ def _read_strided(
     key: str,
     piece_start_byte: int,
     size: int,
-    item: ReadItem,
+    items: Sequence[ReadItem],
     dest: torch.Tensor,
     lo: int,
     hi: int,
@@ -315,9 +300,9 @@ def _read_strided(
     mapped: bool = False,
 ) -> None:
     """Read elements ``[lo, hi)`` of the stored piece into a staging block, check the checksum
-    chunks it holds whole, and copy the item's elements among them into ``dest``; with
+    chunks it holds whole, and copy the items' elements among them into ``dest``; with
     ``mapped``, copy them from the file's mapped pages instead where it can (:func:`_copied_mapped`)."""
-    if mapped and _copied_mapped(storage, name, piece_start_byte + lo * size, item, dest, lo, hi):
+    if mapped and _copied_mapped(storage, name, piece_start_byte + lo * size, items, dest, lo, hi):
         return
     nbytes = (hi - lo) * size
     buf = buffers.take(nbytes)
@@ -326,7 +311,8 @@ def _read_strided(
         read_with(storage, name, lambda: storage.read_into(name, [(piece_start_byte + lo * size, memoryview_of(block))]))
         for c, a, b, expected in checks:
             check_chunk(storage, (name, key, c), memoryview_of(block[a * size : b * size]), expected)
-        scatter_span(item, block.view(dest.dtype), lo, dest)
+        for item in items:
+            scatter_span(item, block.view(dest.dtype), lo, dest)
     finally:
         buffers.give(buf)
 

@@ -1,5 +1,6 @@
 """The runs of a strided read item whose runs are contiguous on both sides (last stride 1 in the
-stored piece and in the destination): where they start, and where to cut them into blocks.
+stored piece and in the destination): where they start, and where to cut them into blocks; and
+which strided items of one stored piece share a read.
 
 Both work on a slice of the runs at a time, so memory stays bounded by :data:`RUNS_PER_SLICE`
 (a piece of 10 million runs of 2 elements took 229 MiB to cut when all its starts were built at
@@ -8,11 +9,13 @@ once), and the Python work is one step per slice, never per run.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from .load_plan import ReadItem
 
-__all__ = ["RUNS_PER_SLICE", "run_blocks", "run_starts"]
+__all__ = ["RUNS_PER_SLICE", "overlapping", "run_blocks", "run_starts"]
 
 RUNS_PER_SLICE = 1 << 16
 
@@ -37,3 +40,18 @@ def run_blocks(item: ReadItem, step: int) -> list[int]:
         bounds += (np.flatnonzero(np.diff(block, prepend=last)) + lo).tolist()
         last = int(block[-1])
     return bounds
+
+
+def overlapping(items: Sequence[ReadItem], align: int = 1) -> list[tuple[int, int, tuple[ReadItem, ...]]]:
+    """Strided items of one stored piece grouped where their spans overlap, each span widened to
+    multiples of ``align`` elements first: ``(lo, hi, items)`` per group, in stored order. Column
+    blocks of the same rows (an interleaved ``_StridedShard``) share one read of those rows."""
+    groups: list[list] = []
+    for item in sorted(items, key=lambda i: i.src_offset):
+        lo, hi = item.src_offset - item.src_offset % align, -(-item.src_end // align) * align
+        if groups and lo < groups[-1][1]:
+            groups[-1][1] = max(groups[-1][1], hi)
+            groups[-1][2].append(item)
+        else:
+            groups.append([lo, hi, [item]])
+    return [(lo, hi, tuple(group)) for lo, hi, group in groups]

@@ -374,6 +374,25 @@ def test_a_few_short_runs_are_one_scattered_read(tmp_path, monkeypatch):
     assert calls == [("runs", 64)], calls
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_column_blocks_of_the_same_rows_read_those_rows_once(tmp_path, monkeypatch, verify):
+    """A destination of two column blocks a row from one stored piece (``[Shard(1),
+    _StridedShard(1, 2)]`` loaded from a ``Shard(1)`` save) reads the piece's bytes once, not once
+    per block: the blocks' spans overlap, so they share their staged reads (and checksums)."""
+    full = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(1024, 512), global_offset=(0, 512 * r)) for r in range(2)], chunk_bytes=64 << 10)
+    runs = dtensor_index_runs((1024, 1024), [Shard(1), _StridedShard(1, split_factor=2)], (2, 2), (0, 1))
+    assert runs[1] == [(128, 256), (384, 512)]
+    wanted = runs_piece((1024, 1024), runs)
+    read_bytes: list[int] = []
+    real_into, real_runs = LocalStorage.read_into, LocalStorage.read_runs
+    monkeypatch.setattr(LocalStorage, "read_into", lambda self, name, reqs: (read_bytes.extend(len(b) for _, b in reqs), real_into(self, name, reqs))[1])
+    monkeypatch.setattr(LocalStorage, "read_runs", lambda self, name, offsets, addresses, length: (read_bytes.append(int(offsets[-1] - offsets[0]) + length), real_runs(self, name, offsets, addresses, length))[1])
+    got = load_piece(storage, wanted, torch.float32, verify=verify, map_pages=False)
+    assert torch.equal(got.view(1024, 256), torch.cat([full[:, 128:256], full[:, 384:512]], dim=1))
+    assert sum(read_bytes) <= 1024 * 512 * 4, sum(read_bytes)  # the stored piece, once (twice before)
+
+
 def test_reads_are_told_the_bytes_they_fill(tmp_path, monkeypatch):
     """The read tasks of a load know the bytes their destinations take (which bounds their threads)."""
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)

@@ -90,3 +90,36 @@ def test_a_million_short_runs_read_by_runs_hold_a_slice_of_offsets(tmp_path, mon
         tracemalloc.stop()
     assert torch.equal(got, full[:, 1:3].reshape(-1))
     assert peak < 24 << 20, peak
+
+
+def _aligned_span(item: ReadItem, align: int) -> tuple[int, int]:
+    return item.src_offset - item.src_offset % align, -(-item.src_end // align) * align
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    boxes=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 6), st.integers(1, 4), st.integers(0, 8)), min_size=1, max_size=8),
+    align=st.sampled_from([1, 4, 16, 64]),
+)
+def test_items_sharing_a_span_are_grouped_against_the_oracle(boxes, align):
+    """Groups are the connected parts of "their spans, widened to ``align``, overlap": every item
+    is in one group, a group's bounds are its items', and no two groups' spans meet."""
+    items = [ReadItem("f", offset, 0, rows * cols, (rows, cols), (cols + gap, 1), (cols, 1)) for offset, rows, cols, gap in boxes]
+    part = list(range(len(items)))  # union-find over pairs whose widened spans overlap
+
+    def find(i: int) -> int:
+        while part[i] != i:
+            i = part[i]
+        return i
+
+    spans = [_aligned_span(item, align) for item in items]
+    for i, j in itertools.combinations(range(len(items)), 2):
+        if spans[i][0] < spans[j][1] and spans[j][0] < spans[i][1]:
+            part[find(i)] = find(j)
+    expected = sorted(sorted(i for i in range(len(items)) if find(i) == root) for root in set(map(find, range(len(items)))))
+    groups = runs.overlapping(items, align)
+    got = sorted(sorted(i for i in range(len(items)) for member in group if member is items[i]) for _, _, group in groups)
+    assert got == expected
+    for lo, hi, group in groups:
+        assert (lo, hi) == (min(_aligned_span(m, align)[0] for m in group), max(_aligned_span(m, align)[1] for m in group))
+    assert all(a[1] <= b[0] for a, b in zip(groups, groups[1:]))
