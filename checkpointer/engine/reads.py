@@ -19,7 +19,7 @@ from ..planning.load_plan import ReadItem, TensorLoadPlan
 from ..planning.runs import RUNS_PER_SLICE, overlapping, run_blocks, run_starts
 from ..storage.base import ReadRequest, Storage
 from ..storage.parallel import shared_pool
-from ..storage.scatter import RUNS_PER_CALL
+from ..storage.scatter import MAX_GAP, RUNS_PER_CALL
 from .checks import HashedRun, HeaderCache, check_chunk, piece_start, read_hashed, read_with, verified_requests, verify_tasks
 from .rankfile import io_threads
 
@@ -190,7 +190,7 @@ def _strided_tasks(
     """The tasks of the strided items. Items of one stored piece whose spans overlap (column blocks
     of the same rows) share their reads (:func:`overlapping`). A lone item whose runs are contiguous
     on both sides takes scattered reads where the storage has them and calls stay few
-    (:func:`_few_calls`). Other spans are read in blocks of at most :data:`STRIDED_BLOCK` bytes
+    (:func:`_few_calls`), as does one whose scattered reads skip its gaps (:func:`_gaps_skipped`). Other spans are read in blocks of at most :data:`STRIDED_BLOCK` bytes
     (whole checksum chunks when verifying, each hashed once read), copied out as at most
     ``2 * ndim - 1`` strided boxes per item. Unverified, with ``map_pages``, a local file's span of
     :data:`_MAP_BYTES` or more is copied from its mapped pages, in blocks of about
@@ -213,10 +213,13 @@ def _strided_tasks(
             crcs = (job.checksums_per_file or {}).get(name) if verify_chunk_bytes else None
             chunk = verify_chunk_bytes // size if crcs is not None else 1  # type: ignore[operator]
             step = chunk * max(1, STRIDED_BLOCK // verify_chunk_bytes) if crcs is not None else max(1, STRIDED_BLOCK // size)  # type: ignore[operator]
-            for lo, hi, group in overlapping(items, chunk):
+            by_runs = {id(i) for i in items if not verify_chunk_bytes and scattered and _few_calls(i, size)}
+            apart = {id(i) for i in items if id(i) in by_runs and _gaps_skipped(i, size)}  # alone, they read only their runs
+            groups = overlapping([i for i in items if id(i) not in apart], chunk)
+            for lo, hi, group in groups + [(i.src_offset, i.src_end, (i,)) for i in items if id(i) in apart]:
                 hi = min(hi, numel)
                 mapped = maps and (hi - lo) * size >= _MAP_BYTES
-                if len(group) == 1 and not verify_chunk_bytes and scattered and _few_calls(group[0], size):
+                if len(group) == 1 and id(group[0]) in by_runs:
                     item = group[0]
                     runs = item.numel // item.sizes[-1]
                     if mapped:  # blocks of the stored span, cut between runs: uncached, a block is read by runs
@@ -243,6 +246,12 @@ def _few_calls(item: ReadItem, size: int) -> bool:
     calls of a staging block (:data:`STRIDED_BLOCK`) each; many short ones go through blocks."""
     few = item.numel // item.sizes[-1] <= RUNS_PER_CALL or item.sizes[-1] * size * RUNS_PER_CALL >= STRIDED_BLOCK
     return item.src_strides[-1] == item.dst_strides[-1] == 1 and few
+
+
+def _gaps_skipped(item: ReadItem, size: int) -> bool:
+    """Whether scattered reads of the item skip the bytes between its runs (each gap is longer than
+    :data:`~checkpointer.storage.scatter.MAX_GAP`), where a read of its span would take them all."""
+    return len(item.sizes) > 1 and (item.src_strides[-2] - item.sizes[-1]) * size > MAX_GAP
 
 
 def _read_runs(

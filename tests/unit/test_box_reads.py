@@ -393,6 +393,22 @@ def test_column_blocks_of_the_same_rows_read_those_rows_once(tmp_path, monkeypat
     assert sum(read_bytes) <= 1024 * 512 * 4, sum(read_bytes)  # the stored piece, once (twice before)
 
 
+def test_column_blocks_far_apart_in_wide_rows_read_only_their_runs(tmp_path, monkeypatch):
+    """Two column blocks of 512 bytes a row from rows of 512 KiB: the gaps are longer than a
+    scattered read skips, so each block keeps its own scattered reads of exactly its runs, not one
+    shared read of the rows (8 MiB for 16 KiB)."""
+    full = torch.randn(16, 131072, generator=torch.Generator().manual_seed(4))
+    storage = write_checkpoint(str(tmp_path), full, [whole(full.shape)])
+    wanted = runs_piece((16, 131072), [[(0, 16)], [(0, 128), (65536, 65664)]])
+    read_bytes: list[int] = []
+    real_into, real_preadv = LocalStorage.read_into, scatter._preadv_all
+    monkeypatch.setattr(LocalStorage, "read_into", lambda self, name, reqs: (read_bytes.extend(len(b) for _, b in reqs), real_into(self, name, reqs))[1])
+    monkeypatch.setattr(scatter, "_preadv_all", lambda fd, iov, *args: (read_bytes.append(int(iov[:, 1].sum())), real_preadv(fd, iov, *args))[1])
+    got = load_piece(storage, wanted, torch.float32, map_pages=False)
+    assert torch.equal(got.view(16, 256), torch.cat([full[:, :128], full[:, 65536:65664]], dim=1))
+    assert sum(read_bytes) == 16 * 256 * 4, sum(read_bytes)
+
+
 def test_reads_are_told_the_bytes_they_fill(tmp_path, monkeypatch):
     """The read tasks of a load know the bytes their destinations take (which bounds their threads)."""
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
