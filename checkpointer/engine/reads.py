@@ -190,8 +190,9 @@ def _strided_tasks(
     """The tasks of the strided items. Items of one stored piece whose spans overlap (column blocks
     of the same rows) share their reads (:func:`overlapping`). A lone item whose runs are contiguous
     on both sides takes scattered reads where the storage has them and calls stay few
-    (:func:`_few_calls`), as does one whose scattered reads skip its gaps (:func:`_gaps_skipped`). Other spans are read in blocks of at most :data:`STRIDED_BLOCK` bytes
-    (whole checksum chunks when verifying, each hashed once read), copied out as at most
+    (:func:`_few_calls`), as does one whose scattered reads skip some of its gaps
+    (:func:`_gaps_skipped`). Other spans are read in blocks of at most :data:`STRIDED_BLOCK`
+    bytes (whole checksum chunks when verifying, each hashed once read), copied out as at most
     ``2 * ndim - 1`` strided boxes per item. Unverified, with ``map_pages``, a local file's span of
     :data:`_MAP_BYTES` or more is copied from its mapped pages, in blocks of about
     :data:`STRIDED_BLOCK` (cut between runs where read by runs), each read as above unless all its
@@ -212,7 +213,7 @@ def _strided_tasks(
             start = piece_start(headers, name, plan.key, plan.dtype, numel)
             crcs = (job.checksums_per_file or {}).get(name) if verify_chunk_bytes else None
             chunk = verify_chunk_bytes // size if crcs is not None else 1  # type: ignore[operator]
-            step = chunk * max(1, STRIDED_BLOCK // verify_chunk_bytes) if crcs is not None else max(1, STRIDED_BLOCK // size)  # type: ignore[operator]
+            step = chunk * max(1, STRIDED_BLOCK // (chunk * size))  # whole chunks a block
             by_runs = {id(i) for i in items if not verify_chunk_bytes and scattered and _few_calls(i, size)}
             apart = {id(i) for i in items if id(i) in by_runs and _gaps_skipped(i, size)}  # alone, they read only their runs
             groups = overlapping([i for i in items if id(i) not in apart], chunk)
@@ -249,9 +250,15 @@ def _few_calls(item: ReadItem, size: int) -> bool:
 
 
 def _gaps_skipped(item: ReadItem, size: int) -> bool:
-    """Whether scattered reads of the item skip the bytes between its runs (each gap is longer than
-    :data:`~checkpointer.storage.scatter.MAX_GAP`), where a read of its span would take them all."""
-    return len(item.sizes) > 1 and (item.src_strides[-2] - item.sizes[-1]) * size > MAX_GAP
+    """Whether scattered reads of the item skip some bytes between its runs: a gap between
+    neighbours along any dimension (rows, or the blocks of rows of an outer dimension) longer than
+    :data:`~checkpointer.storage.scatter.MAX_GAP`, where a read of its span would take them all."""
+    extent = item.sizes[-1]  # elements from the first of a sub-box to one past its last
+    for n, s in zip(item.sizes[-2::-1], item.src_strides[-2::-1]):
+        if n > 1 and (s - extent) * size > MAX_GAP:
+            return True
+        extent += (n - 1) * s
+    return False
 
 
 def _read_runs(

@@ -409,6 +409,37 @@ def test_column_blocks_far_apart_in_wide_rows_read_only_their_runs(tmp_path, mon
     assert sum(read_bytes) == 16 * 256 * 4, sum(read_bytes)
 
 
+def test_column_blocks_of_slabs_far_apart_read_only_their_runs(tmp_path, monkeypatch):
+    """Two column blocks of 64 rows in each of 4 slabs 4 MiB apart: the gaps between rows are short
+    but those between slabs are longer than a scattered read skips, so each block keeps its own
+    scattered reads (128 KiB), not one shared read of the slabs (12 MiB)."""
+    shape = (4, 16384, 64)
+    full = torch.randn(*shape, generator=torch.Generator().manual_seed(6))
+    storage = write_checkpoint(str(tmp_path), full, [whole(shape)])
+    wanted = runs_piece(shape, [[(0, 4)], [(0, 64)], [(0, 8), (32, 40)]])
+    read_bytes: list[int] = []
+    real_into, real_preadv = LocalStorage.read_into, scatter._preadv_all
+    monkeypatch.setattr(LocalStorage, "read_into", lambda self, name, reqs: (read_bytes.extend(len(b) for _, b in reqs), real_into(self, name, reqs))[1])
+    monkeypatch.setattr(scatter, "_preadv_all", lambda fd, iov, *args: (read_bytes.append(int(iov[:, 1].sum())), real_preadv(fd, iov, *args))[1])
+    got = load_piece(storage, wanted, torch.float32, map_pages=False)
+    assert torch.equal(got, torch.cat([full[:, :64, 0:8], full[:, :64, 32:40]], dim=2).reshape(-1))
+    assert sum(read_bytes) <= 2 * 4 * 64 * 64 * 4, sum(read_bytes)
+
+
+@pytest.mark.parametrize("rows", [64, 1024])  # 64: each block's runs are few (scattered reads alone)
+@pytest.mark.parametrize("mapped", [False, True])
+def test_column_blocks_sharing_rows_land_whole(tmp_path, monkeypatch, rows, mapped):
+    """Every item of a shared read lands, from staged blocks and from mapped pages, several
+    blocks a group."""
+    full = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(5))
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(rows, 512), global_offset=(0, 512 * r)) for r in range(2)])
+    wanted = runs_piece((rows, 1024), dtensor_index_runs((rows, 1024), [Shard(1), _StridedShard(1, split_factor=2)], (2, 2), (0, 1)))
+    monkeypatch.setattr(reads, "_MAP_BYTES", 0 if mapped else 1 << 62)
+    monkeypatch.setattr(reads, "STRIDED_BLOCK", 64 << 10)
+    got = load_piece(storage, wanted, torch.float32, map_pages=mapped)
+    assert torch.equal(got.view(rows, 256), torch.cat([full[:, 128:256], full[:, 384:512]], dim=1))
+
+
 def test_reads_are_told_the_bytes_they_fill(tmp_path, monkeypatch):
     """The read tasks of a load know the bytes their destinations take (which bounds their threads)."""
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
