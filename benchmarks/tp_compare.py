@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -240,10 +241,10 @@ def save_dcp(d: str, state: dict) -> None:
     dcp.save(state, checkpoint_id=d)  # FileSystemWriter: sync_files=True
 
 
-def load_ours(d: str, state: dict) -> None:
+def load_ours(d: str, state: dict, strategy: str = "default") -> None:
     import checkpointer
 
-    checkpointer.Checkpointer().load(d, state, strategy="default")
+    checkpointer.Checkpointer().load(d, state, strategy=strategy)
 
 
 def load_dcp(d: str, state: dict) -> None:
@@ -392,7 +393,8 @@ def run_load_group(cfg: dict, rank: int) -> None:
                 target = cases[case]["targets"][s]
                 for v in target.values():  # untimed; pages stay touched
                     v.to_local().zero_()
-                rec = g.timed(case, s, r, synced(lambda: LOAD[s](dirs[ckpt][s], target)))
+                load = functools.partial(load_ours, strategy=cfg["strategy"]) if s == "ours" else LOAD[s]
+                rec = g.timed(case, s, r, synced(lambda: load(dirs[ckpt][s], target)))
                 if not rec["any_failed"]:
                     verify(case, s, r)
 
@@ -410,7 +412,7 @@ def run_load_group(cfg: dict, rank: int) -> None:
         t0 = time.perf_counter()
         if prof:
             prof.enable()
-        load_ours(dirs[LOAD_LAYOUTS[profiled][0]]["ours"], target)
+        load_ours(dirs[LOAD_LAYOUTS[profiled][0]]["ours"], target, cfg["strategy"])
         if prof:
             prof.disable()
         dt = time.perf_counter() - t0
@@ -596,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-timeout-s", type=float, default=900, help="limit per save/load process group (default 900)")
     ap.add_argument("--profile", nargs="?", const="mix_same", default=None, metavar="CASE",
                     help="after the rounds, cProfile rank 0 of one extra (untimed) load of CASE (default mix_same)")
+    ap.add_argument("--strategy", choices=("default", "two_stage"), default="default",
+                    help="our loads' strategy (default: each rank reads its own bytes; two_stage: each stored piece read once and sent)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the DTensors live (default cpu; cuda: every rank on GPU 0, gloo)")
     ap.add_argument("--out", default=str(HERE / "results"), help="output directory (default benchmarks/results)")
@@ -633,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(tmp)
     print(f"cases {cases}; checkpoints {needed}; rounds {args.rounds}; work dir {work}", flush=True)
     base = {"specs": specs, "rounds": args.rounds, "work": work, "pg_timeout_s": args.group_timeout_s,
-            "device": args.device}
+            "device": args.device, "strategy": args.strategy}
     records: list[dict] = []
     notes: list[str] = []
     loadavgs: list[float] = []

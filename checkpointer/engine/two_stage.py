@@ -230,16 +230,17 @@ def _run(
     batches = _batches([u for u in units if rank in u.ranks], sizes)
     tags = {u: i for i, u in enumerate(units)}
     arriving = ArrivingChunks(headers, metadata, chunk) if chunk else None
-    arenas: list[torch.Tensor | None] = [None, None]  # batch k in arena k % 2, reused: no allocator churn
+    placed = [_placed(batch, sizes) for batch in batches]
+    # batch k in arena k % 2, made once at the largest size it takes: one grown later would leave
+    # the smaller one in the allocator's heap, three batches' memory at the peak
+    arena_bytes = [max((starts[-1] + nbytes[-1] for starts, nbytes in placed[j::2]), default=0) for j in (0, 1)]
+    arenas: list[torch.Tensor | None] = [None, None]
 
     def read_batch(k: int) -> tuple[dict[ReadUnit, torch.Tensor], BaseException | None]:
-        batch = batches[k]
-        nbytes = [(u.end - u.start) * sizes[u.key] for u in batch]
-        starts = [0, *accumulate(-(-n // 64) * 64 for n in nbytes[:-1])]  # aligned for any dtype
+        batch, (starts, nbytes) = batches[k], placed[k]
         arena = arenas[k % 2]
-        if arena is None or arena.numel() < starts[-1] + nbytes[-1]:
-            arenas[k % 2] = None
-            arena = arenas[k % 2] = torch.empty(starts[-1] + nbytes[-1], dtype=torch.uint8)
+        if arena is None:
+            arena = arenas[k % 2] = torch.empty(arena_bytes[k % 2], dtype=torch.uint8)
         bufs = {u: arena[at : at + n] for u, at, n in zip(batch, starts, nbytes)}
 
         def read() -> None:
@@ -290,6 +291,12 @@ def _run(
     dist.agree(error, "two-stage load")
     log.debug("two-stage load on rank %d: %s", rank, stats)
     return stats
+
+
+def _placed(batch: list[ReadUnit], sizes: dict[str, int]) -> tuple[list[int], list[int]]:
+    """Where each unit of a batch starts in its arena (aligned for any dtype), and its bytes."""
+    nbytes = [(u.end - u.start) * sizes[u.key] for u in batch]
+    return [0, *accumulate(-(-n // 64) * 64 for n in nbytes[:-1])], nbytes
 
 
 def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str], where: _GlobalIndex) -> list[ReadUnit]:
