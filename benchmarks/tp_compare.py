@@ -46,6 +46,8 @@ Usage::
     python benchmarks/tp_compare.py                       # all cases, 3 rounds
     python benchmarks/tp_compare.py --cases mix_same,bf16 --rounds 5 --scale 0.5
     python benchmarks/tp_compare.py --full-shard2 --profile
+    python benchmarks/tp_compare.py --cases interleaved --profile interleaved
+    python benchmarks/tp_compare.py --strategy two_stage   # our loads read once and share
     python benchmarks/tp_compare.py --device cuda --cases mix_same,bf16   # CUDA destinations
 
 Writes ``<name>.md`` and ``<name>.json`` (``--name``, default ``tp_compare``) to ``--out``.
