@@ -294,9 +294,14 @@ def _run(
 
 
 def _placed(batch: list[ReadUnit], sizes: dict[str, int]) -> tuple[list[int], list[int]]:
-    """Where each unit of a batch starts in its arena (aligned for any dtype), and its bytes."""
+    """Where each unit of a batch starts in its arena, and its bytes."""
     nbytes = [(u.end - u.start) * sizes[u.key] for u in batch]
-    return [0, *accumulate(-(-n // 64) * 64 for n in nbytes[:-1])], nbytes
+    return [0, *accumulate(map(_aligned, nbytes[:-1]))], nbytes
+
+
+def _aligned(nbytes: int) -> int:
+    """The bytes a unit takes in an arena: the next unit starts aligned for any dtype."""
+    return -(-nbytes // 64) * 64
 
 
 def _split(units: list[ReadUnit], sizes: dict[str, int], fine: set[str], where: _GlobalIndex) -> list[ReadUnit]:
@@ -381,7 +386,7 @@ def _batches(units: list[ReadUnit], sizes: dict[str, int]) -> list[list[ReadUnit
     current: list[ReadUnit] = []
     nbytes = 0
     for u in units:
-        n = -(-(u.end - u.start) * sizes[u.key] // 64) * 64  # as placed in the arena
+        n = _aligned((u.end - u.start) * sizes[u.key])
         if current and nbytes + n > _BATCH_BYTES:
             out.append(current)
             current, nbytes = [], 0
