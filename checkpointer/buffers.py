@@ -24,20 +24,23 @@ def memoryview_of(t: torch.Tensor) -> memoryview:
 
 
 class StagingBlocks:
-    """Host buffers of at least ``block_bytes`` each (more where a read asks for more), one per
-    thread reading at once, reused: the only memory a strided read adds."""
+    """Host buffers of at least ``block_bytes`` each (more where a caller asks for more), reused
+    (fresh ones for each block let the allocator's heap grow): a free one that fits is taken; when
+    none fits, one is let go for the new one, so no more are kept than were ever held at once."""
 
-    def __init__(self, block_bytes: int) -> None:
+    def __init__(self, block_bytes: int = 0) -> None:
         self._block_bytes = block_bytes
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            buf = self._free.pop() if self._free else None
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, self._block_bytes), dtype=torch.uint8)
-        return buf
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)
+            if self._free:
+                self._free.pop()
+        return torch.empty(max(nbytes, self._block_bytes), dtype=torch.uint8)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:

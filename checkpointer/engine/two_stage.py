@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .. import dist
-from ..buffers import memoryview_of
+from ..buffers import StagingBlocks, memoryview_of
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
@@ -88,22 +88,6 @@ class _Laps:
         self.clock = time.perf_counter()
 
 
-class _Blocks:
-    """Host buffers of staged blocks, reused: fresh ones per block let the allocator's heap grow."""
-
-    def __init__(self) -> None:
-        self.free: list[torch.Tensor] = []
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        for i, buf in enumerate(self.free):
-            if buf.numel() >= nbytes:
-                return self.free.pop(i)
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give(self, buf: torch.Tensor) -> None:
-        self.free.append(buf)
-
-
 @dataclass
 class _Staged:
     """Rows of a destination read through host memory (on a device, or not contiguous): its
@@ -113,7 +97,7 @@ class _Staged:
     load: LocalLoad
     missing: int  # elements not received yet
     rows: torch.Tensor  # the destination's rows this block fills
-    blocks: _Blocks
+    blocks: StagingBlocks
     held: torch.Tensor | None = None  # bytes from ``blocks`` while the block is open
 
     def buffer(self) -> torch.Tensor:
@@ -165,7 +149,7 @@ def prepare_two_stage(
     staged: list[_Staged] = []
     chunk: int | None = None
     staged_keys: set[str] = set()
-    blocks = _Blocks()
+    blocks = StagingBlocks()
 
     def plan() -> None:
         nonlocal chunk

@@ -19,6 +19,7 @@ from peak_memory import peak_extra_mib
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from checkpointer.buffers import StagingBlocks
 from checkpointer.checksums import ALGORITHM, CHUNK_BYTES, chunk_crcs
 from checkpointer.engine import load, reads
 from checkpointer.engine.checks import HeaderCache
@@ -747,7 +748,7 @@ def test_narrow_column_pieces_open_a_few_staged_blocks_at_once(tmp_path, monkeyp
     storage = write_checkpoint(str(tmp_path), full, pieces)
     monkeypatch.setattr(two_stage, "_STAGED_BYTES", 4096)
     held, most = [0], [0]
-    real_take, real_give = two_stage._Blocks.take, two_stage._Blocks.give
+    real_take, real_give = StagingBlocks.take, StagingBlocks.give
 
     def take(self, nbytes):
         held[0] += 1
@@ -758,13 +759,28 @@ def test_narrow_column_pieces_open_a_few_staged_blocks_at_once(tmp_path, monkeyp
         held[0] -= 1
         real_give(self, buf)
 
-    monkeypatch.setattr(two_stage._Blocks, "take", take)
-    monkeypatch.setattr(two_stage._Blocks, "give", give)
+    monkeypatch.setattr(StagingBlocks, "take", take)
+    monkeypatch.setattr(StagingBlocks, "give", give)
     dest = torch.zeros(512, 256).t()
     _two_stage(storage, dest)
     assert torch.equal(dest, full)
     assert held[0] == 0 and most[0] <= 4, most
 
+
+
+def test_staging_blocks_take_a_free_one_that_fits_and_keep_no_more_than_were_held():
+    """Both loads' staging (strided reads, two-stage staged blocks) share one pool: a free buffer
+    that fits is taken, wherever it is in the list; when none fits, one is let go for the new one."""
+    blocks = StagingBlocks(16)
+    large, small = blocks.take(64), blocks.take(8)
+    assert small.numel() == 16
+    blocks.give(large)
+    blocks.give(small)
+    assert blocks.take(32) is large  # the last one given (small) does not fit
+    bigger = blocks.take(128)  # none fits: small is let go
+    blocks.give(large)
+    blocks.give(bigger)
+    assert len(blocks._free) == 2
 
 
 def test_two_stage_makes_each_arena_once_at_its_largest_batch(tmp_path, monkeypatch):
