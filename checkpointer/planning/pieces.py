@@ -52,6 +52,12 @@ class Piece:
     local_shape: tuple[int, ...] | None = None
     global_offset: tuple[int, ...] | None = None
     _numel: int = field(default=-1, init=False, compare=False, repr=False)  # counted once: ranges may be many
+    _hash: int | None = field(default=None, init=False, compare=False, repr=False)  # hashed once, as above
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash((self.flat, self.local_shape, self.global_offset)))
+        return self._hash  # type: ignore[return-value]
 
     @property
     def numel(self) -> int:

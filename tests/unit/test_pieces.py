@@ -206,3 +206,25 @@ def test_a_piece_counts_its_elements_once():
     assert piece.numel == 5 and piece.numel == 5 and Walked.walks == 1
     assert piece == Piece(flat=((0, 2), (4, 7))) and hash(piece) == hash(Piece(flat=((0, 2), (4, 7))))
     assert replace(piece, flat=((0, 1),)).numel == 1
+
+
+def test_a_piece_hashes_its_ranges_once():
+    """A _StridedShard piece's 2,048 ranges took 48 us to hash, and a load hashes each tensor's
+    piece three times (the alias check twice, the layout's remembered plans once); one
+    ``Piece`` object is shared by every tensor of a layout, so its hash is computed once."""
+    from dataclasses import replace
+
+    class Hashed(tuple):
+        hashes = 0
+
+        def __hash__(self):
+            type(self).hashes += 1
+            return super().__hash__()
+
+    piece = Piece(flat=Hashed(((0, 2), (4, 7))))
+    seen = {piece: "w"}
+    assert hash(piece) == hash(piece) and seen[piece] == "w" and Hashed.hashes == 1
+    assert hash(piece) == hash(Piece(flat=((0, 2), (4, 7)))) and piece == Piece(flat=((0, 2), (4, 7)))
+    assert hash(replace(piece, flat=((0, 1),))) == hash(Piece(flat=((0, 1),)))
+    with pytest.raises(TypeError):
+        hash(Piece(flat=[[0, 1]]))  # ranges given as lists: not a key, as before
