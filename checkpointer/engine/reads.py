@@ -34,11 +34,10 @@ STRIDED_BLOCK = 8 << 20
 """Bytes of a stored piece read at once for a strided copy (a tensor-parallel box)."""
 _FEW_RUNS = 64
 _RUN_BYTES = 256 << 10
-_MAP_BYTES = 8 << 20
-"""The smallest span of a stored piece copied from mapped pages. Mapping and unmapping a block
-cost about as much as copying 2 MiB of gaps on a loaded host with several reading threads
-(``munmap`` stops the other threads' CPUs to flush their address caches), so shorter spans are
-read with scattered reads."""
+_MAP_BYTES = 256 << 10
+"""The smallest span of a stored piece copied from mapped pages (map, check, unmap: three system
+calls). For 32 spans of 2 MiB, a quarter of each 4 KiB row wanted, 4 processes of 4 threads on 2
+cores: 12 ms of CPU a process mapped, 17 ms through a staging block, 26 ms by scattered reads."""
 
 
 @dataclass(frozen=True)
@@ -188,10 +187,9 @@ def _strided_tasks(
     headers: HeaderCache, jobs: Sequence[ReadJob], verify_chunk_bytes: int | None, buffers: StagingBlocks, map_pages: bool
 ) -> list[tuple]:
     """The tasks of the strided items. Items of one stored piece whose spans overlap (column blocks
-    of the same rows) share their reads (:func:`overlapping`). A lone item whose runs are contiguous
-    on both sides takes scattered reads where the storage has them and calls stay few
-    (:func:`_few_calls`), as does one whose scattered reads skip some of its gaps
-    (:func:`_gaps_skipped`). Other spans are read in blocks of at most :data:`STRIDED_BLOCK`
+    of the same rows) share their reads (:func:`overlapping`); a lone item of long runs, or any
+    whose scattered reads skip gaps, takes scattered reads where the storage has them
+    (:func:`_by_scattered_runs`). Other spans are read in blocks of at most :data:`STRIDED_BLOCK`
     bytes (whole checksum chunks when verifying, each hashed once read), copied out as at most
     ``2 * ndim - 1`` strided boxes per item. Unverified, with ``map_pages``, a local file's span of
     :data:`_MAP_BYTES` or more is copied from its mapped pages, in blocks of about
@@ -214,7 +212,7 @@ def _strided_tasks(
             crcs = (job.checksums_per_file or {}).get(name) if verify_chunk_bytes else None
             chunk = verify_chunk_bytes // size if crcs is not None else 1  # type: ignore[operator]
             step = chunk * max(1, STRIDED_BLOCK // (chunk * size))  # whole chunks a block
-            by_runs = {id(i) for i in items if not verify_chunk_bytes and scattered and _few_calls(i, size)}
+            by_runs = {id(i) for i in items if not verify_chunk_bytes and scattered and _by_scattered_runs(i, size)}
             apart = {id(i) for i in items if id(i) in by_runs and _gaps_skipped(i, size)}  # alone, they read only their runs
             groups = overlapping([i for i in items if id(i) not in apart], chunk)
             for lo, hi, group in groups + [(i.src_offset, i.src_end, (i,)) for i in items if id(i) in apart]:
@@ -242,11 +240,13 @@ def _strided_tasks(
     return tasks
 
 
-def _few_calls(item: ReadItem, size: int) -> bool:
-    """Whether a strided item's runs (contiguous on both sides) take scattered reads: one call, or
-    calls of a staging block (:data:`STRIDED_BLOCK`) each; many short ones go through blocks."""
-    few = item.numel // item.sizes[-1] <= RUNS_PER_CALL or item.sizes[-1] * size * RUNS_PER_CALL >= STRIDED_BLOCK
-    return item.src_strides[-1] == item.dst_strides[-1] == 1 and few
+def _by_scattered_runs(item: ReadItem, size: int) -> bool:
+    """Whether a strided item of runs contiguous on both sides takes scattered reads: long runs (a
+    call of :data:`RUNS_PER_CALL` reads a :data:`STRIDED_BLOCK`), or gaps skipped (:func:`_gaps_skipped`).
+    Short runs and gaps cost a ``preadv`` segment each, more than a read of their span (:data:`_MAP_BYTES`)."""
+    if item.src_strides[-1] != 1 or item.dst_strides[-1] != 1:
+        return False
+    return item.sizes[-1] * size * RUNS_PER_CALL >= STRIDED_BLOCK or _gaps_skipped(item, size)
 
 
 def _gaps_skipped(item: ReadItem, size: int) -> bool:

@@ -103,3 +103,14 @@ def expected_slice(full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: i
     if tp_rank < len(chunks):
         return chunks[tp_rank]
     return full.narrow(dim, full.shape[dim], 0)
+
+
+def slice_span_bytes(full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> int:
+    """Bytes from the first to one past the last stored element of a matrix's slice: what a read
+    of it takes, the slice's own bytes for rows and its span for columns (short runs with short
+    gaps are read as their span, as a ``preadv`` of the runs reads the gaps too)."""
+    part = expected_slice(full, dim, tp_rank, tp_size)
+    if dim is None or dim == 0 or part.numel() == 0 or full.dim() == 1:
+        return part.numel() * full.element_size()
+    rows, cols = full.shape
+    return ((rows - 1) * cols + part.shape[1]) * full.element_size()
