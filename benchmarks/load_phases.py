@@ -1,6 +1,7 @@
-"""Where one default-strategy load's time goes: per-phase wall and CPU time of tp_compare's
-``mix_same`` (64 fp32 [1024, 1024] matrices, Shard(0)/Shard(1) alternating, saved at world size
-2, loaded with the same placements at 4: 64 MiB per rank).
+"""Where one default-strategy load's time goes: per-phase wall and CPU time of one of
+tp_compare's load cases (``--case``; by default ``mix_same``: 64 fp32 [1024, 1024] matrices,
+Shard(0)/Shard(1) alternating, saved at world size 2, loaded with the same placements at 4:
+64 MiB per rank).
 
 1. Two processes save the checkpoint (once; ``--dir`` keeps it between runs).
 2. Four processes load it ``--rounds`` times (gloo, 127.0.0.1), every load checked exactly.
@@ -15,6 +16,7 @@
 Usage::
 
     python benchmarks/load_phases.py --rounds 10 --dir /tmp/load-phases-ckpt
+    python benchmarks/load_phases.py --case interleaved --rounds 10
 """
 
 from __future__ import annotations
@@ -71,24 +73,25 @@ def _timed(module: str, name: str, label: str) -> None:
     setattr(mod, name, timed)
 
 
-def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str, spec: str, side: int) -> None:
+def _worker(rank: int, world: int, port: int, ckpt: str, rounds: int, out: str, case: str, side: int) -> None:
     import torch
     import torch.distributed as tdist
     from torch.distributed.device_mesh import init_device_mesh
 
     import checkpointer
-    from tp_compare import build_state, checkpoint_specs, mismatches, zeros_like_state
+    from tp_compare import LOAD_LAYOUTS, build_state, checkpoint_specs, mismatches, zeros_like_state
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
+    spec, mesh_shape, rule = LOAD_LAYOUTS[case]
     base = checkpoint_specs(1.0, False)[spec]
-    shape = [side, side] if len(base["shape"]) == 2 else [*base["shape"][:-2], side, side]
-    ref, expected = build_state(dict(base, shape=shape), mesh, base["save_dims"])
+    base = dict(base, shape=[side, side] if len(base["shape"]) == 2 else [*base["shape"][:-2], side, side])
     if rounds == 0:
+        ref, _ = build_state(base, init_device_mesh("cpu", (world,)), base["save_dims"])
         checkpointer.Checkpointer().save(ckpt, ref)
     else:
+        ref, expected = build_state(base, init_device_mesh("cpu", tuple(mesh_shape)), rule)
         target = zeros_like_state(ref)
         for module, name, label in PHASES:
             _timed(module, name, label)
@@ -124,17 +127,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10, help="loads per process (default 10)")
     ap.add_argument("--dir", default=None, help="the checkpoint (saved there if absent; default a temp dir)")
-    ap.add_argument("--spec", default="mix", choices=["mix", "bf16", "moe2"],
-                    help="tp_compare's checkpoint: fp32 (mix_same, default), bf16 (its bf16 case) or moe2 (moe_dim2)")
+    ap.add_argument("--case", default="mix_same", help="one of tp_compare's load cases (default mix_same)")
     ap.add_argument("--side", type=int, default=1024,
                     help="the matrices' side (default 1024; a small one leaves the fixed cost of a load)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.dir or f"{tmp}/ckpt"
         if not os.path.exists(os.path.join(ckpt, "metadata.json")):
-            mp.spawn(_worker, args=(2, _port(), ckpt, 0, "", args.spec, args.side), nprocs=2)
+            mp.spawn(_worker, args=(2, _port(), ckpt, 0, "", args.case, args.side), nprocs=2)
         out = f"{tmp}/phases"
-        mp.spawn(_worker, args=(4, _port(), ckpt, args.rounds, out, args.spec, args.side), nprocs=4)
+        mp.spawn(_worker, args=(4, _port(), ckpt, args.rounds, out, args.case, args.side), nprocs=4)
         per_rank = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(4)]
     labels = ["total", "cpu/rank"] + [f"{label} {kind}" for _, _, label in PHASES for kind in ("wall", "cpu")]
     print(f"load average {os.getloadavg()[0]:.1f}; ms, slowest rank; median of rounds 2-{args.rounds}, then round 1")
