@@ -35,9 +35,9 @@ STRIDED_BLOCK = 8 << 20
 _FEW_RUNS = 64
 _RUN_BYTES = 256 << 10
 _MAP_BYTES = 256 << 10
-"""The smallest span of a stored piece copied from mapped pages (map, check, unmap: three system
-calls). For 32 spans of 2 MiB, a quarter of each 4 KiB row wanted, 4 processes of 4 threads on 2
-cores: 12 ms of CPU a process mapped, 17 ms through a staging block, 26 ms by scattered reads."""
+"""The smallest span of a stored piece copied from mapped pages (a mapping is four system calls:
+size, page-cache count, map, unmap). For 32 spans of 2 MiB, a quarter of each 4 KiB row wanted,
+4 processes of 4 threads, 2 cores: 12 ms of CPU a process mapped, 17 staged, 26 by scattered reads."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def _strided_tasks(
 ) -> list[tuple]:
     """The tasks of the strided items. Items of one stored piece whose spans overlap (column blocks
     of the same rows) share their reads (:func:`overlapping`); a lone item of long runs, or any
-    whose scattered reads skip gaps, takes scattered reads where the storage has them
+    whose one scattered read skips gaps, takes scattered reads where the storage has them
     (:func:`_by_scattered_runs`). Other spans are read in blocks of at most :data:`STRIDED_BLOCK`
     bytes (whole checksum chunks when verifying, each hashed once read), copied out as at most
     ``2 * ndim - 1`` strided boxes per item. Unverified, with ``map_pages``, a local file's span of
@@ -241,12 +241,12 @@ def _strided_tasks(
 
 
 def _by_scattered_runs(item: ReadItem, size: int) -> bool:
-    """Whether a strided item of runs contiguous on both sides takes scattered reads: long runs (a
-    call of :data:`RUNS_PER_CALL` reads a :data:`STRIDED_BLOCK`), or gaps skipped (:func:`_gaps_skipped`).
-    Short runs and gaps cost a ``preadv`` segment each, more than a read of their span (:data:`_MAP_BYTES`)."""
+    """Whether a strided item of runs contiguous on both sides takes scattered reads: long runs, or gaps skipped
+    in one call. Short runs and gaps cost a ``preadv`` segment each, more than a read of their span (:data:`_MAP_BYTES`)."""
     if item.src_strides[-1] != 1 or item.dst_strides[-1] != 1:
         return False
-    return item.sizes[-1] * size * RUNS_PER_CALL >= STRIDED_BLOCK or _gaps_skipped(item, size)
+    one_call = item.numel // item.sizes[-1] <= RUNS_PER_CALL
+    return item.sizes[-1] * size * RUNS_PER_CALL >= STRIDED_BLOCK or (one_call and _gaps_skipped(item, size))
 
 
 def _gaps_skipped(item: ReadItem, size: int) -> bool:

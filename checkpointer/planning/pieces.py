@@ -59,6 +59,9 @@ class Piece:
             object.__setattr__(self, "_hash", hash((self.flat, self.local_shape, self.global_offset)))
         return self._hash  # type: ignore[return-value]
 
+    def __reduce__(self) -> tuple:  # the fields only: a hash of ``None`` differs between processes (Python 3.11)
+        return (Piece, (self.flat, self.local_shape, self.global_offset))
+
     @property
     def numel(self) -> int:
         if self._numel < 0:

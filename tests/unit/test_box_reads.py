@@ -376,6 +376,28 @@ def _calls_to_read(tmp_path, full: torch.Tensor, wanted: Piece, monkeypatch) -> 
     return calls
 
 
+def test_doubling_the_rows_of_slabs_far_apart_doubles_no_system_calls(tmp_path, monkeypatch):
+    """Half the columns of half the rows of two slabs (runs of 16 bytes, a gap of 256 KiB or more
+    between the slabs): more runs than one scattered read takes, so the span is read a staging
+    block at a time, not a ``preadv`` per 512 runs and a segment per run and per gap."""
+    calls = []
+    real_into, real_runs = LocalStorage.read_into, scatter._preadv_all
+    monkeypatch.setattr(reads, "_MAP_BYTES", 1 << 62)  # as for pages not in the page cache
+    for rows in (32768, 65536):
+        calls.clear()
+        full = torch.arange(2 * rows * 8, dtype=torch.float32).reshape(2, rows, 8)
+        (tmp_path / str(rows)).mkdir()
+        storage = write_checkpoint(str(tmp_path / str(rows)), full, [Piece(local_shape=(2, rows, 8), global_offset=(0, 0, 0))])
+        monkeypatch.setattr(LocalStorage, "read_into", lambda self, name, reqs: (calls.append(name), real_into(self, name, reqs))[1])
+        monkeypatch.setattr(scatter, "_preadv_all", lambda *args: (calls.append("runs"), real_runs(*args))[1])
+        wanted = Piece(local_shape=(2, rows // 2, 4), global_offset=(0, 0, 0))
+        got = load_piece(storage, wanted, torch.float32)
+        monkeypatch.setattr(LocalStorage, "read_into", real_into)
+        monkeypatch.setattr(scatter, "_preadv_all", real_runs)
+        assert torch.equal(got, extract(full, wanted))
+        assert len(calls) == 1, (rows, len(calls))  # one 8 MiB block (64 and 128 scattered reads before)
+
+
 def test_short_runs_with_short_gaps_are_one_read_of_their_span(tmp_path, monkeypatch):
     """A column block of a small matrix (64 runs of 64 bytes, 64-byte gaps) is one read of its
     span and a strided copy, not a scattered read of a ``preadv`` segment per run and per gap

@@ -228,3 +228,14 @@ def test_a_piece_hashes_its_ranges_once():
     assert hash(replace(piece, flat=((0, 1),))) == hash(Piece(flat=((0, 1),)))
     with pytest.raises(TypeError):
         hash(Piece(flat=[[0, 1]]))  # ranges given as lists: not a key, as before
+
+
+def test_a_pickled_piece_leaves_its_hash_behind():
+    """The hash is remembered, not sent: on Python 3.11 a hash of ``None`` (every piece holds one)
+    differs between processes, so a piece unpickled elsewhere must hash there afresh."""
+    import pickle
+
+    for piece in (Piece(local_shape=(4, 8), global_offset=(0, 8)), Piece(flat=((0, 2), (4, 7)))):
+        hash(piece)
+        copy = pickle.loads(pickle.dumps(piece))
+        assert copy._hash is None and copy == piece and hash(copy) == hash(piece) and copy.numel == piece.numel
