@@ -190,20 +190,28 @@ def test_payload_is_never_taken_for_an_error_report():
     assert json.loads(payload[9 : 9 + int.from_bytes(payload[1:9], "little")])["aliases"] == {"a" * n: "w"}
 
 
+class _CountedRanges(tuple):
+    """Ranges that count how often they are walked and hashed."""
+
+    walks = hashes = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+    def __hash__(self):
+        type(self).hashes += 1
+        return super().__hash__()
+
+
 def test_a_piece_counts_its_elements_once():
     """A _StridedShard piece of 2,048 ranges summed them on every ``numel`` (143 ms of a load of
     64 such tensors); counted once now, and equality, hashing and ``replace`` ignore the count."""
     from dataclasses import replace
 
-    class Walked(tuple):
-        walks = 0
-
-        def __iter__(self):
-            type(self).walks += 1
-            return super().__iter__()
-
-    piece = Piece(flat=Walked(((0, 2), (4, 7))))
-    assert piece.numel == 5 and piece.numel == 5 and Walked.walks == 1
+    _CountedRanges.walks = 0
+    piece = Piece(flat=_CountedRanges(((0, 2), (4, 7))))
+    assert piece.numel == 5 and piece.numel == 5 and _CountedRanges.walks == 1
     assert piece == Piece(flat=((0, 2), (4, 7))) and hash(piece) == hash(Piece(flat=((0, 2), (4, 7))))
     assert replace(piece, flat=((0, 1),)).numel == 1
 
@@ -214,16 +222,10 @@ def test_a_piece_hashes_its_ranges_once():
     ``Piece`` object is shared by every tensor of a layout, so its hash is computed once."""
     from dataclasses import replace
 
-    class Hashed(tuple):
-        hashes = 0
-
-        def __hash__(self):
-            type(self).hashes += 1
-            return super().__hash__()
-
-    piece = Piece(flat=Hashed(((0, 2), (4, 7))))
+    _CountedRanges.hashes = 0
+    piece = Piece(flat=_CountedRanges(((0, 2), (4, 7))))
     seen = {piece: "w"}
-    assert hash(piece) == hash(piece) and seen[piece] == "w" and Hashed.hashes == 1
+    assert hash(piece) == hash(piece) and seen[piece] == "w" and _CountedRanges.hashes == 1
     assert hash(piece) == hash(Piece(flat=((0, 2), (4, 7)))) and piece == Piece(flat=((0, 2), (4, 7)))
     assert hash(replace(piece, flat=((0, 1),))) == hash(Piece(flat=((0, 1),)))
     with pytest.raises(TypeError):
