@@ -294,11 +294,13 @@ def test_load_with_a_rank_that_exits(exit_runs, strategy):
     check_dead_rank(results, 2)
 
 
-@pytest.mark.parametrize("case", [("save", 0), ("save", 1), ("load", "default")], ids=["save_rank0", "save", "load"])
+@pytest.mark.parametrize(
+    "case", [("save", 0), ("save", 1), ("load", "default"), ("load", "two_stage")], ids=["save_rank0", "save", "load", "two_stage"]
+)
 def test_a_rank_that_exits_is_named_by_the_others(exit_runs, case):
     """Each rank counts its arrival at every collective in the rendezvous store; the survivors
-    name the rank that never arrived. (Not yet for a rank that dies between the two-stage
-    load's data broadcasts: every rank had entered the last counted collective there.)"""
+    name the rank that never arrived. The two-stage load's data broadcasts count too: there the
+    rank dies reading a unit it was to broadcast, and the others wait in that broadcast."""
     _, results = exit_runs(*case)
     failing = case[1] if case[0] == "save" else 2
     for rank, res in enumerate(results):
