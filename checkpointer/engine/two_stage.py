@@ -10,11 +10,13 @@ The recipe (after Megatron-core's two-stage strategy):
    tensor by tensor, in the order of where they start in the tensor. While batch ``k`` is
    shared (one broadcast when every rank needs a unit, point-to-point sends otherwise), a
    thread reads batch ``k + 1``.
-5. Each rank copies the units it needs into its tensors. A destination that cannot be read into
-   (on a GPU, or strided) is staged in blocks of rows, each in host memory from its first unit
-   to its last: units of such a tensor are cut to a block, and to the rows of about two blocks
-   of the full tensor, and go by where they start in it, so a few blocks are open at once
-   whatever the stored pieces (many narrow column pieces too, boxes or flattened ranges).
+5. Each rank copies the units it needs into its tensors; a unit that falls whole in one
+   contiguous run of a destination was read, sent or received there, and is not copied again.
+   A destination that cannot be read into (on a GPU, or strided) is staged in blocks of rows,
+   each in host memory from its first unit to its last: units of such a tensor are cut to a
+   block, and to the rows of about two blocks of the full tensor, and go by where they start in
+   it, so a few blocks are open at once whatever the stored pieces (many narrow column pieces
+   too, boxes or flattened ranges).
    With ``verify``, each rank checks the checksums of the bytes it receives as they come (a
    chunk it receives only in part is re-read once). A rank whose read failed still takes part
    in every exchange, then all ranks raise at the closing agreement, naming it.
@@ -67,10 +69,11 @@ class LoadStats:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     bytes_read: int = 0
     bytes_received: int = 0
+    bytes_staged: int = 0  # of those, the bytes that went through a batch buffer and were copied again
 
     def __str__(self) -> str:
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
-        return f"{phases}; read {self.bytes_read} B, received {self.bytes_received} B"
+        return f"{phases}; read {self.bytes_read} B, received {self.bytes_received} B, staged {self.bytes_staged} B"
 
 
 class _Laps:
@@ -211,13 +214,15 @@ def _run(
     error: BaseException | None = None
     failed_read: BaseException | None = None  # then the bytes this rank sent are not the file's
     lap = _Laps(stats)
-    batches = _batches([u for u in units if rank in u.ranks], sizes)
+    mine = [u for u in units if rank in u.ranks]
+    direct = {u: view for u in mine if (view := _direct(u, dests.get((u.file, u.key), _NO_DESTS), sizes[u.key])) is not None}
+    batches = _batches(mine, sizes)
     tags = {u: i for i, u in enumerate(units)}
     arriving = ArrivingChunks(headers, metadata, chunk) if chunk else None
-    placed = [_placed(batch, sizes) for batch in batches]
+    placed = [_placed([u for u in batch if u not in direct], sizes) for batch in batches]
     # batch k in arena k % 2, made once at the largest size it takes: one grown later would leave
     # the smaller one in the allocator's heap, three batches' memory at the peak
-    arena_bytes = [max((starts[-1] + nbytes[-1] for starts, nbytes in placed[j::2]), default=0) for j in (0, 1)]
+    arena_bytes = [max((starts[-1] + nbytes[-1] for starts, nbytes in placed[j::2] if nbytes), default=0) for j in (0, 1)]
     arenas: list[torch.Tensor | None] = [None, None]
 
     def read_batch(k: int) -> tuple[dict[ReadUnit, torch.Tensor], BaseException | None]:
@@ -225,7 +230,8 @@ def _run(
         arena = arenas[k % 2]
         if arena is None:
             arena = arenas[k % 2] = torch.empty(arena_bytes[k % 2], dtype=torch.uint8)
-        bufs = {u: arena[at : at + n] for u, at, n in zip(batch, starts, nbytes)}
+        bufs = {u: direct[u] for u in batch if u in direct}
+        bufs.update((u, arena[at : at + n]) for u, at, n in zip([u for u in batch if u not in direct], starts, nbytes))
 
         def read() -> None:
             per_file: dict[str, list] = defaultdict(list)
@@ -260,6 +266,9 @@ def _run(
                 for u in batch:
                     if arriving is not None:
                         arriving.take(u.file, u.key, u.start * sizes[u.key], memoryview_of(bufs[u]))
+                    if u in direct:
+                        continue
+                    stats.bytes_staged += bufs[u].numel()
                     for done in _scatter_unit(u, bufs[u], dests.get((u.file, u.key), _NO_DESTS), sizes[u.key]):
                         _finish(done)
 
@@ -395,6 +404,16 @@ class _DestIndex:
 
 
 _NO_DESTS = _DestIndex([])
+
+
+def _direct(unit: ReadUnit, dests: _DestIndex, size: int) -> torch.Tensor | None:
+    """The bytes of a destination a unit fills whole (it meets one contiguous item); else None."""
+    meeting = [d for d in dests.meeting(unit.start, unit.end) if max(unit.start, d.item.src_offset) < min(unit.end, d.item.src_end)]
+    item, flat = (meeting[0].item, meeting[0].dest) if len(meeting) == 1 else (None, None)
+    if item is None or item.sizes or isinstance(flat, _Staged) or not item.src_offset <= unit.start < unit.end <= item.src_end:
+        return None
+    at = (item.dst_offset + unit.start - item.src_offset) * size
+    return flat.view(torch.uint8)[at : at + (unit.end - unit.start) * size]
 
 
 def _scatter_unit(unit: ReadUnit, buf: torch.Tensor, dests: _DestIndex, size: int) -> list[_Staged]:

@@ -829,13 +829,14 @@ def test_two_stage_makes_each_arena_once_at_its_largest_batch(tmp_path, monkeypa
     """Batches of 16, 60 and 60 KiB: the first arena took 16 KiB, then grew to 60 KiB for the third
     batch, the smaller one left in the allocator's heap (three batches' memory at the peak: 71 MiB
     extra in `tp_compare --strategy two_stage`'s first `mix_swapped` load, against 48 MiB). Each
-    arena is now made once, at the size of the largest batch it takes."""
+    arena is now made once, at the size of the largest batch it takes. (Column pieces: each is a
+    box of the full destination, copied from an arena; row pieces would be read in place.)"""
     from checkpointer.engine import two_stage
 
-    rows = [32, 32, 240, 240]
-    full = torch.randn(sum(rows), 64, generator=torch.Generator().manual_seed(7))
-    starts = [0, *torch.tensor(rows).cumsum(0).tolist()[:-1]]
-    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(n, 64), global_offset=(r, 0)) for n, r in zip(rows, starts)])
+    cols = [32, 32, 240, 240]
+    full = torch.randn(64, sum(cols), generator=torch.Generator().manual_seed(7))
+    starts = [0, *torch.tensor(cols).cumsum(0).tolist()[:-1]]
+    storage = write_checkpoint(str(tmp_path), full, [Piece(local_shape=(64, n), global_offset=(0, c)) for n, c in zip(cols, starts)])
     made: list[int] = []
 
     class CountingTorch:
@@ -848,10 +849,30 @@ def test_two_stage_makes_each_arena_once_at_its_largest_batch(tmp_path, monkeypa
 
     monkeypatch.setattr(two_stage, "_BATCH_BYTES", 64 << 10)
     monkeypatch.setattr(two_stage, "torch", CountingTorch())
-    dest = torch.zeros(sum(rows), 64)
+    dest = torch.zeros(64, sum(cols))
     _two_stage(storage, dest)
     assert torch.equal(dest, full)
     assert made == [240 * 64 * 4] * 2, made  # before: [16 KiB, 60 KiB, 60 KiB]
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_two_stage_reads_whole_runs_straight_into_the_destination(tmp_path, verify):
+    """A unit that falls whole in one contiguous run of a destination is read there: no batch
+    buffer holds it and nothing copies it again (before: every byte went through an arena). A
+    piece that is a box of the destination (a column block) still goes through one."""
+    rows = torch.randn(96, 64, generator=torch.Generator().manual_seed(3))
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "cols").mkdir()
+    by_rows = write_checkpoint(str(tmp_path / "rows"), rows, [Piece(local_shape=(32, 64), global_offset=(r, 0)) for r in (0, 32, 64)])
+    dest = torch.zeros(96, 64)
+    stats = _two_stage(by_rows, dest, verify=verify)
+    assert torch.equal(dest, rows)
+    assert stats.bytes_read == rows.numel() * 4 and stats.bytes_staged == 0, stats
+    by_cols = write_checkpoint(str(tmp_path / "cols"), rows, [Piece(local_shape=(96, 32), global_offset=(0, c)) for c in (0, 32)])
+    dest = torch.zeros(96, 64)
+    stats = _two_stage(by_cols, dest, verify=verify)
+    assert torch.equal(dest, rows)
+    assert stats.bytes_staged == rows.numel() * 4, stats
 
 
 @given(sizes=st.lists(st.integers(1, 5000), max_size=40), itemsize=st.sampled_from([1, 2, 4, 8]))
