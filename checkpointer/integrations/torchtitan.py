@@ -271,7 +271,6 @@ class CheckpointerManager(BaseCheckpointManager):
         """Load ``step`` (the newest complete one when -1) from ``folder``, else its seed checkpoint
         (``step-0``, the model alone, from ``--checkpoint.create_seed_checkpoint``), else
         ``initial_load_path`` (or, with ``initial_load_in_hf``, the model's ``hf_assets_path``)."""
-        config = self.config
         seed = self._step_dir(0)
         latest = checkpointer.latest_checkpoint(self.folder) if os.path.isdir(self.folder) else None
         if step == 0 or (step == -1 and latest is None
