@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-__all__ = ["memoryview_of", "StagingBlocks"]
+__all__ = ["memoryview_of", "overlapping", "StagingBlocks"]
 
 
 def memoryview_of(t: torch.Tensor) -> memoryview:
@@ -21,6 +21,25 @@ def memoryview_of(t: torch.Tensor) -> memoryview:
     raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
     raw.owner = t
     return memoryview(raw).cast("B")
+
+
+def overlapping(tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The names of the CPU tensors whose memory (from their first byte to their last, strides
+    and all) overlaps another's; views of disjoint parts of one buffer do not count."""
+    spans = []
+    for name, t in tensors.items():
+        if t.device.type == "cpu" and t.numel():
+            last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+            spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size(), name))
+    found: set[str] = set()
+    open_spans: list[tuple[int, str]] = []  # (end, name) of the spans that may reach the next start
+    for start, end, name in sorted(spans):
+        open_spans = [(e, n) for e, n in open_spans if e > start]
+        if open_spans:
+            found.add(name)
+            found.update(n for _, n in open_spans)
+        open_spans.append((end, name))
+    return found
 
 
 class StagingBlocks:

@@ -323,7 +323,10 @@ def share_tensor(buf: torch.Tensor, reader: int, ranks: Sequence[int], tag: int)
     else:
         wire = buf.to(dev) if me == reader else torch.empty(buf.shape, dtype=buf.dtype, device=dev)
     if len(ranks) == get_world_size():
-        _wait(dist.broadcast(wire, reader, async_op=True), "two-stage broadcast", _Arrival(kind="broadcast"))
+        # Unwatched: a data broadcast waits on a read (seconds, from remote storage) every batch, and
+        # a late rank's store write for each would load the store. A rank that died is still named.
+        arrival = _Arrival(kind="two-stage broadcast", watched=False)
+        _wait(dist.broadcast(wire, reader, async_op=True), "two-stage broadcast", arrival)
     elif me == reader:
         works = [(r, dist.isend(wire, dst=r, tag=tag)) for r in ranks if r != reader]
         for r, work in works:

@@ -51,9 +51,10 @@ class _Arrival:
 
     _entered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> collectives entered
 
-    def __init__(self, group: Any = None, kind: str = ""):
+    def __init__(self, group: Any = None, kind: str = "", *, watched: bool = True):
         self.group = group or dist.group.WORLD
         self.kind = kind
+        self.watched = watched  # else recorded only when the collective fails
         self.me = dist.get_rank()
         self.number = _Arrival._entered[self.group] = _Arrival._entered.get(self.group, 0) + 1
         self.since = 0.0
@@ -64,7 +65,8 @@ class _Arrival:
 
     def watch(self) -> None:
         self.since = time.monotonic()
-        _watcher.add(self)
+        if self.watched:
+            _watcher.add(self)
 
     def record(self) -> Future:
         """Start writing this rank's number and kind to the store (once); the caller holds the watcher's lock."""

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .. import dist
-from ..buffers import StagingBlocks, memoryview_of
+from ..buffers import StagingBlocks, memoryview_of, overlapping
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
@@ -152,6 +152,7 @@ def prepare_two_stage(
     staged: list[_Staged] = []
     chunk: int | None = None
     staged_keys: set[str] = set()
+    memory: dict[str, torch.Tensor] = {}  # each key's destination
     blocks = StagingBlocks()
 
     def plan() -> None:
@@ -160,7 +161,7 @@ def prepare_two_stage(
         for load in plan_local_loads(reader, state_dict):
             if load.local.numel == 0:
                 continue
-            data = load.local.data
+            data = memory[load.plan.key] = load.local.data
             if data.device.type == "cpu" and data.is_contiguous():
                 parts: list[tuple[LocalLoad, torch.Tensor | _Staged]] = [(load, data.view(-1))]
             else:
@@ -202,12 +203,12 @@ def prepare_two_stage(
     dist.agree(dist.attempt(check_headers)[1], "two-stage load")
     lap("planning")
     index = {where: _DestIndex(ds) for where, ds in dests.items()}
-    return lambda: _run(headers, metadata, units, sizes, index, staged, chunk, stats)
+    return lambda: _run(headers, metadata, units, sizes, index, staged, chunk, stats, overlapping(memory))
 
 
 def _run(
     headers: HeaderCache, metadata: StorageMetadata, units: list[ReadUnit], sizes: dict[str, int],
-    dests: dict[tuple[str, str], _DestIndex], staged: list[_Staged], chunk: int | None, stats: LoadStats,
+    dests: dict[tuple[str, str], _DestIndex], staged: list[_Staged], chunk: int | None, stats: LoadStats, shared: set[str],
 ) -> LoadStats:
     """Steps 4-5 of the recipe: read, share and copy the units this rank needs."""
     rank = dist.get_rank()
@@ -215,7 +216,8 @@ def _run(
     failed_read: BaseException | None = None  # then the bytes this rank sent are not the file's
     lap = _Laps(stats)
     mine = [u for u in units if rank in u.ranks]
-    direct = {u: view for u in mine if (view := _direct(u, dests.get((u.file, u.key), _NO_DESTS), sizes[u.key])) is not None}
+    plain = {where: d for where, d in dests.items() if where[1] not in shared}  # the others overlap: copied in order
+    direct = {u: v for u in mine if (v := _direct(u, plain.get((u.file, u.key), _NO_DESTS), sizes[u.key])) is not None}
     batches = _batches(mine, sizes)
     tags = {u: i for i, u in enumerate(units)}
     arriving = ArrivingChunks(headers, metadata, chunk) if chunk else None
@@ -266,11 +268,10 @@ def _run(
                 for u in batch:
                     if arriving is not None:
                         arriving.take(u.file, u.key, u.start * sizes[u.key], memoryview_of(bufs[u]))
-                    if u in direct:
-                        continue
-                    stats.bytes_staged += bufs[u].numel()
-                    for done in _scatter_unit(u, bufs[u], dests.get((u.file, u.key), _NO_DESTS), sizes[u.key]):
-                        _finish(done)
+                    if u not in direct:
+                        stats.bytes_staged += bufs[u].numel()
+                        for done in _scatter_unit(u, bufs[u], dests.get((u.file, u.key), _NO_DESTS), sizes[u.key]):
+                            _finish(done)
 
             error = error or dist.attempt(scatter)[1]  # raised after the exchanges
             lap("copies")

@@ -132,3 +132,37 @@ def test_two_stage_stages_one_tensor_at_a_time(run_distributed, tmp_path):
     peaks = run_distributed(_load_strided_measuring_staging, 2, ckpt)
     one = 64 * 64 * 4
     assert max(peaks) <= 2 * one, (peaks, one)
+
+
+def _load_with_a_slow_reader(rank, world_size, ckpt):
+    """Rank 0's reads take 2 s, so rank 1 waits in the broadcasts of what rank 0 reads; then
+    what rank 1 recorded in the store, if anything."""
+    import time
+
+    from checkpointer.dist import arrivals
+
+    real_read_into = LocalStorage.read_into
+
+    def slow_read_into(self, name, requests):
+        if name.endswith(".safetensors") and rank == 0:
+            time.sleep(2.0)
+        return real_read_into(self, name, requests)
+
+    state = {k: torch.zeros_like(v) for k, v in full().items()}
+    with mock.patch.object(LocalStorage, "read_into", slow_read_into):
+        Checkpointer().load(ckpt, state, strategy="two_stage")
+    assert all(torch.equal(state[k], v) for k, v in full().items())
+    dist.barrier()
+    store, key = arrivals._store(), f"{arrivals._ARRIVALS}/{dist.group.WORLD.group_name}/{rank}"
+    return bytes(store.get(key)).decode() if store.check([key]) else ""
+
+
+def test_two_stage_data_broadcasts_leave_the_store_alone_when_they_wait(run_distributed, tmp_path):
+    """A data broadcast waits on a read every batch (seconds, from remote storage): a rank late in
+    each one must not write its arrival to the rendezvous store each time (thousands of ranks,
+    one store server). It records only if the broadcast fails, and a rank that died is named
+    all the same (tests/reliability/test_rank_failures.py)."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save, 1, ckpt)
+    recorded = run_distributed(_load_with_a_slow_reader, 2, ckpt)
+    assert not any("two-stage broadcast" in r for r in recorded), recorded
