@@ -221,7 +221,8 @@ def _run(
     batches = _batches(mine, sizes)
     tags = {u: i for i, u in enumerate(units)}
     arriving = ArrivingChunks(headers, metadata, chunk) if chunk else None
-    placed = [_placed([u for u in batch if u not in direct], sizes) for batch in batches]
+    copied = [[u for u in batch if u not in direct] for batch in batches]  # through the arenas
+    placed = [_placed(part, sizes) for part in copied]
     # batch k in arena k % 2, made once at the largest size it takes: one grown later would leave
     # the smaller one in the allocator's heap, three batches' memory at the peak
     arena_bytes = [max((starts[-1] + nbytes[-1] for starts, nbytes in placed[j::2] if nbytes), default=0) for j in (0, 1)]
@@ -232,8 +233,7 @@ def _run(
         arena = arenas[k % 2]
         if arena is None:
             arena = arenas[k % 2] = torch.empty(arena_bytes[k % 2], dtype=torch.uint8)
-        bufs = {u: direct[u] for u in batch if u in direct}
-        bufs.update((u, arena[at : at + n]) for u, at, n in zip([u for u in batch if u not in direct], starts, nbytes))
+        bufs = {u: direct[u] for u in batch if u in direct} | {u: arena[at : at + n] for u, at, n in zip(copied[k], starts, nbytes)}
 
         def read() -> None:
             per_file: dict[str, list] = defaultdict(list)
