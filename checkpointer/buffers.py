@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-__all__ = ["memoryview_of", "overlapping", "StagingBlocks"]
+__all__ = ["memoryview_of", "overlapping_memory", "StagingBlocks"]
 
 
 def memoryview_of(t: torch.Tensor) -> memoryview:
@@ -23,7 +23,7 @@ def memoryview_of(t: torch.Tensor) -> memoryview:
     return memoryview(raw).cast("B")
 
 
-def overlapping(tensors: dict[str, torch.Tensor]) -> set[str]:
+def overlapping_memory(tensors: dict[str, torch.Tensor]) -> set[str]:
     """The names of the CPU tensors whose memory (from their first byte to their last, strides
     and all) overlaps another's; views of disjoint parts of one buffer do not count."""
     spans = []

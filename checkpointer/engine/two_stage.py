@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .. import dist
-from ..buffers import StagingBlocks, memoryview_of, overlapping
+from ..buffers import StagingBlocks, memoryview_of, overlapping_memory
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.metadata import StorageMetadata
@@ -203,7 +203,7 @@ def prepare_two_stage(
     dist.agree(dist.attempt(check_headers)[1], "two-stage load")
     lap("planning")
     index = {where: _DestIndex(ds) for where, ds in dests.items()}
-    return lambda: _run(headers, metadata, units, sizes, index, staged, chunk, stats, overlapping(memory))
+    return lambda: _run(headers, metadata, units, sizes, index, staged, chunk, stats, overlapping_memory(memory))
 
 
 def _run(

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from checkpointer.buffers import memoryview_of, overlapping
+from checkpointer.buffers import memoryview_of, overlapping_memory
 
 
 def test_a_view_keeps_its_tensor_alive():
@@ -40,16 +40,16 @@ def test_only_contiguous_cpu_tensors_have_views(tensor):
         memoryview_of(tensor)
 
 
-def test_overlapping_names_the_tensors_whose_memory_meets_anothers():
+def test_overlapping_memory_names_the_tensors_whose_memory_meets_anothers():
     """Spans from first to last byte, strides and all: views of disjoint parts of one buffer (as
     FSDP1's flat parameter hands out) do not overlap; a transposed or shifted view of the same
     bytes does, and so does every tensor a long span covers."""
     buf = torch.zeros(64)
-    assert overlapping({"a": buf[0:16], "b": buf[16:32].view(4, 4), "c": torch.zeros(3)}) == set()
-    assert overlapping({"a": buf[0:8], "b": buf[4:12], "c": buf[12:20]}) == {"a", "b"}
+    assert overlapping_memory({"a": buf[0:16], "b": buf[16:32].view(4, 4), "c": torch.zeros(3)}) == set()
+    assert overlapping_memory({"a": buf[0:8], "b": buf[4:12], "c": buf[12:20]}) == {"a", "b"}
     m = buf.view(8, 8)
-    assert overlapping({"m": m, "t": m.t(), "other": torch.zeros(8, 8)}) == {"m", "t"}
-    assert overlapping({"long": buf[0:40], "x": buf[2:4], "y": buf[30:34], "after": buf[40:48]}) == {"long", "x", "y"}
+    assert overlapping_memory({"m": m, "t": m.t(), "other": torch.zeros(8, 8)}) == {"m", "t"}
+    assert overlapping_memory({"long": buf[0:40], "x": buf[2:4], "y": buf[30:34], "after": buf[40:48]}) == {"long", "x", "y"}
     # Elements 10-11 lie inside the column block's span (0 to 57) though it holds none of them: counted.
-    assert overlapping({"cols": m[:, 0:2], "inside": buf[10:12], "tail": buf[60:64]}) == {"cols", "inside"}
-    assert overlapping({"empty": buf[0:0], "a": buf[0:8], "bytes": buf.view(torch.uint8)[32:40]}) == set()
+    assert overlapping_memory({"cols": m[:, 0:2], "inside": buf[10:12], "tail": buf[60:64]}) == {"cols", "inside"}
+    assert overlapping_memory({"empty": buf[0:0], "a": buf[0:8], "bytes": buf.view(torch.uint8)[32:40]}) == set()
